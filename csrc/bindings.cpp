@@ -1,0 +1,31 @@
+// Every schema of the qwen4exp op library, in one place. Backends register their kernels in their
+// own files (TORCH_LIBRARY_IMPL at the end of csrc/cpu/*.cpp and csrc/gpu/*.cpp); the Python door
+// with the fake (meta) implementations is python/qwen4exp_ext/ops.py.
+//
+// The namespace is `qwen4exp`, never `_C`: vLLM owns torch.ops._C in the same process.
+#include <Python.h>
+#include <torch/library.h>
+
+#include <string>
+
+#ifndef QWEN4EXP_BUILD_INFO_JSON
+#error "setup.py defines QWEN4EXP_BUILD_INFO_JSON (what this binary was built with)"
+#endif
+
+TORCH_LIBRARY(qwen4exp, m) {
+  // SPEC §3. Writes [T, NH] row ids into `output` (int64, or int32 when every id fits).
+  m.def(
+      "ngram_ids(Tensor input_ids, Tensor query_start_loc, Tensor ngram_context, "
+      "Tensor layer_multipliers, Tensor ngram_heads_vocab_sizes, Tensor ngram_heads_offsets, "
+      "int eos_token_id, int heads_per_ngram, Tensor(a!) output) -> ()");
+  // What was compiled into this binary (backends, GPU archs, torch version), as JSON. Baked in at
+  // build time so it cannot disagree with the binary that is loaded.
+  m.def("build_info() -> str", []() -> std::string { return QWEN4EXP_BUILD_INFO_JSON; });
+}
+
+// The ops register when the library loads; the Python module itself exposes nothing
+// (pytorch/extension-cpp style), which keeps it within the stable ABI (abi3 wheel).
+extern "C" PyObject* PyInit__kernels(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}

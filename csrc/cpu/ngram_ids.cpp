@@ -1,0 +1,100 @@
+// CPU kernel for ngram_ids (SPEC.md §3).
+//
+// Parallel over tokens. Tokens arrive sorted by request, so each worker binary-searches the
+// request of its first token once and then walks forward; per token it builds the window once,
+// derives the N-1 mixes incrementally, and reduces each head with the precomputed fast-modulo
+// constants of csrc/hip/fast_divmod.h (the same exact arithmetic as the GPU kernel).
+#include <ATen/Parallel.h>
+#include <torch/all.h>
+
+#include <limits>
+#include <vector>
+
+#include "../ngram_ids_args.h"
+
+namespace qwen4exp {
+namespace {
+
+// The CPU can read the data for free, so it rejects layouts that the GPU kernel can only survive.
+void check_ngram_ids_values(const NgramIdsParams& p, bool output_int32) {
+  const IntView& qsl = p.query_start_loc;
+  TORCH_CHECK(qsl[0] == 0, "ngram_ids: query_start_loc[0] must be 0, got ", qsl[0]);
+  for (int64_t r = 0; r < p.num_requests; ++r) {
+    TORCH_CHECK(qsl[r + 1] >= qsl[r], "ngram_ids: query_start_loc must be non-decreasing, got ",
+                qsl[r], " then ", qsl[r + 1], " at index ", r);
+  }
+  TORCH_CHECK(qsl[p.num_requests] <= p.num_tokens, "ngram_ids: query_start_loc[R] = ",
+              qsl[p.num_requests], " is past the ", p.num_tokens, " tokens of input_ids");
+  for (int h = 0; h < p.num_heads; ++h) {
+    TORCH_CHECK(p.sizes[h] > 0, "ngram_ids: ngram_heads_vocab_sizes[", h, "] must be positive, got ",
+                p.sizes[h]);
+    TORCH_CHECK(p.offsets[h] >= 0, "ngram_ids: ngram_heads_offsets[", h,
+                "] must be non-negative, got ", p.offsets[h]);
+    TORCH_CHECK(p.offsets[h] <= std::numeric_limits<int64_t>::max() - p.sizes[h],
+                "ngram_ids: ngram_heads_offsets[", h, "] + size overflows int64");
+    if (output_int32) {
+      TORCH_CHECK(p.offsets[h] + p.sizes[h] - 1 <= std::numeric_limits<int32_t>::max(),
+                  "ngram_ids: an int32 output cannot hold head ", h, "'s ids (offset ",
+                  p.offsets[h], " + size ", p.sizes[h], "); use an int64 output");
+    }
+  }
+}
+
+template <typename OutT>
+void ngram_ids_cpu_impl(const NgramIdsParams& p) {
+  std::vector<FastDivmodU64> head_mod(p.num_heads);
+  for (int h = 0; h < p.num_heads; ++h) head_mod[h] = make_fast_divmod(p.sizes[h]);
+  const int orders = p.context_len;  // orders 2..N, one mix each
+  const int per_order = p.heads_per_ngram;
+  OutT* out = static_cast<OutT*>(p.output);
+
+  // ~16 heads per token: below a few thousand tokens a second thread costs more than it saves.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max(1, p.num_heads));
+  at::parallel_for(0, p.num_tokens, grain, [&](int64_t begin, int64_t end) {
+    const IntView& qsl = p.query_start_loc;
+    int64_t r = p.num_requests > 0 ? find_request(qsl, p.num_requests, begin) : -1;
+    int64_t window[kMaxNgramSize];
+    for (int64_t t = begin; t < end; ++t) {
+      while (r >= 0 && r + 1 < p.num_requests && qsl[r + 1] <= t) ++r;
+      load_window(p, t, r, p.context_len, window);
+      OutT* row = out + t * p.output_row_stride;
+      uint64_t mix = static_cast<uint64_t>(window[0]) * static_cast<uint64_t>(p.multipliers[0]);
+      for (int o = 0; o < orders; ++o) {
+        mix ^= static_cast<uint64_t>(window[o + 1]) * static_cast<uint64_t>(p.multipliers[o + 1]);
+        const int64_t signed_mix = static_cast<int64_t>(mix);
+        for (int k = 0; k < per_order; ++k) {
+          const int h = o * per_order + k;
+          row[h * p.output_col_stride] =
+              static_cast<OutT>(floor_mod_i64(head_mod[h], signed_mix) + p.offsets[h]);
+        }
+      }
+    }
+  });
+}
+
+void ngram_ids_cpu(const at::Tensor& input_ids, const at::Tensor& query_start_loc,
+                   const at::Tensor& ngram_context, const at::Tensor& layer_multipliers,
+                   const at::Tensor& ngram_heads_vocab_sizes,
+                   const at::Tensor& ngram_heads_offsets, int64_t eos_token_id,
+                   int64_t heads_per_ngram, const at::Tensor& output) {
+  const NgramIdsParams p = check_ngram_ids_args(
+      input_ids, query_start_loc, ngram_context, layer_multipliers, ngram_heads_vocab_sizes,
+      ngram_heads_offsets, eos_token_id, heads_per_ngram, output);
+  TORCH_CHECK(input_ids.device().is_cpu(), "ngram_ids: CPU kernel called with ",
+              input_ids.device(), " tensors");
+  const bool output_int32 = output.scalar_type() == at::kInt;
+  check_ngram_ids_values(p, output_int32);
+  if (p.num_tokens == 0) return;
+  if (output_int32) {
+    ngram_ids_cpu_impl<int32_t>(p);
+  } else {
+    ngram_ids_cpu_impl<int64_t>(p);
+  }
+}
+
+}  // namespace
+}  // namespace qwen4exp
+
+TORCH_LIBRARY_IMPL(qwen4exp, CPU, m) {
+  m.impl("ngram_ids", &qwen4exp::ngram_ids_cpu);
+}

@@ -1,0 +1,105 @@
+// The n-gram hash of SPEC.md §3, as host/device helpers shared by the CPU kernel
+// (csrc/cpu/ngram_ids.cpp) and the HIP kernel (csrc/hip/ngram_ids.hip): one definition of the
+// window, the EOS barrier and the mix, so the two backends cannot drift apart.
+//
+// Every index a kernel derives from data (request starts, context columns, token positions) is
+// range-checked here and reads EOS when it falls outside its tensor: the CPU glue rejects such
+// inputs before launching, and on the GPU, where the host cannot see the data, a malformed
+// query_start_loc still never reads out of bounds.
+#pragma once
+
+#include "fast_divmod.h"
+#include "platform.h"
+
+namespace qwen4exp {
+
+// An int32 or int64 vector with a stride, read as int64 (query_start_loc, context rows).
+struct IntView {
+  const void* data;
+  int64_t stride;  // in elements
+  bool is_int64;
+
+  QWEN4EXP_HD int64_t operator[](int64_t i) const {
+    return is_int64 ? static_cast<const int64_t*>(data)[i * stride]
+                    : static_cast<int64_t>(static_cast<const int32_t*>(data)[i * stride]);
+  }
+};
+
+// Largest supported n-gram order; windows live in registers. The released model uses N = 3.
+constexpr int kMaxNgramSize = 8;
+
+struct NgramIdsParams {
+  IntView input_ids;       // [T]
+  IntView query_start_loc; // [R + 1]
+  IntView context;         // [R, N-1]: element (r, c) at index r·row_stride + c·col_stride
+  int64_t context_row_stride;
+  int64_t context_col_stride;
+  const int64_t* multipliers;   // [N], contiguous
+  const int64_t* sizes;         // [NH], contiguous
+  const int64_t* offsets;       // [NH], contiguous
+  void* output;                 // [T, NH] int64 or int32
+  int64_t output_row_stride;
+  int64_t output_col_stride;
+  int64_t num_tokens;      // T
+  int64_t num_requests;    // R
+  int64_t eos_token_id;
+  int32_t context_len;     // N - 1, in [1, kMaxNgramSize - 1]
+  int32_t heads_per_ngram; // K_h
+  int32_t num_heads;       // NH = (N - 1) · K_h
+};
+
+// r = the last request with qsl[r] <= t, clamped to [0, R-1] (tokens past qsl[R] belong to the
+// last request, as in vLLM). Binary search over qsl[1..R]; R >= 1.
+QWEN4EXP_HD int64_t find_request(const IntView& qsl, int64_t num_requests, int64_t t) {
+  int64_t lo = 1, hi = num_requests + 1;  // first index in [1, R+1) with qsl[idx] > t
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (qsl[mid] <= t) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  const int64_t r = lo - 1;
+  return r < num_requests - 1 ? r : num_requests - 1;
+}
+
+// Fills window[s] (s = 1..depth) with the s-th predecessor of token t under the EOS barrier:
+// walking back from t, the first EOS met is kept and every older position reads EOS. window[0]
+// is the token itself and never masked. r < 0 means "no request" (R = 0): all predecessors EOS.
+QWEN4EXP_HD void load_window(const NgramIdsParams& p, int64_t t, int64_t r, int depth,
+                             int64_t* window) {
+  window[0] = p.input_ids[t];
+  const int64_t eos = p.eos_token_id;
+  const int64_t start = r >= 0 ? p.query_start_loc[r] : 0;
+  const int64_t pos = t - start;  // position of t in its request's chunk
+  bool crossed = false;
+  for (int s = 1; s <= depth; ++s) {
+    int64_t token = eos;
+    if (!crossed && r >= 0) {
+      if (pos >= s) {
+        const int64_t src = t - s;
+        if (src >= 0 && src < p.num_tokens) token = p.input_ids[src];
+      } else {
+        const int64_t col = p.context_len - s + pos;
+        if (col >= 0 && col < p.context_len) {
+          token = p.context[r * p.context_row_stride + col * p.context_col_stride];
+        }
+      }
+    }
+    crossed = crossed || token == eos;
+    window[s] = token;
+  }
+}
+
+// mix_n = XOR over k < n of window[k]·m_k, in int64 with wrap-around (unsigned arithmetic, so the
+// wrap is defined behaviour in C++).
+QWEN4EXP_HD int64_t mix_window(const int64_t* window, const int64_t* multipliers, int order) {
+  uint64_t mix = 0;
+  for (int k = 0; k < order; ++k) {
+    mix ^= static_cast<uint64_t>(window[k]) * static_cast<uint64_t>(multipliers[k]);
+  }
+  return static_cast<int64_t>(mix);
+}
+
+}  // namespace qwen4exp

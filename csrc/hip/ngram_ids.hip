@@ -1,0 +1,60 @@
+// HIP kernel for ngram_ids (SPEC.md §3). Compiled by hipcc for AMD and by nvcc (through
+// platform.h) for NVIDIA.
+//
+// One thread per output element (token t, head h), with consecutive heads in consecutive threads,
+// so the [T, NH] output is written fully coalesced. The NH threads of a token recompute its
+// request and window; those reads hit the same cache lines and cost far less than the strided
+// stores a thread-per-token layout would need. Each block first turns the NH head sizes into
+// fast-modulo constants in shared memory (fast_divmod.h), so no thread ever runs a 64-bit
+// division in the hot path.
+#include "ngram_ids.h"
+
+namespace qwen4exp {
+namespace {
+
+constexpr int kThreadsPerBlock = 256;
+
+template <typename OutT>
+__global__ void __launch_bounds__(kThreadsPerBlock) ngram_ids_kernel(NgramIdsParams p) {
+  extern __shared__ unsigned char shared_bytes[];
+  FastDivmodU64* head_mod = reinterpret_cast<FastDivmodU64*>(shared_bytes);
+  for (int h = threadIdx.x; h < p.num_heads; h += blockDim.x) {
+    const int64_t size = p.sizes[h];
+    // A non-positive size cannot come from a valid layout; the CPU path rejects it. Here the
+    // head's ids become -1, which every gather treats as out of range (a zero row).
+    head_mod[h] = make_fast_divmod(size > 0 ? static_cast<uint64_t>(size) : 1);
+  }
+  __syncthreads();
+
+  const int64_t element = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (element >= p.num_tokens * p.num_heads) return;
+  const int64_t t = element / p.num_heads;
+  const int h = static_cast<int>(element - t * p.num_heads);
+  const int order = h / p.heads_per_ngram + 2;
+
+  const int64_t r = p.num_requests > 0 ? find_request(p.query_start_loc, p.num_requests, t) : -1;
+  int64_t window[kMaxNgramSize];
+  load_window(p, t, r, order - 1, window);
+  const int64_t mix = mix_window(window, p.multipliers, order);
+
+  const int64_t size = p.sizes[h];
+  const int64_t id = size > 0 ? floor_mod_i64(head_mod[h], mix) + p.offsets[h] : int64_t{-1};
+  static_cast<OutT*>(p.output)[t * p.output_row_stride + h * p.output_col_stride] =
+      static_cast<OutT>(id);
+}
+
+}  // namespace
+
+hipError_t launch_ngram_ids(const NgramIdsParams& p, bool output_int64, hipStream_t stream) {
+  const int64_t elements = p.num_tokens * p.num_heads;
+  const unsigned blocks = static_cast<unsigned>((elements + kThreadsPerBlock - 1) / kThreadsPerBlock);
+  const size_t shared = sizeof(FastDivmodU64) * static_cast<size_t>(p.num_heads);
+  if (output_int64) {
+    ngram_ids_kernel<int64_t><<<blocks, kThreadsPerBlock, shared, stream>>>(p);
+  } else {
+    ngram_ids_kernel<int32_t><<<blocks, kThreadsPerBlock, shared, stream>>>(p);
+  }
+  return hipGetLastError();
+}
+
+}  // namespace qwen4exp

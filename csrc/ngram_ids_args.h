@@ -1,0 +1,107 @@
+// Argument checks and params for ngram_ids, shared by the CPU and GPU host entry points so both
+// reject the same inputs with the same messages. Checks here look only at metadata (dtype, rank,
+// shape, device); the CPU entry point additionally validates data values it can read for free.
+#pragma once
+
+#include <torch/all.h>
+
+#include "hip/ngram_hash.h"
+
+namespace qwen4exp {
+
+inline bool is_index_dtype(at::ScalarType t) {
+  return t == at::kInt || t == at::kLong;
+}
+
+inline IntView int_view(const at::Tensor& t) {
+  return IntView{t.data_ptr(), t.dim() == 1 ? t.stride(0) : 1, t.scalar_type() == at::kLong};
+}
+
+inline NgramIdsParams check_ngram_ids_args(const at::Tensor& input_ids,
+                                           const at::Tensor& query_start_loc,
+                                           const at::Tensor& ngram_context,
+                                           const at::Tensor& layer_multipliers,
+                                           const at::Tensor& head_sizes,
+                                           const at::Tensor& head_offsets, int64_t eos_token_id,
+                                           int64_t heads_per_ngram, const at::Tensor& output) {
+  TORCH_CHECK(input_ids.dim() == 1, "ngram_ids: input_ids must be 1-D [T], got shape ",
+              input_ids.sizes());
+  TORCH_CHECK(is_index_dtype(input_ids.scalar_type()),
+              "ngram_ids: input_ids must be int32 or int64, got ", input_ids.scalar_type());
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.numel() >= 1,
+              "ngram_ids: query_start_loc must be 1-D [R+1] with R >= 0, got shape ",
+              query_start_loc.sizes());
+  TORCH_CHECK(is_index_dtype(query_start_loc.scalar_type()),
+              "ngram_ids: query_start_loc must be int32 or int64, got ",
+              query_start_loc.scalar_type());
+  const int64_t num_requests = query_start_loc.numel() - 1;
+  TORCH_CHECK(ngram_context.dim() == 2, "ngram_ids: ngram_context must be 2-D [R, N-1], got shape ",
+              ngram_context.sizes());
+  TORCH_CHECK(is_index_dtype(ngram_context.scalar_type()),
+              "ngram_ids: ngram_context must be int32 or int64, got ", ngram_context.scalar_type());
+  TORCH_CHECK(ngram_context.size(0) == num_requests, "ngram_ids: ngram_context has ",
+              ngram_context.size(0), " rows but query_start_loc describes ", num_requests,
+              " requests");
+  const int64_t context_len = ngram_context.size(1);
+  TORCH_CHECK(context_len >= 1 && context_len < kMaxNgramSize,
+              "ngram_ids: ngram_context must have N-1 columns with 2 <= N <= ", kMaxNgramSize,
+              ", got ", context_len, " columns");
+  TORCH_CHECK(heads_per_ngram >= 1, "ngram_ids: heads_per_ngram must be >= 1, got ",
+              heads_per_ngram);
+  const int64_t num_heads = context_len * heads_per_ngram;
+  TORCH_CHECK(num_heads <= 4096, "ngram_ids: (N-1)·heads_per_ngram = ", num_heads,
+              " heads is more than the supported 4096");
+  TORCH_CHECK(layer_multipliers.scalar_type() == at::kLong && layer_multipliers.dim() == 1 &&
+                  layer_multipliers.numel() == context_len + 1,
+              "ngram_ids: layer_multipliers must be int64 [N] = [", context_len + 1, "], got ",
+              layer_multipliers.scalar_type(), " ", layer_multipliers.sizes());
+  TORCH_CHECK(head_sizes.scalar_type() == at::kLong && head_sizes.dim() == 1 &&
+                  head_sizes.numel() == num_heads,
+              "ngram_ids: ngram_heads_vocab_sizes must be int64 [NH] = [", num_heads, "], got ",
+              head_sizes.scalar_type(), " ", head_sizes.sizes());
+  TORCH_CHECK(head_offsets.scalar_type() == at::kLong && head_offsets.dim() == 1 &&
+                  head_offsets.numel() == num_heads,
+              "ngram_ids: ngram_heads_offsets must be int64 [NH] = [", num_heads, "], got ",
+              head_offsets.scalar_type(), " ", head_offsets.sizes());
+  TORCH_CHECK(layer_multipliers.is_contiguous() && head_sizes.is_contiguous() &&
+                  head_offsets.is_contiguous(),
+              "ngram_ids: layer_multipliers, ngram_heads_vocab_sizes and ngram_heads_offsets must "
+              "be contiguous");
+  TORCH_CHECK(output.dim() == 2 && output.size(0) == input_ids.numel() &&
+                  output.size(1) == num_heads,
+              "ngram_ids: output must be [T, NH] = [", input_ids.numel(), ", ", num_heads,
+              "], got ", output.sizes());
+  TORCH_CHECK(is_index_dtype(output.scalar_type()), "ngram_ids: output must be int64 or int32, got ",
+              output.scalar_type());
+  const auto device = input_ids.device();
+  const std::pair<const char*, const at::Tensor*> others[] = {
+      {"query_start_loc", &query_start_loc},     {"ngram_context", &ngram_context},
+      {"layer_multipliers", &layer_multipliers}, {"ngram_heads_vocab_sizes", &head_sizes},
+      {"ngram_heads_offsets", &head_offsets},    {"output", &output}};
+  for (const auto& [name, tensor] : others) {
+    TORCH_CHECK(tensor->device() == device, "ngram_ids: ", name, " is on ", tensor->device(),
+                " but input_ids is on ", device);
+  }
+
+  NgramIdsParams p{};
+  p.input_ids = int_view(input_ids);
+  p.query_start_loc = int_view(query_start_loc);
+  p.context = IntView{ngram_context.data_ptr(), 1, ngram_context.scalar_type() == at::kLong};
+  p.context_row_stride = ngram_context.stride(0);
+  p.context_col_stride = ngram_context.stride(1);
+  p.multipliers = layer_multipliers.data_ptr<int64_t>();
+  p.sizes = head_sizes.data_ptr<int64_t>();
+  p.offsets = head_offsets.data_ptr<int64_t>();
+  p.output = output.data_ptr();
+  p.output_row_stride = output.stride(0);
+  p.output_col_stride = output.stride(1);
+  p.num_tokens = input_ids.numel();
+  p.num_requests = num_requests;
+  p.eos_token_id = eos_token_id;
+  p.context_len = static_cast<int32_t>(context_len);
+  p.heads_per_ngram = static_cast<int32_t>(heads_per_ngram);
+  p.num_heads = static_cast<int32_t>(num_heads);
+  return p;
+}
+
+}  // namespace qwen4exp

@@ -1,0 +1,43 @@
+"""The ops the benchmark knows, and the shape of one benchmark case.
+
+An op joins by writing a module with ``cases(device) -> list[Case]`` and adding one line to
+``OP_MODULES``. A module is imported only when its op runs, so benchmarking one op never depends
+on another op's module (or its kernel) importing cleanly.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+OP_MODULES: dict[str, str] = {
+    "ngram_ids": "qwen4exp_ext.bench.ngram_ids",
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One shape of one op, with its inputs already built and bound into two closures.
+
+    ``ours`` and ``ref`` must return the op's output so the CLI can check them against each other;
+    they write into preallocated buffers, as vLLM's callers do, so timing excludes the allocator.
+    ``nbytes`` is the op's compulsory memory traffic (each input read once, the output written
+    once): the numerator of its effective bandwidth.
+    """
+
+    op: str
+    name: str
+    tokens: int
+    nbytes: int
+    ours: Callable[[], torch.Tensor]
+    ref: Callable[[], torch.Tensor]
+    params: Mapping[str, int]
+
+
+def load_cases(op: str, device: torch.device) -> list[Case]:
+    """Build every case of ``op`` on ``device`` (inputs are made once here, not per call)."""
+    module = importlib.import_module(OP_MODULES[op])
+    return module.cases(device)

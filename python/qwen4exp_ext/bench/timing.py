@@ -1,0 +1,107 @@
+"""Side-by-side timing of a case's contenders, and the copy that serves as its roofline.
+
+All contenders of a case are timed in one loop, in an order that rotates every repetition, so
+frequency changes, other tenants and cache state land on all of them alike and their ratio stays
+meaningful even on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+QUANTILES = (0.2, 0.5, 0.8)
+
+
+@dataclass(frozen=True)
+class Quantiles:
+    """Per-call times of one contender, in microseconds."""
+
+    p20_us: float
+    p50_us: float
+    p80_us: float
+    min_us: float
+    mean_us: float
+    n: int
+
+    @classmethod
+    def of(cls, samples_us: list[float]) -> Quantiles:
+        t = torch.tensor(samples_us, dtype=torch.float64)
+        p20, p50, p80 = t.quantile(torch.tensor(QUANTILES, dtype=torch.float64)).tolist()
+        return cls(p20, p50, p80, t.min().item(), t.mean().item(), t.numel())
+
+
+def time_interleaved(
+    fns: Mapping[str, Callable[[], object]], device: torch.device, warmup: int, repeat: int
+) -> dict[str, Quantiles]:
+    """Time every function ``repeat`` times after ``warmup`` untimed rounds, interleaved.
+
+    On CUDA/ROCm each call sits between two events on the current stream, so the figure is device
+    time including any launch gap the host leaves (which is what an eager, many-kernel reference
+    really costs); on CPU it is wall time per call.
+    """
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    order = [names[i:] + names[:i] for i in range(len(names))]
+    if device.type == "cuda":
+        samples = _time_cuda(fns, order, device, repeat)
+    else:
+        samples = _time_cpu(fns, order, repeat)
+    return {name: Quantiles.of(samples[name]) for name in names}
+
+
+def _time_cpu(
+    fns: Mapping[str, Callable[[], object]], order: list[list[str]], repeat: int
+) -> dict[str, list[float]]:
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(repeat):
+        for name in order[i % len(order)]:
+            fn = fns[name]
+            start = time.perf_counter_ns()
+            fn()
+            samples[name].append((time.perf_counter_ns() - start) / 1e3)
+    return samples
+
+
+def _time_cuda(
+    fns: Mapping[str, Callable[[], object]],
+    order: list[list[str]],
+    device: torch.device,
+    repeat: int,
+) -> dict[str, list[float]]:
+    events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()
+        for i in range(repeat):
+            for name in order[i % len(order)]:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fns[name]()
+                end.record()
+                events.append((name, start, end))
+        # One sync at the end keeps the host from stalling the queue between calls.
+        torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for name, start, end in events:
+        samples[name].append(start.elapsed_time(end) * 1e3)
+    return samples
+
+
+def roofline_copy(nbytes: int, device: torch.device) -> tuple[Callable[[], torch.Tensor], int]:
+    """A ``Tensor.copy_`` that moves ``nbytes`` (half read, half written) on ``device``.
+
+    Measured in the same run as the op instead of quoting a datasheet peak, it is the bandwidth
+    this machine actually reaches for this many bytes, launch and threading overheads included.
+    Returns the copy and the bytes it really moves (``nbytes`` rounded up to even).
+    """
+    half = max(1, -(-nbytes // 2))
+    # zeros, not empty: touch every page now so the copy never times first-touch page faults.
+    src = torch.zeros(half, dtype=torch.uint8, device=device)
+    dst = torch.zeros(half, dtype=torch.uint8, device=device)
+    return (lambda: dst.copy_(src)), 2 * half

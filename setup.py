@@ -1,0 +1,179 @@
+"""Build of the qwen4exp_ext kernels.
+
+One extension module, `qwen4exp_ext._kernels`, whose loading registers torch.ops.qwen4exp.*:
+- the CPU kernels are always built;
+- on a ROCm build of torch, the HIP kernels in csrc/hip/ are compiled by hipcc for
+  PYTORCH_ROCM_ARCH (default gfx90a;gfx942;gfx950);
+- on a CUDA build of torch with nvcc available, the same HIP sources are compiled by nvcc through
+  csrc/hip/platform.h, for TORCH_CUDA_ARCH_LIST (torch's default when unset).
+QWEN4EXP_BUILD_TARGET=auto|cpu|cuda|rocm overrides the choice (auto is the default).
+
+Install with `pip install --no-build-isolation .` (or `-e .`) so that the kernels build against
+the torch already installed, not a fresh download.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import sys
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(ROOT, "csrc")
+DEFAULT_ROCM_ARCHS = "gfx90a;gfx942;gfx950"
+KNOWN_ROCM_ARCH_PREFIXES = ("gfx90", "gfx94", "gfx95", "gfx10", "gfx11", "gfx12")
+
+
+def rel(path: str) -> str:
+    return os.path.relpath(path, ROOT)
+
+
+def choose_target(torch) -> str:
+    """The build target: QWEN4EXP_BUILD_TARGET if set, else what the installed torch supports."""
+    from torch.utils.cpp_extension import CUDA_HOME, ROCM_HOME
+
+    requested = os.environ.get("QWEN4EXP_BUILD_TARGET", "auto").strip().lower()
+    if requested not in ("auto", "cpu", "cuda", "rocm"):
+        sys.exit(f"QWEN4EXP_BUILD_TARGET must be auto, cpu, cuda or rocm; got {requested!r}")
+    if requested == "rocm" and torch.version.hip is None:
+        sys.exit("QWEN4EXP_BUILD_TARGET=rocm needs a ROCm build of torch (torch.version.hip is None)")
+    if requested == "cuda" and (torch.version.cuda is None or CUDA_HOME is None):
+        sys.exit(
+            "QWEN4EXP_BUILD_TARGET=cuda needs a CUDA build of torch and nvcc "
+            f"(torch.version.cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME})"
+        )
+    cuda_ok = CUDA_HOME is not None and os.path.exists(
+        os.path.join(CUDA_HOME, "include", "cuda_runtime.h")
+    )
+    if requested == "cuda" and not cuda_ok:
+        sys.exit(
+            f"QWEN4EXP_BUILD_TARGET=cuda: no CUDA toolkit headers under CUDA_HOME={CUDA_HOME} "
+            "(torch guesses it from the nvcc on PATH; a wrapper script there misleads it). "
+            "Set CUDA_HOME to the toolkit root, e.g. /usr/local/cuda."
+        )
+    if requested != "auto":
+        return requested
+    if torch.version.hip is not None and ROCM_HOME is not None:
+        return "rocm"
+    if torch.version.cuda is not None and CUDA_HOME is not None:
+        if cuda_ok:
+            return "cuda"
+        print(
+            f"qwen4exp_ext: nvcc found but no toolkit headers under CUDA_HOME={CUDA_HOME}; "
+            "building the CPU kernels only (set CUDA_HOME to build the GPU kernels)",
+            flush=True,
+        )
+    return "cpu"
+
+
+def rocm_archs() -> list[str]:
+    archs = [a for a in os.environ.get("PYTORCH_ROCM_ARCH", DEFAULT_ROCM_ARCHS).split(";") if a]
+    unknown = [a for a in archs if not a.startswith(KNOWN_ROCM_ARCH_PREFIXES)]
+    if unknown:
+        sys.exit(f"PYTORCH_ROCM_ARCH has unknown AMD targets {unknown}; expected gfx9xx/gfx1xxx")
+    # torch's cpp_extension reads the same variable when it builds the hipcc flags.
+    os.environ["PYTORCH_ROCM_ARCH"] = ";".join(archs)
+    return archs
+
+
+def cuda_archs() -> list[str]:
+    from torch.utils import cpp_extension
+
+    try:  # the flags torch will pass to nvcc (honours TORCH_CUDA_ARCH_LIST)
+        flags = cpp_extension._get_cuda_arch_flags()
+    except Exception as exc:  # noqa: BLE001 - report, do not hide, what torch rejected
+        sys.exit(f"could not determine CUDA archs (TORCH_CUDA_ARCH_LIST?): {exc}")
+    return sorted({f.split("code=")[-1] for f in flags if "code=" in f})
+
+
+def nvcc_shims(hip_sources: list[str]) -> list[str]:
+    """One-line .cu files that #include each HIP kernel, so nvcc compiles the HIP source as is.
+
+    torch's build dispatches to nvcc by file extension (.cu); the shims live in build/ and carry no
+    code of their own.
+    """
+    shim_dir = os.path.join(ROOT, "build", "nvcc_shims")
+    os.makedirs(shim_dir, exist_ok=True)
+    shims = []
+    for src in hip_sources:
+        name = os.path.splitext(os.path.basename(src))[0]
+        shim = os.path.join(shim_dir, f"{name}.cu")
+        text = f'#include "{os.path.abspath(src)}"\n'
+        if not os.path.exists(shim) or open(shim).read() != text:
+            with open(shim, "w") as f:
+                f.write(text)
+        shims.append(rel(shim))
+    return shims
+
+
+def build_extension():
+    import torch
+    from torch.utils import cpp_extension
+
+    target = choose_target(torch)
+    cpu_sources = sorted(glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
+    hip_sources = sorted(glob.glob(os.path.join(CSRC, "hip", "*.hip")))
+    gpu_glue = sorted(glob.glob(os.path.join(CSRC, "gpu", "*.cpp")))
+    sources = [rel(os.path.join(CSRC, "bindings.cpp"))] + [rel(s) for s in cpu_sources]
+
+    debug = os.environ.get("QWEN4EXP_DEBUG", "0") == "1"
+    opt = ["-O0", "-g"] if debug else ["-O3"]
+    # torch adds -DPy_LIMITED_API itself for py_limited_api=True extensions.
+    cxx_flags = [*opt, "-fopenmp"]
+    if os.environ.get("QWEN4EXP_SANITIZE"):  # e.g. address,undefined
+        cxx_flags += [f"-fsanitize={os.environ['QWEN4EXP_SANITIZE']}", "-fno-omit-frame-pointer"]
+    info = {"target": target, "backends": ["cpu"], "torch": torch.__version__, "gpu_archs": []}
+
+    if target == "cpu":
+        extension_cls = cpp_extension.CppExtension
+        extra = {"cxx": cxx_flags}
+    else:
+        extension_cls = cpp_extension.CUDAExtension
+        if target == "rocm":
+            info["gpu_archs"] = rocm_archs()
+            info["backends"].append("rocm")
+            info["hip"] = torch.version.hip
+            sources += [rel(s) for s in hip_sources] + [rel(s) for s in gpu_glue]
+            extra = {"cxx": cxx_flags + ["-D__HIP_PLATFORM_AMD__=1"], "nvcc": list(opt)}
+        else:
+            info["gpu_archs"] = cuda_archs()
+            info["backends"].append("cuda")
+            info["cuda"] = torch.version.cuda
+            sources += nvcc_shims(hip_sources) + [rel(s) for s in gpu_glue]
+            extra = {
+                "cxx": cxx_flags,
+                "nvcc": opt + ["--expt-relaxed-constexpr", "-lineinfo"],
+            }
+    info_json = json.dumps(info, sort_keys=True)
+    define = f"-DQWEN4EXP_BUILD_INFO_JSON={json.dumps(info_json)}"
+    extra["cxx"].append(define)
+    print(f"qwen4exp_ext: building {info_json}", flush=True)
+    ext = extension_cls(
+        "qwen4exp_ext._kernels",
+        sources,
+        include_dirs=[CSRC],
+        extra_compile_args=extra,
+        extra_link_args=["-fopenmp"]
+        + ([f"-fsanitize={os.environ['QWEN4EXP_SANITIZE']}"] if os.environ.get("QWEN4EXP_SANITIZE") else []),
+        py_limited_api=True,
+    )
+    return ext, cpp_extension.BuildExtension
+
+
+def main() -> None:
+    ext, build_ext = build_extension()
+    setup(
+        ext_modules=[ext],
+        cmdclass={"build_ext": build_ext},
+        options={"bdist_wheel": {"py_limited_api": "cp310"}},
+    )
+
+
+if __name__ == "__main__":
+    if shutil.which("ninja") is None:
+        print("qwen4exp_ext: ninja not found; the build runs serially", flush=True)
+    main()

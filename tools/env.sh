@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Sourced by tools/run-tests.sh and tools/run-bench.sh: makes sure ./.venv exists with torch, the
+# test dependencies and a build of the extension that is current with csrc/ and setup.py.
+#
+# Knobs: QWEN4EXP_VENV (default ./.venv), QWEN4EXP_TORCH (the torch requirement, default
+# torch==2.14.1), QWEN4EXP_BUILD_TARGET (auto|cpu|cuda|rocm, see setup.py), and the usual
+# TORCH_CUDA_ARCH_LIST / PYTORCH_ROCM_ARCH / CUDA_HOME / MAX_JOBS.
+set -euo pipefail
+
+QWEN4EXP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${QWEN4EXP_VENV:-$QWEN4EXP_ROOT/.venv}"
+TORCH_REQ="${QWEN4EXP_TORCH:-torch==2.14.1}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating $VENV"
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+export PATH="$VENV/bin:$PATH"
+
+# A toolkit whose nvcc on PATH is a wrapper script (as on these machines) hides its root from
+# torch; point CUDA_HOME at the usual location when nothing else says where it is.
+if [ -z "${CUDA_HOME:-}" ] && [ -f /usr/local/cuda/include/cuda_runtime.h ]; then
+  export CUDA_HOME=/usr/local/cuda
+fi
+# No GPU to detect the arch from: build for Hopper (the H200 this project benchmarks on) rather
+# than every arch torch knows, which would multiply the nvcc time.
+if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+  export TORCH_CUDA_ARCH_LIST="9.0"
+fi
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+
+stamp="$VENV/.qwen4exp-deps"
+deps="$TORCH_REQ pytest>=8 hypothesis>=6.100 numpy transformers==5.18.0 safetensors ninja setuptools>=69 wheel ruff"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$deps" ]; then
+  echo "== installing $deps"
+  # shellcheck disable=SC2086
+  "$PY" -m pip install --quiet --disable-pip-version-check $deps
+  echo "$deps" >"$stamp"
+fi
+
+# Rebuild when a source or the build script is newer than the built library.
+lib=$(ls "$QWEN4EXP_ROOT"/python/qwen4exp_ext/_kernels*.so 2>/dev/null | head -n 1 || true)
+newest_src=$(find "$QWEN4EXP_ROOT/csrc" "$QWEN4EXP_ROOT/setup.py" -newer "${lib:-/nonexistent}" -type f 2>/dev/null | head -n 1)
+if [ -z "$lib" ] || [ -n "$newest_src" ] || ! "$PY" -c "import qwen4exp_ext" >/dev/null 2>&1; then
+  echo "== building qwen4exp_ext (target ${QWEN4EXP_BUILD_TARGET:-auto}; log: $VENV/build.log)"
+  if ! (cd "$QWEN4EXP_ROOT" && "$PY" -m pip install -v --disable-pip-version-check \
+      --no-build-isolation -e . >"$VENV/build.log" 2>&1); then
+    tail -n 80 "$VENV/build.log"
+    echo "== build FAILED"
+    exit 1
+  fi
+  # One line per compiled file: which compiler built which source (the CI log's proof that nvcc
+  # or hipcc built the GPU kernels).
+  awk '/^ *\[[0-9]+\/[0-9]+\] / { src = ""; for (i = 3; i < NF; i++) if ($i == "-c" && $(i+1) != "-c") src = $(i+1); print "   ", $1, $2, src }' \
+    "$VENV/build.log"
+  "$PY" -c "import qwen4exp_ext, json; print('== built', json.dumps(qwen4exp_ext.build_info()))"
+fi
