@@ -40,7 +40,9 @@ def choose_target(torch) -> str:
     if requested not in ("auto", "cpu", "cuda", "rocm"):
         sys.exit(f"QWEN4EXP_BUILD_TARGET must be auto, cpu, cuda or rocm; got {requested!r}")
     if requested == "rocm" and torch.version.hip is None:
-        sys.exit("QWEN4EXP_BUILD_TARGET=rocm needs a ROCm build of torch (torch.version.hip is None)")
+        sys.exit(
+            "QWEN4EXP_BUILD_TARGET=rocm needs a ROCm build of torch (torch.version.hip is None)"
+        )
     if requested == "cuda" and (torch.version.cuda is None or CUDA_HOME is None):
         sys.exit(
             "QWEN4EXP_BUILD_TARGET=cuda needs a CUDA build of torch and nvcc "
@@ -158,7 +160,11 @@ def build_extension():
         include_dirs=[CSRC],
         extra_compile_args=extra,
         extra_link_args=["-fopenmp"]
-        + ([f"-fsanitize={os.environ['QWEN4EXP_SANITIZE']}"] if os.environ.get("QWEN4EXP_SANITIZE") else []),
+        + (
+            [f"-fsanitize={os.environ['QWEN4EXP_SANITIZE']}"]
+            if os.environ.get("QWEN4EXP_SANITIZE")
+            else []
+        ),
         py_limited_api=True,
     )
     return ext, cpp_extension.BuildExtension

@@ -17,9 +17,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_fast_divmod_matches_hardware_division(tmp_path):
     exe = tmp_path / "fast_divmod_check"
     subprocess.run(
-        ["g++", "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror",
-         "-I", os.path.join(ROOT, "csrc"),
-         os.path.join(ROOT, "tests", "cpp", "fast_divmod_check.cpp"), "-o", str(exe)],
+        [
+            "g++",
+            "-std=c++17",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-I",
+            os.path.join(ROOT, "csrc"),
+            os.path.join(ROOT, "tests", "cpp", "fast_divmod_check.cpp"),
+            "-o",
+            str(exe),
+        ],
         check=True,
     )
     result = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)

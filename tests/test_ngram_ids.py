@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import devices
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import devices
 from qwen4exp_ext import layout, ops, reference
 
 DEVICES = devices()
@@ -70,7 +70,10 @@ def random_layout(rng: random.Random, ngram_size: int, heads_per_ngram: int) -> 
         offsets.append(total)
         total += s
     return Layout(
-        torch.tensor(multipliers), torch.tensor(sizes), torch.tensor(offsets), heads_per_ngram,
+        torch.tensor(multipliers),
+        torch.tensor(sizes),
+        torch.tensor(offsets),
+        heads_per_ngram,
         rng.randint(0, 20),
     )
 
@@ -107,8 +110,9 @@ def run_both(device, input_ids, qsl, context, lay: Layout, out_dtype=torch.int64
     return got.cpu(), expected
 
 
-TOY = model_layout(vocab=128, ngram_size=3, heads_per_ngram=2, base=1000, seed=42, layer_index=0,
-                   eos=7)
+TOY = model_layout(
+    vocab=128, ngram_size=3, heads_per_ngram=2, base=1000, seed=42, layer_index=0, eos=7
+)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -168,11 +172,17 @@ def test_strided_views(device):
         assert not strided_ids.is_contiguous() or strided_ids.numel() <= 1
         expected = reference.ngram_ids(input_ids, qsl, context, *lay.args())
         dev_lay = lay.to(device)
-        wide = torch.zeros(input_ids.numel(), 2 * expected.shape[1], dtype=torch.int64,
-                           device=device)
+        wide = torch.zeros(
+            input_ids.numel(), 2 * expected.shape[1], dtype=torch.int64, device=device
+        )
         out = wide[:, 1::2]
-        ops.ngram_ids(strided_ids.to(device), qsl.to(device), strided_ctx.to(device),
-                      *dev_lay.args(), output=out)
+        ops.ngram_ids(
+            strided_ids.to(device),
+            qsl.to(device),
+            strided_ctx.to(device),
+            *dev_lay.args(),
+            output=out,
+        )
         assert torch.equal(out.cpu(), expected)
         assert torch.all(wide[:, 0::2] == 0)
 
@@ -181,27 +191,54 @@ def test_strided_views(device):
 def test_edge_layouts(device):
     """T = 0, R = 0 (every predecessor reads EOS), tokens past qsl[R], empty requests."""
     lay = TOY.to(device)
-    empty = ops.ngram_ids(torch.empty(0, dtype=torch.long, device=device),
-                          torch.zeros(1, dtype=torch.int32, device=device),
-                          torch.empty(0, 2, dtype=torch.long, device=device), *lay.args())
+    empty = ops.ngram_ids(
+        torch.empty(0, dtype=torch.long, device=device),
+        torch.zeros(1, dtype=torch.int32, device=device),
+        torch.empty(0, 2, dtype=torch.long, device=device),
+        *lay.args(),
+    )
     assert empty.shape == (0, 4)
 
-    no_requests, _ = run_both(device, torch.tensor([9, 3]), torch.tensor([0], dtype=torch.int32),
-                              torch.empty(0, 2, dtype=torch.long), TOY)
-    as_if_doc_start, _ = run_both(device, torch.tensor([9, 3]),
-                                  torch.tensor([0, 0, 0], dtype=torch.int32),
-                                  torch.tensor([[1, 2], [7, 7]]), TOY)
+    no_requests, _ = run_both(
+        device,
+        torch.tensor([9, 3]),
+        torch.tensor([0], dtype=torch.int32),
+        torch.empty(0, 2, dtype=torch.long),
+        TOY,
+    )
+    as_if_doc_start, _ = run_both(
+        device,
+        torch.tensor([9, 3]),
+        torch.tensor([0, 0, 0], dtype=torch.int32),
+        torch.tensor([[1, 2], [7, 7]]),
+        TOY,
+    )
     # R = 0: both tokens are hashed with an all-EOS history, like each opening a document.
     assert torch.equal(no_requests[0], as_if_doc_start[0])
-    single, _ = run_both(device, torch.tensor([3]), torch.tensor([0, 1], dtype=torch.int32),
-                         torch.tensor([[7, 7]]), TOY)
+    single, _ = run_both(
+        device,
+        torch.tensor([3]),
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([[7, 7]]),
+        TOY,
+    )
     assert torch.equal(no_requests[1], single[0])
 
     # Tokens past qsl[R] continue the last request (as in vLLM): same ids as a longer chunk.
-    tail, _ = run_both(device, torch.tensor([4, 5, 6, 8]), torch.tensor([0, 1, 2], dtype=torch.int32),
-                       torch.tensor([[1, 2], [3, 4]]), TOY)
-    longer, _ = run_both(device, torch.tensor([4, 5, 6, 8]), torch.tensor([0, 1, 4], dtype=torch.int32),
-                         torch.tensor([[1, 2], [3, 4]]), TOY)
+    tail, _ = run_both(
+        device,
+        torch.tensor([4, 5, 6, 8]),
+        torch.tensor([0, 1, 2], dtype=torch.int32),
+        torch.tensor([[1, 2], [3, 4]]),
+        TOY,
+    )
+    longer, _ = run_both(
+        device,
+        torch.tensor([4, 5, 6, 8]),
+        torch.tensor([0, 1, 4], dtype=torch.int32),
+        torch.tensor([[1, 2], [3, 4]]),
+        TOY,
+    )
     assert torch.equal(tail, longer)
 
 
@@ -217,18 +254,31 @@ def transformers_ngram_module(ngram_size, heads_per_ngram, layer_index):
 
     nh = (ngram_size - 1) * heads_per_ngram
     config = Qwen4ExpTextConfig(
-        vocab_size=97, ngram_vocab_size_base=500, heads_per_ngram=heads_per_ngram,
-        ngram_size=ngram_size, seed=99, eos_token_id=5, hidden_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=97,
+        ngram_vocab_size_base=500,
+        heads_per_ngram=heads_per_ngram,
+        ngram_size=ngram_size,
+        seed=99,
+        eos_token_id=5,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
     )
-    module = Qwen4ExpTextNGramEmbedding(config, embedding_dim=2 * nh, layer_idx=0,
-                                        ple_layer_index=layer_index)
+    module = Qwen4ExpTextNGramEmbedding(
+        config, embedding_dim=2 * nh, layer_idx=0, ple_layer_index=layer_index
+    )
     with torch.no_grad():
         weight = module.ngram_embedding.weight
         weight.zero_()
         weight[:, 0] = torch.arange(weight.shape[0], dtype=weight.dtype)
-    lay = Layout(module.layer_multipliers.clone(), module.ngram_heads_vocab_sizes.clone(),
-                 module.ngram_heads_offsets.clone(), heads_per_ngram, 5)
+    lay = Layout(
+        module.layer_multipliers.clone(),
+        module.ngram_heads_vocab_sizes.clone(),
+        module.ngram_heads_offsets.clone(),
+        heads_per_ngram,
+        5,
+    )
     return module, lay
 
 
@@ -241,8 +291,9 @@ def transformers_ids(module, sequence: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("ngram_size,heads_per_ngram,layer_index", [(3, 2, 0), (4, 1, 2)])
-def test_matches_transformers_on_random_chunked_batches(device, id_dtype, ngram_size,
-                                                        heads_per_ngram, layer_index):
+def test_matches_transformers_on_random_chunked_batches(
+    device, id_dtype, ngram_size, heads_per_ngram, layer_index
+):
     """Whole documents through transformers; the same documents cut into chunks (with the right
     context each) through our kernel, several requests per varlen batch; 100 batches per
     parametrisation (400 on CPU in total)."""
@@ -252,8 +303,9 @@ def test_matches_transformers_on_random_chunked_batches(device, id_dtype, ngram_
     for case in range(100):
         chunks, contexts, expected = [], [], []
         for _ in range(rng.randint(1, 5)):
-            seq = [5 if rng.random() < 0.15 else rng.randint(0, 96)
-                   for _ in range(rng.randint(1, 24))]
+            seq = [
+                5 if rng.random() < 0.15 else rng.randint(0, 96) for _ in range(rng.randint(1, 24))
+            ]
             start = rng.randint(0, len(seq) - 1)
             stop = rng.randint(start, len(seq))
             history = [5] * ctx_len + seq[:start]  # EOS before the document starts
@@ -285,13 +337,15 @@ def ids_for_chunks(device, sequence, cuts, lay: Layout):
     dev_lay = lay.to(device)
     for stop in [*cuts, len(sequence)]:
         chunk = sequence[start:stop]
-        context = history[start:start + ctx_len]
-        pieces.append(ops.ngram_ids(
-            torch.tensor(chunk, dtype=torch.long, device=device),
-            torch.tensor([0, len(chunk)], dtype=torch.int32, device=device),
-            torch.tensor([context], dtype=torch.long, device=device),
-            *dev_lay.args(),
-        ).cpu())
+        context = history[start : start + ctx_len]
+        pieces.append(
+            ops.ngram_ids(
+                torch.tensor(chunk, dtype=torch.long, device=device),
+                torch.tensor([0, len(chunk)], dtype=torch.int32, device=device),
+                torch.tensor([context], dtype=torch.long, device=device),
+                *dev_lay.args(),
+            ).cpu()
+        )
         start = stop
     return torch.cat(pieces)
 
@@ -315,8 +369,8 @@ def test_eos_barrier(device, before, after, other):
     """Whatever precedes an EOS cannot change the ids of the tokens after it (the EOS token itself
     still sees its own history: being EOS does not cut it)."""
     eos = TOY.eos
-    a = ids_for_chunks(device, before + [eos] + after, [], TOY)[len(before) + 1:]
-    b = ids_for_chunks(device, other + [eos] + after, [], TOY)[len(other) + 1:]
+    a = ids_for_chunks(device, before + [eos] + after, [], TOY)[len(before) + 1 :]
+    b = ids_for_chunks(device, other + [eos] + after, [], TOY)[len(other) + 1 :]
     assert torch.equal(a, b)
 
 
@@ -342,15 +396,28 @@ def test_opcheck(device, case):
     lay = random_layout(rng, rng.choice([2, 3, 4]), rng.choice([1, 2, 8])).to(device)
     id_dtype = torch.int32 if case % 2 else torch.int64
     input_ids, qsl, context = random_batch(rng, lay, id_dtype, 5000)
-    out = torch.empty(input_ids.numel(), lay.context_len * lay.heads_per_ngram,
-                      dtype=torch.int32 if case % 3 == 0 else torch.int64, device=device)
+    out = torch.empty(
+        input_ids.numel(),
+        lay.context_len * lay.heads_per_ngram,
+        dtype=torch.int32 if case % 3 == 0 else torch.int64,
+        device=device,
+    )
     if out.dtype == torch.int32:  # int32 output needs every id to fit
         lay.sizes.clamp_(max=1 << 20)
         lay.offsets.copy_(torch.cumsum(lay.sizes, 0) - lay.sizes)
     torch.library.opcheck(
         torch.ops.qwen4exp.ngram_ids.default,
-        (input_ids.to(device), qsl.to(device), context.to(device), lay.multipliers, lay.sizes,
-         lay.offsets, lay.eos, lay.heads_per_ngram, out),
+        (
+            input_ids.to(device),
+            qsl.to(device),
+            context.to(device),
+            lay.multipliers,
+            lay.sizes,
+            lay.offsets,
+            lay.eos,
+            lay.heads_per_ngram,
+            out,
+        ),
     )
 
 
@@ -389,11 +456,22 @@ def call(**overrides):
     "overrides,message",
     [
         (dict(input_ids=torch.tensor([9.0, 7.0, 3.0, 5.0])), "input_ids must be int32 or int64"),
-        (dict(query_start_loc=torch.tensor([[0, 4]], dtype=torch.int32)), "query_start_loc must be 1-D"),
+        (
+            dict(query_start_loc=torch.tensor([[0, 4]], dtype=torch.int32)),
+            "query_start_loc must be 1-D",
+        ),
         (dict(query_start_loc=torch.tensor([0.0, 4.0])), "query_start_loc must be int32 or int64"),
-        (dict(query_start_loc=torch.tensor([1, 4], dtype=torch.int32)), r"query_start_loc\[0\] must be 0"),
-        (dict(query_start_loc=torch.tensor([0, 3, 2], dtype=torch.int32),
-              ngram_context=torch.tensor([[7, 7], [7, 7]])), "non-decreasing"),
+        (
+            dict(query_start_loc=torch.tensor([1, 4], dtype=torch.int32)),
+            r"query_start_loc\[0\] must be 0",
+        ),
+        (
+            dict(
+                query_start_loc=torch.tensor([0, 3, 2], dtype=torch.int32),
+                ngram_context=torch.tensor([[7, 7], [7, 7]]),
+            ),
+            "non-decreasing",
+        ),
         (dict(query_start_loc=torch.tensor([0, 5], dtype=torch.int32)), "past the 4 tokens"),
         (dict(ngram_context=torch.tensor([7, 7])), "ngram_context must be 2-D"),
         (dict(ngram_context=torch.tensor([[7, 7], [7, 7]])), "ngram_context has 2 rows"),
@@ -407,9 +485,17 @@ def call(**overrides):
         (dict(heads_per_ngram=0), "heads_per_ngram must be >= 1"),
         (dict(output=torch.empty(4, 3, dtype=torch.long)), r"output must be \[T, NH\]"),
         (dict(output=torch.empty(4, 4)), "output must be int64 or int32"),
-        (dict(output=torch.empty(4, 4, dtype=torch.int32),
-              ngram_heads_offsets=torch.tensor([0, 1009, 2022, 2**31])), "int32 output cannot hold"),
-        (dict(output=torch.empty(4, 4, dtype=torch.long, device="meta")), "output is on meta but input_ids is on cpu"),
+        (
+            dict(
+                output=torch.empty(4, 4, dtype=torch.int32),
+                ngram_heads_offsets=torch.tensor([0, 1009, 2022, 2**31]),
+            ),
+            "int32 output cannot hold",
+        ),
+        (
+            dict(output=torch.empty(4, 4, dtype=torch.long, device="meta")),
+            "output is on meta but input_ids is on cpu",
+        ),
     ],
 )
 def test_bad_arguments_raise_clear_errors(overrides, message):

@@ -12,8 +12,10 @@ from typing import Any
 
 import torch
 
-from . import _kernels  # noqa: F401  (loading the library registers torch.ops.qwen4exp)
-from . import ops
+from . import (
+    _kernels,  # noqa: F401  (loading the library registers torch.ops.qwen4exp)
+    ops,
+)
 
 __all__ = ["build_info", "ops"]
 __version__ = "0.1.0"
