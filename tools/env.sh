@@ -40,9 +40,15 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$deps" ]; then
 fi
 
 # Rebuild when a source or the build script is newer than the built library.
-lib=$(ls "$QWEN4EXP_ROOT"/python/qwen4exp_ext/_kernels*.so 2>/dev/null | head -n 1 || true)
-newest_src=$(find "$QWEN4EXP_ROOT/csrc" "$QWEN4EXP_ROOT/setup.py" -newer "${lib:-/nonexistent}" -type f 2>/dev/null | head -n 1)
-if [ -z "$lib" ] || [ -n "$newest_src" ] || ! "$PY" -c "import qwen4exp_ext" >/dev/null 2>&1; then
+needs_build() {
+  local lib
+  lib=$(compgen -G "$QWEN4EXP_ROOT/python/qwen4exp_ext/_kernels*.so" | sed -n 1p)
+  [ -n "$lib" ] || return 0
+  # Any source or the build script newer than the library?
+  [ -z "$(find "$QWEN4EXP_ROOT/csrc" "$QWEN4EXP_ROOT/setup.py" -type f -newer "$lib" | sed -n 1p)" ] || return 0
+  ! "$PY" -c "import qwen4exp_ext" >/dev/null 2>&1
+}
+if needs_build; then
   echo "== building qwen4exp_ext (target ${QWEN4EXP_BUILD_TARGET:-auto}; log: $VENV/build.log)"
   if ! (cd "$QWEN4EXP_ROOT" && "$PY" -m pip install -v --disable-pip-version-check \
       --no-build-isolation -e . >"$VENV/build.log" 2>&1); then
