@@ -35,7 +35,9 @@ deps="$TORCH_REQ pytest>=8 hypothesis>=6.100 numpy transformers==5.18.0 safetens
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$deps" ]; then
   echo "== installing $deps"
   # shellcheck disable=SC2086
-  "$PY" -m pip install --quiet --disable-pip-version-check $deps
+  # (the filter drops this machine's pip-config noise about absent local index folders)
+  "$PY" -m pip install --quiet --disable-pip-version-check $deps \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   echo "$deps" >"$stamp"
 fi
 
