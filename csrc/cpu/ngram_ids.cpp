@@ -40,7 +40,7 @@ void check_ngram_ids_values(const NgramIdsParams& p, bool output_int32) {
   }
 }
 
-template <typename OutT>
+template <typename OutT, int kMaxContext>
 void ngram_ids_cpu_impl(const NgramIdsParams& p) {
   std::vector<FastDivmodU64> head_mod(p.num_heads);
   for (int h = 0; h < p.num_heads; ++h) head_mod[h] = make_fast_divmod(p.sizes[h]);
@@ -53,10 +53,10 @@ void ngram_ids_cpu_impl(const NgramIdsParams& p) {
   at::parallel_for(0, p.num_tokens, grain, [&](int64_t begin, int64_t end) {
     const IntView& qsl = p.query_start_loc;
     int64_t r = p.num_requests > 0 ? find_request(qsl, p.num_requests, begin) : -1;
-    int64_t window[kMaxNgramSize];
+    int64_t window[kMaxContext + 1];
     for (int64_t t = begin; t < end; ++t) {
       while (r >= 0 && r + 1 < p.num_requests && qsl[r + 1] <= t) ++r;
-      load_window(p, t, r, p.context_len, window);
+      load_window<kMaxContext>(p, t, r, p.context_len, window);
       OutT* row = out + t * p.output_row_stride;
       uint64_t mix = static_cast<uint64_t>(window[0]) * static_cast<uint64_t>(p.multipliers[0]);
       for (int o = 0; o < orders; ++o) {
@@ -85,10 +85,12 @@ void ngram_ids_cpu(const at::Tensor& input_ids, const at::Tensor& query_start_lo
   const bool output_int32 = output.scalar_type() == at::kInt;
   check_ngram_ids_values(p, output_int32);
   if (p.num_tokens == 0) return;
-  if (output_int32) {
-    ngram_ids_cpu_impl<int32_t>(p);
+  // The released model's N = 3 gets a fully unrolled window; other orders share the generic one.
+  if (p.context_len == 2) {
+    output_int32 ? ngram_ids_cpu_impl<int32_t, 2>(p) : ngram_ids_cpu_impl<int64_t, 2>(p);
   } else {
-    ngram_ids_cpu_impl<int64_t>(p);
+    output_int32 ? ngram_ids_cpu_impl<int32_t, kMaxNgramSize - 1>(p)
+                 : ngram_ids_cpu_impl<int64_t, kMaxNgramSize - 1>(p);
   }
 }
 

@@ -67,6 +67,9 @@ QWEN4EXP_HD int64_t find_request(const IntView& qsl, int64_t num_requests, int64
 // Fills window[s] (s = 1..depth) with the s-th predecessor of token t under the EOS barrier:
 // walking back from t, the first EOS met is kept and every older position reads EOS. window[0]
 // is the token itself and never masked. r < 0 means "no request" (R = 0): all predecessors EOS.
+// kMaxDepth bounds depth at compile time so the loop unrolls and, on the GPU, the window stays in
+// registers (a dynamically indexed array would live in scratch memory).
+template <int kMaxDepth>
 QWEN4EXP_HD void load_window(const NgramIdsParams& p, int64_t t, int64_t r, int depth,
                              int64_t* window) {
   window[0] = p.input_ids[t];
@@ -74,30 +77,35 @@ QWEN4EXP_HD void load_window(const NgramIdsParams& p, int64_t t, int64_t r, int 
   const int64_t start = r >= 0 ? p.query_start_loc[r] : 0;
   const int64_t pos = t - start;  // position of t in its request's chunk
   bool crossed = false;
-  for (int s = 1; s <= depth; ++s) {
-    int64_t token = eos;
-    if (!crossed && r >= 0) {
-      if (pos >= s) {
-        const int64_t src = t - s;
-        if (src >= 0 && src < p.num_tokens) token = p.input_ids[src];
-      } else {
-        const int64_t col = p.context_len - s + pos;
-        if (col >= 0 && col < p.context_len) {
-          token = p.context[r * p.context_row_stride + col * p.context_col_stride];
+  QWEN4EXP_UNROLL
+  for (int s = 1; s <= kMaxDepth; ++s) {  // fixed trip count (no break): fully unrollable
+    if (s <= depth) {
+      int64_t token = eos;
+      if (!crossed && r >= 0) {
+        if (pos >= s) {
+          const int64_t src = t - s;
+          if (src >= 0 && src < p.num_tokens) token = p.input_ids[src];
+        } else {
+          const int64_t col = p.context_len - s + pos;
+          if (col >= 0 && col < p.context_len) {
+            token = p.context[r * p.context_row_stride + col * p.context_col_stride];
+          }
         }
       }
+      crossed = crossed || token == eos;
+      window[s] = token;
     }
-    crossed = crossed || token == eos;
-    window[s] = token;
   }
 }
 
 // mix_n = XOR over k < n of window[k]·m_k, in int64 with wrap-around (unsigned arithmetic, so the
-// wrap is defined behaviour in C++).
+// wrap is defined behaviour in C++). kMaxOrder bounds `order` at compile time, as above.
+template <int kMaxOrder>
 QWEN4EXP_HD int64_t mix_window(const int64_t* window, const int64_t* multipliers, int order) {
   uint64_t mix = 0;
-  for (int k = 0; k < order; ++k) {
-    mix ^= static_cast<uint64_t>(window[k]) * static_cast<uint64_t>(multipliers[k]);
+  QWEN4EXP_UNROLL
+  for (int k = 0; k < kMaxOrder; ++k) {
+    if (k < order) mix ^= static_cast<uint64_t>(window[k]) * static_cast<uint64_t>(multipliers[k]);
   }
   return static_cast<int64_t>(mix);
 }

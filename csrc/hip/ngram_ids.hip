@@ -14,7 +14,9 @@ namespace {
 
 constexpr int kThreadsPerBlock = 256;
 
-template <typename OutT>
+// kMaxContext: N-1 for the common orders (the window then stays in registers), or the largest
+// supported context for the rest.
+template <typename OutT, int kMaxContext>
 __global__ void __launch_bounds__(kThreadsPerBlock) ngram_ids_kernel(NgramIdsParams p) {
   extern __shared__ unsigned char shared_bytes[];
   FastDivmodU64* head_mod = reinterpret_cast<FastDivmodU64*>(shared_bytes);
@@ -33,9 +35,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock) ngram_ids_kernel(NgramIdsPar
   const int order = h / p.heads_per_ngram + 2;
 
   const int64_t r = p.num_requests > 0 ? find_request(p.query_start_loc, p.num_requests, t) : -1;
-  int64_t window[kMaxNgramSize];
-  load_window(p, t, r, order - 1, window);
-  const int64_t mix = mix_window(window, p.multipliers, order);
+  int64_t window[kMaxContext + 1];
+  load_window<kMaxContext>(p, t, r, order - 1, window);
+  const int64_t mix = mix_window<kMaxContext + 1>(window, p.multipliers, order);
 
   const int64_t size = p.sizes[h];
   const int64_t id = size > 0 ? floor_mod_i64(head_mod[h], mix) + p.offsets[h] : int64_t{-1};
@@ -49,10 +51,23 @@ hipError_t launch_ngram_ids(const NgramIdsParams& p, bool output_int64, hipStrea
   const int64_t elements = p.num_tokens * p.num_heads;
   const unsigned blocks = static_cast<unsigned>((elements + kThreadsPerBlock - 1) / kThreadsPerBlock);
   const size_t shared = sizeof(FastDivmodU64) * static_cast<size_t>(p.num_heads);
-  if (output_int64) {
-    ngram_ids_kernel<int64_t><<<blocks, kThreadsPerBlock, shared, stream>>>(p);
-  } else {
-    ngram_ids_kernel<int32_t><<<blocks, kThreadsPerBlock, shared, stream>>>(p);
+  const auto launch = [&](auto kernel) {
+    kernel<<<blocks, kThreadsPerBlock, shared, stream>>>(p);
+  };
+  const bool i64 = output_int64;
+  switch (p.context_len) {
+    case 1:
+      i64 ? launch(ngram_ids_kernel<int64_t, 1>) : launch(ngram_ids_kernel<int32_t, 1>);
+      break;
+    case 2:  // the released model (N = 3)
+      i64 ? launch(ngram_ids_kernel<int64_t, 2>) : launch(ngram_ids_kernel<int32_t, 2>);
+      break;
+    case 3:
+      i64 ? launch(ngram_ids_kernel<int64_t, 3>) : launch(ngram_ids_kernel<int32_t, 3>);
+      break;
+    default:
+      i64 ? launch(ngram_ids_kernel<int64_t, kMaxNgramSize - 1>)
+          : launch(ngram_ids_kernel<int32_t, kMaxNgramSize - 1>);
   }
   return hipGetLastError();
 }

@@ -35,6 +35,15 @@ using hipError_t = cudaError_t;
 #define QWEN4EXP_HD inline
 #endif
 
+// Full unrolling of short fixed-trip loops (keeps small arrays in registers on the GPU).
+#if defined(__HIPCC__) || defined(__CUDACC__) || defined(__clang__)
+#define QWEN4EXP_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define QWEN4EXP_UNROLL _Pragma("GCC unroll 8")
+#else
+#define QWEN4EXP_UNROLL
+#endif
+
 // Wave (warp) size of the device pass being compiled. Never hard-code 32: CDNA (gfx9: MI300X,
 // MI325X, MI355X) runs 64-wide wavefronts, RDNA and NVIDIA 32-wide. The compiler tells us per
 // target, so one source serves all; host passes get 0 so that host code cannot depend on it.
