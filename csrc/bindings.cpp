@@ -18,6 +18,16 @@ TORCH_LIBRARY(qwen4exp, m) {
       "ngram_ids(Tensor input_ids, Tensor query_start_loc, Tensor ngram_context, "
       "Tensor layer_multipliers, Tensor ngram_heads_vocab_sizes, Tensor ngram_heads_offsets, "
       "int eos_token_id, int heads_per_ngram, Tensor(a!) output) -> ()");
+  // SPEC §4. Writes [T, NH·d] = the table rows of ids [T, NH] into `output` (fp32/bf16/fp16; an
+  // fp8 table is dequantised with its per-tensor fp32 `scale`). Ids outside [vocab_start,
+  // vocab_end) give zero rows: ids are data, never errors, and never read out of bounds.
+  m.def(
+      "gather_rows(Tensor table, Tensor ids, Tensor? scale, int vocab_start, int vocab_end, "
+      "Tensor(a!) output) -> ()");
+  // SPEC §4, pinned host tables: pins (or host-registers) a CPU tensor's memory once and returns
+  // a view of it on `device` (hip/cudaHostGetDevicePointer) that kernels read over PCIe. GPU
+  // builds only (csrc/gpu/host_table.cpp).
+  m.def("host_table_device_view(Tensor host_table, Device device) -> Tensor");
   // What was compiled into this binary (backends, GPU archs, torch version), as JSON. Baked in at
   // build time so it cannot disagree with the binary that is loaded.
   m.def("build_info() -> str", []() -> std::string { return QWEN4EXP_BUILD_INFO_JSON; });

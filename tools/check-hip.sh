@@ -21,7 +21,9 @@ for src in "$root"/csrc/hip/*.hip; do
     if hipcc --offload-arch="$arch" -O3 -std=c++17 -Wall -Werror \
         -D__HIP_NO_HALF_OPERATORS__=1 -D__HIP_NO_HALF_CONVERSIONS__=1 \
         -I "$root/csrc" -c "$src" -o "$out/kernel.o"; then
-      if ! strings "$out/kernel.o" | grep -q "amdgcn-amd-amdhsa--$arch"; then
+      # grep reads all of strings' output (no -q): an early exit would SIGPIPE strings, and
+      # pipefail would then fail a large object at random.
+      if ! strings "$out/kernel.o" | grep "amdgcn-amd-amdhsa--$arch" >/dev/null; then
         echo "check-hip: FAIL $(basename "$src") has no $arch code object"; status=1; continue
       fi
       echo "check-hip: ok   hipcc --offload-arch=$arch $(basename "$src")"

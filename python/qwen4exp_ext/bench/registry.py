@@ -15,6 +15,7 @@ import torch
 
 OP_MODULES: dict[str, str] = {
     "ngram_ids": "qwen4exp_ext.bench.ngram_ids",
+    "gather": "qwen4exp_ext.bench.gather",
 }
 
 
@@ -35,6 +36,10 @@ class Case:
     ours: Callable[[], torch.Tensor]
     ref: Callable[[], torch.Tensor]
     params: Mapping[str, int]
+    # Optional comparison that replaces the CLI's exact one (ops whose contract is a stated
+    # tolerance, or whose result is more than one tensor): runs both contenders from the same
+    # inputs and returns a description of the disagreement, or None.
+    check: Callable[[], str | None] | None = None
 
 
 def load_cases(op: str, device: torch.device) -> list[Case]:

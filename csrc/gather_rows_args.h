@@ -1,0 +1,93 @@
+// Argument checks and params for gather_rows, shared by the CPU and GPU host entry points so both
+// reject the same inputs with the same messages. Only metadata is checked: ids are data, and an
+// id out of range is not an error but a zero row (SPEC §4), on every backend.
+#pragma once
+
+#include <torch/all.h>
+
+#include "hip/gather_rows.h"
+
+namespace qwen4exp {
+
+inline bool gather_table_dtype(at::ScalarType t, GatherDtype* out) {
+  switch (t) {
+    case at::kFloat: *out = GatherDtype::kF32; return true;
+    case at::kBFloat16: *out = GatherDtype::kBF16; return true;
+    case at::kHalf: *out = GatherDtype::kF16; return true;
+    case at::kFloat8_e4m3fn: *out = GatherDtype::kFp8E4M3FN; return true;
+    case at::kFloat8_e4m3fnuz: *out = GatherDtype::kFp8E4M3FNUZ; return true;
+    default: return false;
+  }
+}
+
+inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at::Tensor& ids,
+                                               const std::optional<at::Tensor>& scale,
+                                               int64_t vocab_start, int64_t vocab_end,
+                                               const at::Tensor& output) {
+  GatherRowsParams p{};
+  TORCH_CHECK(table.dim() == 2, "gather_rows: table must be 2-D [rows, d], got shape ",
+              table.sizes());
+  TORCH_CHECK(gather_table_dtype(table.scalar_type(), &p.table_dtype),
+              "gather_rows: table must be float32, bfloat16, float16, float8_e4m3fn or "
+              "float8_e4m3fnuz, got ", table.scalar_type());
+  TORCH_CHECK(table.stride(1) == 1 || table.size(1) <= 1,
+              "gather_rows: table rows must be contiguous (stride(1) == 1), got strides ",
+              table.strides());
+  TORCH_CHECK(ids.dim() == 2, "gather_rows: ids must be 2-D [T, NH], got shape ", ids.sizes());
+  TORCH_CHECK(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong,
+              "gather_rows: ids must be int32 or int64, got ", ids.scalar_type());
+  const int64_t rows = table.size(0);
+  const int64_t width = table.size(1);
+  const int64_t num_tokens = ids.size(0);
+  const int64_t num_heads = ids.size(1);
+  TORCH_CHECK(output.dim() == 2 && output.size(0) == num_tokens &&
+                  output.size(1) == num_heads * width,
+              "gather_rows: output must be [T, NH·d] = [", num_tokens, ", ", num_heads * width,
+              "], got ", output.sizes());
+  TORCH_CHECK(gather_table_dtype(output.scalar_type(), &p.out_dtype) && !is_fp8(p.out_dtype),
+              "gather_rows: output must be float32, bfloat16 or float16, got ",
+              output.scalar_type());
+  TORCH_CHECK(output.stride(1) == 1 || output.size(1) <= 1,
+              "gather_rows: output rows must be contiguous (stride(1) == 1), got strides ",
+              output.strides());
+  TORCH_CHECK(vocab_start >= 0 && vocab_end >= vocab_start && vocab_end - vocab_start <= rows,
+              "gather_rows: shard [vocab_start, vocab_end) = [", vocab_start, ", ", vocab_end,
+              ") must satisfy 0 <= vocab_start <= vocab_end <= vocab_start + rows (", rows,
+              " table rows)");
+  const auto device = table.device();
+  TORCH_CHECK(ids.device() == device, "gather_rows: ids is on ", ids.device(),
+              " but table is on ", device);
+  TORCH_CHECK(output.device() == device, "gather_rows: output is on ", output.device(),
+              " but table is on ", device);
+  if (is_fp8(p.table_dtype)) {
+    TORCH_CHECK(scale.has_value(), "gather_rows: an fp8 table needs its per-tensor scale");
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() == 1,
+                "gather_rows: scale must be one float32 element, got ", scale->scalar_type(),
+                " with shape ", scale->sizes());
+    TORCH_CHECK(scale->device() == device, "gather_rows: scale is on ", scale->device(),
+                " but table is on ", device);
+    p.scale = scale->data_ptr<float>();
+  } else {
+    TORCH_CHECK(!scale.has_value(), "gather_rows: scale is only defined for fp8 tables, got a ",
+                table.scalar_type(), " table");
+    p.scale = nullptr;
+  }
+
+  p.table = table.data_ptr();
+  p.table_row_stride = table.stride(0);
+  p.rows = rows;
+  p.width = width;
+  p.ids = ids.data_ptr();
+  p.ids_row_stride = ids.stride(0);
+  p.ids_col_stride = ids.stride(1);
+  p.ids_int64 = ids.scalar_type() == at::kLong;
+  p.output = output.data_ptr();
+  p.output_row_stride = output.stride(0);
+  p.num_tokens = num_tokens;
+  p.num_heads = num_heads;
+  p.vocab_start = vocab_start;
+  p.vocab_end = vocab_end;
+  return p;
+}
+
+}  // namespace qwen4exp

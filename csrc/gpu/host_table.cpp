@@ -1,0 +1,87 @@
+// A GPU-visible view of a host (CPU) tensor, for tables too large for device memory: the GPU
+// reads the pinned host pages directly over PCIe (zero-copy, unified virtual addressing), and
+// gather_rows treats the view like any device tensor. SPEC.md §4.
+//
+// ROCm caveats (also in README.md):
+// - The device address of host memory comes from hip/cudaHostGetDevicePointer. On CUDA with UVA
+//   it equals the host address; on ROCm, for memory registered with hipHostRegister, it can
+//   differ, so the view is always built from the returned device pointer, never the host one.
+// - Register once. Registering pages that are already registered fails
+//   (hipErrorHostMemoryAlreadyRegistered), and unregistering while another view still uses the
+//   pages breaks that view. So: memory that is already pinned or registered (torch's
+//   pin_memory(), an earlier registration) is used as it is and never unregistered here; memory
+//   that we register is unregistered when the last reference to the view dies. Keep the view
+//   (not a fresh one per call) for the lifetime of the model: python/qwen4exp_ext/host_table.py
+//   caches it.
+// - Registration pins every page of the allocation, page by page: for a 51 GB (fp8) or 102 GB
+//   (bf16) table that takes seconds to tens of seconds and locks that much RAM (mind ulimit -l
+//   and the container's memory limit). Do it once at load time, never in the serving loop.
+// - The view must outlive every kernel that reads it: unregistering frees the mapping at once,
+//   with no stream ordering.
+#define QWEN4EXP_GPU_HOST_GLUE 1
+
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/all.h>
+
+#include "../hip/platform.h"
+
+#if defined(QWEN4EXP_CUDA)
+#define qwen4exp_HostGetDevicePointer cudaHostGetDevicePointer
+#define qwen4exp_HostRegister cudaHostRegister
+#define qwen4exp_HostUnregister cudaHostUnregister
+#define qwen4exp_HostRegisterFlags (cudaHostRegisterMapped | cudaHostRegisterPortable)
+#else
+#define qwen4exp_HostGetDevicePointer hipHostGetDevicePointer
+#define qwen4exp_HostRegister hipHostRegister
+#define qwen4exp_HostUnregister hipHostUnregister
+#define qwen4exp_HostRegisterFlags (hipHostRegisterMapped | hipHostRegisterPortable)
+#endif
+
+namespace qwen4exp {
+namespace {
+
+at::Tensor host_table_device_view(const at::Tensor& host, c10::Device device) {
+  TORCH_CHECK(host.device().is_cpu(), "host_table_device_view: host_table must be a CPU tensor, "
+              "got one on ", host.device());
+  TORCH_CHECK(device.is_cuda(), "host_table_device_view: device must be a CUDA/ROCm device, got ",
+              device);
+  TORCH_CHECK(host.storage().nbytes() > 0, "host_table_device_view: host_table is empty");
+  const c10::cuda::CUDAGuard device_guard(device);
+  void* host_base = host.storage().mutable_data();
+  const size_t bytes = host.storage().nbytes();
+
+  void* device_base = nullptr;
+  bool registered_here = false;
+  if (qwen4exp_HostGetDevicePointer(&device_base, host_base, 0) != hipSuccess) {
+    (void)hipGetLastError();  // not pinned yet: clear the sticky error and register
+    const hipError_t status = qwen4exp_HostRegister(host_base, bytes, qwen4exp_HostRegisterFlags);
+    TORCH_CHECK(status == hipSuccess, "host_table_device_view: registering ", bytes,
+                " bytes of host memory failed: ", hipGetErrorString(status),
+                " (locked-memory limit? already registered by someone else?)");
+    registered_here = true;
+    const hipError_t mapped = qwen4exp_HostGetDevicePointer(&device_base, host_base, 0);
+    if (mapped != hipSuccess) {
+      (void)qwen4exp_HostUnregister(host_base);
+      TORCH_CHECK(false, "host_table_device_view: no device address for registered host memory: ",
+                  hipGetErrorString(mapped));
+    }
+  }
+
+  // The view keeps the host storage alive, and unregisters what it registered when it dies.
+  c10::Storage keep_alive = host.storage();
+  auto release = [keep_alive, host_base, registered_here](void*) {
+    if (registered_here) (void)qwen4exp_HostUnregister(host_base);
+  };
+  char* data = static_cast<char*>(device_base) + host.storage_offset() * host.element_size();
+  return at::from_blob(data, host.sizes(), host.strides(), release, host.options().device(device),
+                       device);
+}
+
+}  // namespace
+}  // namespace qwen4exp
+
+// The input is a CPU tensor, so the op dispatches on CPU; this kernel exists only in GPU builds
+// (python/qwen4exp_ext/host_table.py says so clearly on a CPU-only build).
+TORCH_LIBRARY_IMPL(qwen4exp, CPU, m) {
+  m.impl("host_table_device_view", &qwen4exp::host_table_device_view);
+}

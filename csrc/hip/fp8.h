@@ -1,0 +1,112 @@
+// FP8 e4m3 decoding on raw bits, host and device, and the element conversions of gather_rows.
+//
+// Two e4m3 formats exist and both ship: e4m3fn (OCP; bias 7, no inf, S.1111.111 is NaN, used on
+// NVIDIA and MI350) and e4m3fnuz (bias 8, no inf, no -0, 0x80 is the only NaN, used on MI300).
+// Decoding is exact in fp32, so our fp32 value equals torch's `fp8.to(torch.float32)`. Neither
+// hip_fp8.h (absent from ROCm 5.2) nor cuda_fp8.h is needed.
+#pragma once
+
+#include "float16.h"
+#include "platform.h"
+
+namespace qwen4exp {
+
+QWEN4EXP_HD float fp8_e4m3fn_to_float(uint8_t b) {
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
+  const uint32_t exponent = (b >> 3) & 0xFu;
+  const uint32_t mantissa = b & 0x7u;
+  if (exponent == 0) {  // subnormal: m·2^-9, exact and normal in fp32
+    const float magnitude = static_cast<float>(mantissa) * 0.001953125f;
+    return bits_to_float(float_to_bits(magnitude) | sign);
+  }
+  if (exponent == 0xF && mantissa == 0x7) return bits_to_float(sign | 0x7FC00000u);
+  return bits_to_float(sign | ((exponent + 120u) << 23) | (mantissa << 20));
+}
+
+QWEN4EXP_HD float fp8_e4m3fnuz_to_float(uint8_t b) {
+  if (b == 0x80u) return bits_to_float(0x7FC00000u);
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
+  const uint32_t exponent = (b >> 3) & 0xFu;
+  const uint32_t mantissa = b & 0x7u;
+  if (exponent == 0) {  // subnormal: m·2^-10
+    const float magnitude = static_cast<float>(mantissa) * 0.0009765625f;
+    return bits_to_float(float_to_bits(magnitude) | sign);
+  }
+  return bits_to_float(sign | ((exponent + 119u) << 23) | (mantissa << 20));
+}
+
+// Storage formats of gather_rows (tables: all five; outputs: the first three).
+enum class GatherDtype : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2, kFp8E4M3FN = 3, kFp8E4M3FNUZ = 4 };
+
+constexpr bool is_fp8(GatherDtype t) {
+  return t == GatherDtype::kFp8E4M3FN || t == GatherDtype::kFp8E4M3FNUZ;
+}
+
+constexpr int dtype_bytes(GatherDtype t) {
+  return t == GatherDtype::kF32 ? 4 : (is_fp8(t) ? 1 : 2);
+}
+
+// The raw storage word of each format.
+template <GatherDtype T>
+struct StorageOf {
+  using type = uint16_t;
+};
+template <>
+struct StorageOf<GatherDtype::kF32> {
+  using type = float;
+};
+template <>
+struct StorageOf<GatherDtype::kFp8E4M3FN> {
+  using type = uint8_t;
+};
+template <>
+struct StorageOf<GatherDtype::kFp8E4M3FNUZ> {
+  using type = uint8_t;
+};
+template <GatherDtype T>
+using storage_t = typename StorageOf<T>::type;
+
+template <GatherDtype T>
+QWEN4EXP_HD float decode(storage_t<T> x) {
+  if constexpr (T == GatherDtype::kF32) {
+    return x;
+  } else if constexpr (T == GatherDtype::kBF16) {
+    return bf16_bits_to_float(x);
+  } else if constexpr (T == GatherDtype::kF16) {
+    return fp16_bits_to_float(x);
+  } else if constexpr (T == GatherDtype::kFp8E4M3FN) {
+    return fp8_e4m3fn_to_float(x);
+  } else {
+    return fp8_e4m3fnuz_to_float(x);
+  }
+}
+
+// Rounds an fp32 value into an output format (fp32, bf16 or fp16), as torch's `.to()` does.
+template <GatherDtype T>
+QWEN4EXP_HD storage_t<T> encode(float f) {
+  static_assert(!is_fp8(T), "gather_rows never writes fp8");
+  if constexpr (T == GatherDtype::kF32) {
+    return f;
+  } else if constexpr (T == GatherDtype::kBF16) {
+    return float_to_bf16_bits(f);
+  } else {
+    return float_to_fp16_bits(f);
+  }
+}
+
+// One element of an fp8 table in the output format: vLLM's eager `row.to(out) * scale.to(out)`.
+// The fp8 value is exact in every output format (4 significant bits, exponents within range), so
+// that product is round_out(float(x) · float(scale_out)); the fp32 product itself is exact for
+// bf16/fp16 scales (4 + 11 significant bits), and is what torch computes for an fp32 output.
+template <GatherDtype In, GatherDtype Out>
+QWEN4EXP_HD storage_t<Out> dequantize(uint8_t x, float scale_out) {
+  return encode<Out>(decode<In>(x) * scale_out);
+}
+
+// The per-tensor scale as torch rounds it to the output dtype, back in fp32.
+template <GatherDtype Out>
+QWEN4EXP_HD float round_scale(float scale) {
+  return decode<Out>(encode<Out>(scale));
+}
+
+}  // namespace qwen4exp

@@ -1,0 +1,54 @@
+// gather_rows (SPEC.md §4): the params struct shared by the CPU kernel, the HIP kernel and the
+// host glue, and the launcher of the HIP kernel. Torch-free.
+#pragma once
+
+#include "fp8.h"
+#include "platform.h"
+
+namespace qwen4exp {
+
+struct GatherRowsParams {
+  // Table [rows, d]: row r starts at element r·table_row_stride (rows are contiguous). On the GPU
+  // this may be the device address of pinned host memory (zero-copy over PCIe).
+  const void* table;
+  int64_t table_row_stride;  // elements
+  int64_t rows;
+  int64_t width;  // d
+  // Ids [T, NH], int32 or int64, any strides (elements).
+  const void* ids;
+  int64_t ids_row_stride;
+  int64_t ids_col_stride;
+  bool ids_int64;
+  // Output [T, NH·d]; head h of token t at element t·output_row_stride + h·d.
+  void* output;
+  int64_t output_row_stride;
+  // fp8 tables only: the per-tensor fp32 scale (one element, on the kernel's device).
+  const float* scale;
+  int64_t num_tokens;  // T
+  int64_t num_heads;   // NH
+  // Global ids in [vocab_start, vocab_end) read table[id - vocab_start]; 0 <= vocab_start <=
+  // vocab_end and vocab_end - vocab_start <= rows. Every other id gives a zero row.
+  int64_t vocab_start;
+  int64_t vocab_end;
+  GatherDtype table_dtype;
+  GatherDtype out_dtype;
+
+  QWEN4EXP_HD int64_t id_at(int64_t t, int64_t h) const {
+    const int64_t offset = t * ids_row_stride + h * ids_col_stride;
+    return ids_int64 ? static_cast<const int64_t*>(ids)[offset]
+                     : static_cast<int64_t>(static_cast<const int32_t*>(ids)[offset]);
+  }
+
+  // The local table row of a global id, or -1 when this table does not own it. The comparison
+  // comes before the subtraction, so no id value (INT64_MIN included) can overflow into range.
+  QWEN4EXP_HD int64_t local_row(int64_t id) const {
+    return (id >= vocab_start && id < vocab_end) ? id - vocab_start : int64_t{-1};
+  }
+};
+
+#if defined(QWEN4EXP_HIP) || defined(QWEN4EXP_CUDA)  // the CPU build sees only the params
+// Enqueues the gather on `stream`; returns the launch status. Expects T·NH·d > 0.
+hipError_t launch_gather_rows(const GatherRowsParams& p, hipStream_t stream);
+#endif
+
+}  // namespace qwen4exp

@@ -1,0 +1,238 @@
+// HIP kernel for gather_rows (SPEC.md §4). Compiled by hipcc for AMD and by nvcc (through
+// platform.h) for NVIDIA.
+//
+// The output [T, NH·d] is cut into 16-byte pieces of *table* row (8 bf16, 16 fp8, 4 fp32
+// elements): consecutive threads take consecutive pieces, so the d·size bytes of one row are read
+// by neighbouring lanes as one coalesced run and written likewise. Each thread first issues
+// kUnroll independent 16-byte loads (from up to kUnroll different rows) and only then converts and
+// stores: the gather is latency-bound, and loads in flight are what hide DRAM latency and, for a
+// table in pinned host memory, the ~1-2 µs of a PCIe read. Rows of an fp8 table are dequantised
+// through a 256-entry table of already-scaled, already-rounded outputs in shared memory, built
+// per block, the same values the CPU kernel produces.
+//
+// Ids are data: an id outside [vocab_start, vocab_end) writes a zero row and reads nothing, so no
+// id value can make the kernel read out of bounds. Table offsets are 64-bit (row·stride exceeds
+// 2^31 for the released 51.2-billion-element table); per-piece index math is 32-bit whenever the
+// piece count fits, because 64-bit integer division is a long software routine on GPUs.
+#include <cstring>
+
+#include "gather_rows.h"
+
+namespace qwen4exp {
+namespace {
+
+constexpr int kThreadsPerBlock = 256;
+
+// The one error code the launcher returns itself (an unknown dtype enum: unreachable from the glue).
+#if defined(QWEN4EXP_CUDA)
+constexpr hipError_t kInvalidValue = cudaErrorInvalidValue;
+#else
+constexpr hipError_t kInvalidValue = hipErrorInvalidValue;
+#endif
+constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread
+constexpr int kVecBytes = 16;
+
+struct alignas(16) Vec16 {
+  uint32_t word[4];
+};
+
+template <GatherDtype In, GatherDtype Out>
+struct PieceTraits {
+  using InT = storage_t<In>;
+  using OutT = storage_t<Out>;
+  static constexpr int kElems = kVecBytes / static_cast<int>(sizeof(InT));
+  static constexpr int kOutBytes = kElems * static_cast<int>(sizeof(OutT));  // 8, 16, 32 or 64
+};
+
+// Writes the kOutBytes of one converted piece (dst is kOutBytes-aligned: the host checks it).
+template <int kBytes>
+QWEN4EXP_DEVICE void store_piece(void* dst, const void* src) {
+  if constexpr (kBytes == 8) {
+    uint2 v;
+    memcpy(&v, src, 8);
+    *static_cast<uint2*>(dst) = v;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kBytes / kVecBytes; ++i) {
+      Vec16 v;
+      memcpy(&v, static_cast<const char*>(src) + i * kVecBytes, kVecBytes);
+      static_cast<Vec16*>(dst)[i] = v;
+    }
+  }
+}
+
+template <GatherDtype Out>
+struct DequantTable {
+  storage_t<Out> value[256];
+};
+
+// Index math type: 32-bit when the piece count fits, else 64-bit.
+template <typename Index, GatherDtype In, GatherDtype Out>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    gather_rows_vec_kernel(GatherRowsParams p, Index pieces_per_row, Index num_heads,
+                           Index total_pieces) {
+  using Traits = PieceTraits<In, Out>;
+  using InT = typename Traits::InT;
+  using OutT = typename Traits::OutT;
+  constexpr int kElems = Traits::kElems;
+
+  __shared__ DequantTable<Out> lut;
+  if constexpr (is_fp8(In)) {
+    const float scale_out = round_scale<Out>(*p.scale);
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) {
+      lut.value[b] = dequantize<In, Out>(static_cast<uint8_t>(b), scale_out);
+    }
+    __syncthreads();
+  }
+
+  const char* table = static_cast<const char*>(p.table);
+  const int64_t table_row_bytes = p.table_row_stride * static_cast<int64_t>(sizeof(InT));
+  const Index per_block = static_cast<Index>(kThreadsPerBlock * kUnroll);
+  for (Index base = static_cast<Index>(blockIdx.x) * per_block + static_cast<Index>(threadIdx.x);
+       base < total_pieces; base += static_cast<Index>(gridDim.x) * per_block) {
+    Vec16 data[kUnroll];
+    OutT* dst[kUnroll];
+    bool owned[kUnroll];
+    // Phase 1: all loads first.
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const Index v = base + static_cast<Index>(u * kThreadsPerBlock);
+      dst[u] = nullptr;
+      owned[u] = false;
+      data[u] = Vec16{};
+      if (v < total_pieces) {
+        const Index item = v / pieces_per_row;
+        const Index piece = v - item * pieces_per_row;
+        const Index t = item / num_heads;
+        const Index h = item - t * num_heads;
+        const int64_t row = p.local_row(p.id_at(t, h));
+        dst[u] = static_cast<OutT*>(p.output) + static_cast<int64_t>(t) * p.output_row_stride +
+                 static_cast<int64_t>(h) * p.width + static_cast<int64_t>(piece) * kElems;
+        if (row >= 0) {
+          owned[u] = true;
+          data[u] = *reinterpret_cast<const Vec16*>(table + row * table_row_bytes +
+                                                     static_cast<int64_t>(piece) * kVecBytes);
+        }
+      }
+    }
+    // Phase 2: convert and store.
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (dst[u] == nullptr) continue;
+      OutT converted[kElems];
+      if (!owned[u]) {
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) converted[e] = encode<Out>(0.0f);
+      } else if constexpr (In == Out) {
+        memcpy(converted, &data[u], kVecBytes);
+      } else {
+        InT raw[kElems];
+        memcpy(raw, &data[u], kVecBytes);
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) {
+          if constexpr (is_fp8(In)) {
+            converted[e] = lut.value[raw[e]];
+          } else {
+            converted[e] = encode<Out>(decode<In>(raw[e]));
+          }
+        }
+      }
+      store_piece<Traits::kOutBytes>(dst[u], converted);
+    }
+  }
+}
+
+// Fallback for tables or outputs whose rows are not 16-byte aligned pieces: one thread per
+// output element, 64-bit index math. Correct for every layout the host accepts, not tuned.
+template <GatherDtype In, GatherDtype Out>
+__global__ void __launch_bounds__(kThreadsPerBlock) gather_rows_scalar_kernel(GatherRowsParams p) {
+  using InT = storage_t<In>;
+  using OutT = storage_t<Out>;
+  float scale_out = 0.0f;
+  if constexpr (is_fp8(In)) scale_out = round_scale<Out>(*p.scale);
+  const int64_t total = p.num_tokens * p.num_heads * p.width;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreadsPerBlock;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * kThreadsPerBlock + threadIdx.x; e < total;
+       e += stride) {
+    const int64_t item = e / p.width;
+    const int64_t c = e - item * p.width;
+    const int64_t t = item / p.num_heads;
+    const int64_t h = item - t * p.num_heads;
+    const int64_t row = p.local_row(p.id_at(t, h));
+    OutT value = encode<Out>(0.0f);
+    if (row >= 0) {
+      const InT x = static_cast<const InT*>(p.table)[row * p.table_row_stride + c];
+      if constexpr (is_fp8(In)) {
+        value = dequantize<In, Out>(x, scale_out);
+      } else {
+        value = encode<Out>(decode<In>(x));
+      }
+    }
+    static_cast<OutT*>(p.output)[t * p.output_row_stride + h * p.width + c] = value;
+  }
+}
+
+bool aligned(const void* ptr, int64_t bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(bytes) == 0;
+}
+
+unsigned grid_for(int64_t work, int64_t per_block) {
+  // Enough blocks to cover the work once; the grid-stride loops take any remainder.
+  const int64_t blocks = (work + per_block - 1) / per_block;
+  return static_cast<unsigned>(blocks < (int64_t{1} << 20) ? blocks : (int64_t{1} << 20));
+}
+
+template <GatherDtype In, GatherDtype Out>
+hipError_t launch_typed(const GatherRowsParams& p, hipStream_t stream) {
+  using Traits = PieceTraits<In, Out>;
+  const int64_t in_size = static_cast<int64_t>(sizeof(typename Traits::InT));
+  const int64_t out_size = static_cast<int64_t>(sizeof(typename Traits::OutT));
+  const int64_t out_align = Traits::kOutBytes < kVecBytes ? Traits::kOutBytes : kVecBytes;
+  const bool vectorizable = (p.width * in_size) % kVecBytes == 0 && aligned(p.table, kVecBytes) &&
+                            (p.table_row_stride * in_size) % kVecBytes == 0 &&
+                            aligned(p.output, out_align) &&
+                            (p.output_row_stride * out_size) % out_align == 0;
+  if (vectorizable) {
+    const int64_t pieces_per_row = p.width * in_size / kVecBytes;
+    const int64_t total = p.num_tokens * p.num_heads * pieces_per_row;
+    const unsigned blocks = grid_for(total, int64_t{kThreadsPerBlock} * kUnroll);
+    if (total < (int64_t{1} << 31) - int64_t{kThreadsPerBlock} * kUnroll * (int64_t{1} << 20)) {
+      gather_rows_vec_kernel<uint32_t, In, Out><<<blocks, kThreadsPerBlock, 0, stream>>>(
+          p, static_cast<uint32_t>(pieces_per_row), static_cast<uint32_t>(p.num_heads),
+          static_cast<uint32_t>(total));
+    } else {
+      gather_rows_vec_kernel<int64_t, In, Out><<<blocks, kThreadsPerBlock, 0, stream>>>(
+          p, pieces_per_row, p.num_heads, total);
+    }
+  } else {
+    const int64_t total = p.num_tokens * p.num_heads * p.width;
+    gather_rows_scalar_kernel<In, Out>
+        <<<grid_for(total, kThreadsPerBlock), kThreadsPerBlock, 0, stream>>>(p);
+  }
+  return hipGetLastError();
+}
+
+template <GatherDtype In>
+hipError_t launch_out(const GatherRowsParams& p, hipStream_t stream) {
+  switch (p.out_dtype) {
+    case GatherDtype::kF32: return launch_typed<In, GatherDtype::kF32>(p, stream);
+    case GatherDtype::kBF16: return launch_typed<In, GatherDtype::kBF16>(p, stream);
+    case GatherDtype::kF16: return launch_typed<In, GatherDtype::kF16>(p, stream);
+    default: return kInvalidValue;
+  }
+}
+
+}  // namespace
+
+hipError_t launch_gather_rows(const GatherRowsParams& p, hipStream_t stream) {
+  switch (p.table_dtype) {
+    case GatherDtype::kF32: return launch_out<GatherDtype::kF32>(p, stream);
+    case GatherDtype::kBF16: return launch_out<GatherDtype::kBF16>(p, stream);
+    case GatherDtype::kF16: return launch_out<GatherDtype::kF16>(p, stream);
+    case GatherDtype::kFp8E4M3FN: return launch_out<GatherDtype::kFp8E4M3FN>(p, stream);
+    case GatherDtype::kFp8E4M3FNUZ: return launch_out<GatherDtype::kFp8E4M3FNUZ>(p, stream);
+  }
+  return kInvalidValue;
+}
+
+}  // namespace qwen4exp

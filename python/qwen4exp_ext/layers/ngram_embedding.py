@@ -1,0 +1,316 @@
+"""The hashed n-gram embedding of one PLE layer (SPEC.md §2-§4; seed 000's
+``Qwen4ExpNGramEmbedding``), on our kernels: ``ngram_ids`` then ``gather_rows``.
+
+The table ([R_pad, d], R_pad = 320,001,536 rows for the released layer) can be placed
+
+- ``"device"``: in device memory (or CPU memory when ``device`` is the CPU);
+- ``"pinned"``: in host memory, registered once and read by the GPU over PCIe
+  (:func:`qwen4exp_ext.host_table.device_view`); ids and outputs live on the GPU;
+- ``"cpu"``: in host memory on huge pages, gathered by the CPU kernel.
+
+With ``shard=(rank, world_size)`` this rank holds only its block of rows
+(:func:`qwen4exp_ext.sharding.shard_bounds`) and ``forward`` sums the ranks' partial lookups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from qwen4exp_ext import layout, ops, sharding
+from qwen4exp_ext.host_table import device_view, empty_host_table
+
+__all__ = ["NGramEmbedding"]
+
+Placement = Literal["device", "pinned", "cpu"]
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+BUFFER_NAMES = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
+SHARD_PREFIX = "ngram_embedding.shard_"
+WEIGHT_NAME = "ngram_embedding.weight"
+SCALE_NAME = "ngram_embedding.weight_scale"
+
+
+class NGramEmbedding(nn.Module):
+    """Hashed n-gram rows of every token, concatenated over the NH heads: [T, D_e].
+
+    ``config`` carries the Qwen4Exp text-config fields (``vocab_size``, ``ngram_size``,
+    ``heads_per_ngram``, ``ple_embed_dim``, ``ngram_vocab_size_base``,
+    ``make_ngram_vocab_size_divisible_by``, ``eos_token_id``, and optionally ``seed`` = 1234 and
+    ``split_ngram_parts`` = 512). ``layer_index`` is the dense PLE layer index L. ``dtype`` is
+    the table's storage (fp32/bf16/fp16/fp8 e4m3fn/e4m3fnuz; fp8 tables carry a per-tensor fp32
+    ``weight_scale``); ``out_dtype`` that of the embeddings (default: the table's, bf16 for fp8).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_index: int = 0,
+        *,
+        placement: Placement = "device",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        out_dtype: torch.dtype | None = None,
+        shard: tuple[int, int] | None = None,
+        process_group: Any = None,
+        reduce: Literal["all_reduce", "reduce_scatter"] = "all_reduce",
+    ) -> None:
+        super().__init__()
+        self.ngram_size = int(config.ngram_size)
+        self.heads_per_ngram = int(config.heads_per_ngram)
+        if self.ngram_size < 2:
+            raise ValueError(f"ngram_size must be >= 2, got {self.ngram_size}")
+        if self.heads_per_ngram <= 0:
+            raise ValueError(f"heads_per_ngram must be > 0, got {self.heads_per_ngram}")
+        self.ngram_heads = (self.ngram_size - 1) * self.heads_per_ngram
+        self.embedding_dim = int(config.ple_embed_dim)
+        if self.embedding_dim % self.ngram_heads:
+            raise ValueError(
+                "ple_embed_dim must be divisible by the number of n-gram heads: "
+                f"{self.embedding_dim} % {self.ngram_heads} != 0"
+            )
+        self.head_dim = self.embedding_dim // self.ngram_heads
+        self.eos_token_id = int(config.eos_token_id)
+        self.split_ngram_parts = int(getattr(config, "split_ngram_parts", 512))
+        if self.split_ngram_parts <= 0:
+            raise ValueError("split_ngram_parts must be positive")
+        if placement not in ("device", "pinned", "cpu"):
+            raise ValueError(f"placement must be 'device', 'pinned' or 'cpu', got {placement!r}")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16, *FP8_DTYPES):
+            raise ValueError(f"unsupported table dtype {dtype}")
+        if reduce not in ("all_reduce", "reduce_scatter"):
+            raise ValueError(f"reduce must be 'all_reduce' or 'reduce_scatter', got {reduce!r}")
+        self.placement = placement
+        self.table_dtype = dtype
+        self.out_dtype = out_dtype or (torch.bfloat16 if dtype in FP8_DTYPES else dtype)
+        self.process_group = process_group
+        self.reduce = reduce
+
+        multipliers = layout.layer_multipliers(
+            int(config.vocab_size),
+            self.ngram_size,
+            int(getattr(config, "seed", 1234)),
+            layer_index,
+        )
+        heads = layout.head_vocab_layout(
+            int(config.ngram_vocab_size_base),
+            self.ngram_heads,
+            layer_index,
+            int(config.make_ngram_vocab_size_divisible_by),
+        )
+        self.num_rows = heads.padded_rows  # R_pad: the checkpoint's row count
+        if shard is None:
+            self.rank, self.world_size = 0, 1
+        else:
+            self.rank, self.world_size = (int(x) for x in shard)
+        self.vocab_start, self.vocab_end = sharding.shard_bounds(
+            self.num_rows, self.rank, self.world_size
+        )
+
+        # Small metadata lives with the ids (the GPU for "device" on a GPU and "pinned").
+        if placement == "cpu":
+            compute_device = torch.device("cpu")
+        elif device is not None:
+            compute_device = torch.device(device)
+        elif placement == "pinned":
+            compute_device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            compute_device = torch.device("cpu")
+        if placement == "pinned" and compute_device.type != "cuda":
+            raise ValueError(f"placement='pinned' needs a CUDA/ROCm device, got {compute_device}")
+        self.register_buffer(
+            "layer_multipliers", torch.tensor(multipliers, dtype=torch.int64, device=compute_device)
+        )
+        self.register_buffer(
+            "ngram_heads_vocab_sizes",
+            torch.tensor(heads.sizes, dtype=torch.int64, device=compute_device),
+        )
+        self.register_buffer(
+            "ngram_heads_offsets",
+            torch.tensor(heads.offsets, dtype=torch.int64, device=compute_device),
+        )
+
+        local_rows = self.vocab_end - self.vocab_start
+        if placement == "device" and compute_device.type != "cpu":
+            table = torch.zeros(local_rows, self.head_dim, dtype=dtype, device=compute_device)
+        else:
+            # Host tables on huge pages; zero-filled here (first touch), loaded later.
+            table = empty_host_table(local_rows, self.head_dim, dtype)
+            table.view(torch.uint8).zero_()
+        self.weight = nn.Parameter(table, requires_grad=False)
+        self.weight_scale: torch.Tensor | None
+        if dtype in FP8_DTYPES:
+            self.register_buffer(
+                "weight_scale", torch.ones(1, dtype=torch.float32, device=compute_device)
+            )
+        else:
+            self.weight_scale = None
+        self._device_table = device_view(table) if placement == "pinned" else None
+
+    # --- forward -------------------------------------------------------------------------------
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The table the kernel reads (the device view of a pinned table)."""
+        return self._device_table if self._device_table is not None else self.weight
+
+    def lookup(self, ngram_ids: torch.Tensor, *, reduce: bool = True) -> torch.Tensor:
+        """Rows of precomputed ids [T, NH] → [T, D_e] (this rank's partial sum if not reduced)."""
+        out = ops.gather_rows(
+            self.table,
+            ngram_ids,
+            scale=self.weight_scale,
+            vocab_start=self.vocab_start,
+            vocab_end=self.vocab_end,
+            out_dtype=self.out_dtype,
+        )
+        if not reduce or self.world_size == 1:
+            return out
+        if self.reduce == "reduce_scatter":
+            return sharding.reduce_scatter_embeddings(out, self.process_group)
+        return sharding.all_reduce_embeddings(out, self.process_group)
+
+    def forward(
+        self, input_ids: torch.Tensor, query_start_loc: torch.Tensor, ngram_context: torch.Tensor
+    ) -> torch.Tensor:
+        ids = ops.ngram_ids(
+            input_ids.reshape(-1),
+            query_start_loc,
+            ngram_context,
+            self.layer_multipliers,
+            self.ngram_heads_vocab_sizes,
+            self.ngram_heads_offsets,
+            self.eos_token_id,
+            self.heads_per_ngram,
+        )
+        return self.lookup(ids)
+
+    # --- checkpoint loading (seed 000 ``load_weights``) ----------------------------------------
+
+    def _checkpoint_shard_rows(self, shard_index: int) -> tuple[int, int]:
+        """(first global row, row count) of checkpoint shard ``shard_index``."""
+        if shard_index >= self.split_ngram_parts:
+            raise ValueError(
+                f"PLE embedding shard index {shard_index} exceeds "
+                f"split_ngram_parts={self.split_ngram_parts}"
+            )
+        shard_size = -(-self.num_rows // self.split_ngram_parts)
+        start = shard_index * shard_size
+        return start, max(0, min(shard_size, self.num_rows - start))
+
+    @staticmethod
+    def _shard_index(name: str) -> int | None:
+        if not (name.startswith(SHARD_PREFIX) and name.endswith(".weight")):
+            return None
+        text = name[len(SHARD_PREFIX) : -len(".weight")]
+        return int(text) if text.isdigit() else None
+
+    def _copy_rows(self, global_start: int, rows: torch.Tensor) -> None:
+        """Copies checkpoint rows [global_start, global_start + len) that this rank owns."""
+        lo = max(global_start, self.vocab_start)
+        hi = min(global_start + rows.shape[0], self.vocab_end)
+        if lo >= hi:
+            return
+        src = rows[lo - global_start : hi - global_start]
+        if self.table_dtype in FP8_DTYPES and src.dtype != self.table_dtype:
+            raise ValueError(
+                f"PLE embedding rows are {src.dtype} but the table is {self.table_dtype}; "
+                "an fp8 table loads fp8 rows of the same format (with their weight_scale)"
+            )
+        if src.dtype in FP8_DTYPES and src.dtype != self.table_dtype:
+            raise ValueError(
+                f"PLE embedding rows are {src.dtype} but the table is {self.table_dtype}"
+            )
+        with torch.no_grad():
+            self.weight[lo - self.vocab_start : hi - self.vocab_start].copy_(src)
+
+    def _check_shard(self, name: str, shard_index: int, shape: Sequence[int]) -> int:
+        start, expected_rows = self._checkpoint_shard_rows(shard_index)
+        expected = (expected_rows, self.head_dim)
+        if tuple(shape) != expected:
+            raise ValueError(
+                f"Shape mismatch for PLE embedding shard {shard_index} ({name}): expected "
+                f"{expected}, got {tuple(shape)}"
+            )
+        return start
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Loads hash buffers (exact int64), checkpoint-split table rows and the fp8 scale.
+
+        ``hashstats_*`` and ``token_lookup`` tensors are skipped; every other mismatch — a shard
+        index >= split_ngram_parts, a wrong shard or buffer shape, a float buffer, an unknown
+        name — is an error. Returns the names loaded (``ngram_embedding.weight`` for the rows).
+        Tensors are consumed one at a time, so a lazy iterator never holds the table twice.
+        """
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf.startswith("hashstats_") or leaf == "token_lookup":
+                continue
+            if name in BUFFER_NAMES:
+                self._load_buffer(name, tensor)
+                loaded.add(name)
+                continue
+            shard_index = self._shard_index(name)
+            if shard_index is not None:
+                start = self._check_shard(name, shard_index, tensor.shape)
+                self._copy_rows(start, tensor)
+                loaded.add(WEIGHT_NAME)
+                continue
+            if name == SCALE_NAME:
+                self._load_scale(tensor)
+                loaded.add(name)
+                continue
+            raise ValueError(f"NGramEmbedding.load_weights: unexpected checkpoint tensor {name!r}")
+        return loaded
+
+    def _load_buffer(self, name: str, tensor: torch.Tensor) -> None:
+        buffer = getattr(self, name)
+        if tuple(buffer.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"Shape mismatch for {name}: expected {tuple(buffer.shape)}, "
+                f"got {tuple(tensor.shape)}"
+            )
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+            raise ValueError(
+                f"{name} must be an integer tensor (int64 hash constants), got {tensor.dtype}"
+            )
+        buffer.copy_(tensor.to(dtype=torch.int64).to(buffer.device))
+
+    def _load_scale(self, tensor: torch.Tensor) -> None:
+        if self.weight_scale is None:
+            raise ValueError(f"{SCALE_NAME} given, but the table is {self.table_dtype}, not fp8")
+        if tensor.numel() != 1 or not tensor.dtype.is_floating_point:
+            raise ValueError(
+                f"{SCALE_NAME} must be one float element, got {tensor.dtype} {tuple(tensor.shape)}"
+            )
+        self.weight_scale.copy_(tensor.reshape(1).to(torch.float32))
+
+    def load_safetensors(self, files: Iterable[str | Path], prefix: str = "") -> set[str]:
+        """Loads from safetensors files, reading only the rows this rank owns (memory-mapped
+        slices, one checkpoint shard at a time): the table is never in memory twice.
+        ``prefix`` (e.g. ``"model.layers.3.ple."``) is stripped; other tensors are ignored."""
+        from safetensors import safe_open
+
+        loaded: set[str] = set()
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    if not key.startswith(prefix):
+                        continue
+                    name = key[len(prefix) :]
+                    shard_index = self._shard_index(name)
+                    if shard_index is None:
+                        loaded |= self.load_weights([(name, f.get_tensor(key))])
+                        continue
+                    piece = f.get_slice(key)
+                    start = self._check_shard(name, shard_index, piece.get_shape())
+                    lo = max(start, self.vocab_start)
+                    hi = min(start + piece.get_shape()[0], self.vocab_end)
+                    if lo < hi:
+                        self._copy_rows(lo, piece[lo - start : hi - start])
+                    loaded.add(WEIGHT_NAME)
+        return loaded
