@@ -28,6 +28,24 @@ TORCH_LIBRARY(qwen4exp, m) {
   // a view of it on `device` (hip/cudaHostGetDevicePointer) that kernels read over PCIe. GPU
   // builds only (csrc/gpu/host_table.cpp).
   m.def("host_table_device_view(Tensor host_table, Device device) -> Tensor");
+  // SPEC §5. Returns (gated, conv_input), [T, C] in hidden's dtype. rounding "vllm" reproduces
+  // vLLM 0.33.0's rounding points; "fp32" is the fast single pass (fp32 intermediates).
+  m.def(
+      "ple_gate(Tensor key, Tensor value, Tensor hidden, Tensor norm_key_w, Tensor norm_query_w, "
+      "Tensor norm_conv_w, float eps, str rounding=\"vllm\") -> (Tensor, Tensor)");
+  // The same into preallocated [T, C] outputs (row-major views), as vLLM's callers reuse buffers.
+  m.def(
+      "ple_gate_out(Tensor key, Tensor value, Tensor hidden, Tensor norm_key_w, "
+      "Tensor norm_query_w, Tensor norm_conv_w, float eps, str rounding=\"vllm\", *, "
+      "Tensor(a!) gated, Tensor(b!) conv_input) -> ()");
+  // SPEC §6. Writes the activated conv (plus the fused residuals) into `residual` and advances
+  // `conv_state`; conv_mode is "decode", "prefill" or "spec" (vLLM's `mode`: the schema cannot
+  // name an argument `mode`, which torch's functionalization wrappers take for themselves).
+  m.def(
+      "ple_conv(Tensor inputs, Tensor(a!) residual, Tensor(b!) conv_state, Tensor conv_weights, "
+      "Tensor state_indices, Tensor? outer_residual, *, str conv_mode, int dilation, "
+      "Tensor? query_start_loc=None, Tensor? num_accepted_tokens=None, "
+      "Tensor? has_initial_states=None, int spec_query_len=1, Tensor? token_indices=None) -> ()");
   // What was compiled into this binary (backends, GPU archs, torch version), as JSON. Baked in at
   // build time so it cannot disagree with the binary that is loaded.
   m.def("build_info() -> str", []() -> std::string { return QWEN4EXP_BUILD_INFO_JSON; });

@@ -97,6 +97,216 @@ def _ngram_ids_fake(
     return None
 
 
+# ---- ple_gate (SPEC §5) and ple_conv (SPEC §6) -------------------------------------------------
+
+__all__ += ["ple_conv", "ple_gate"]
+
+_ple_gate_op = torch.ops.qwen4exp.ple_gate.default
+_ple_gate_out_op = torch.ops.qwen4exp.ple_gate_out.default
+_ple_conv_op = torch.ops.qwen4exp.ple_conv.default
+_PLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def ple_gate(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    hidden: torch.Tensor,
+    norm_key_w: torch.Tensor,
+    norm_query_w: torch.Tensor,
+    norm_conv_w: torch.Tensor,
+    eps: float,
+    *,
+    rounding: str = "vllm",
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context-aware gate of every hyper-connection stream, SPEC.md §5 (vLLM's ``ple_gate``).
+
+    key [T, C] and value [T, H] (row-major views, e.g. column slices of one [T, C+H]
+    projection), hidden [T, C], norm weights [C] (fp32 or the activations' dtype), activations
+    fp32/bf16/fp16. Returns (gated, conv_input), [T, C] contiguous in hidden's dtype.
+
+    ``rounding="vllm"`` (default) rounds to the storage dtype where vLLM 0.33.0's kernel does
+    (normed key and query, products, dot, d, |d|^½, g, gated): fp16 results equal vLLM's kernel
+    bit for bit (as run by Triton's interpreter). ``rounding="fp32"`` is the fast single pass:
+    fp32 intermediates, one fused weight (1+w_q)(1+w_k), one Σvalue² per token for all streams;
+    its tolerance against the fp32 reference is stated and tested in tests/test_ple_gate.py.
+
+    ``out=(gated, conv_input)`` writes into preallocated [T, C] row-major views instead of new
+    tensors (and returns them), as vLLM's callers reuse buffers.
+    """
+    if out is None:
+        return _ple_gate_op(
+            key, value, hidden, norm_key_w, norm_query_w, norm_conv_w, float(eps), rounding
+        )
+    gated, conv_input = out
+    _ple_gate_out_op(
+        key,
+        value,
+        hidden,
+        norm_key_w,
+        norm_query_w,
+        norm_conv_w,
+        float(eps),
+        rounding,
+        gated=gated,
+        conv_input=conv_input,
+    )
+    return gated, conv_input
+
+
+@torch.library.register_fake("qwen4exp::ple_gate")
+def _ple_gate_fake(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    hidden: torch.Tensor,
+    norm_key_w: torch.Tensor,
+    norm_query_w: torch.Tensor,
+    norm_conv_w: torch.Tensor,
+    eps: float,
+    rounding: str = "vllm",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_same_device(
+        "ple_gate",
+        hidden=hidden,
+        key=key,
+        value=value,
+        norm_key_w=norm_key_w,
+        norm_query_w=norm_query_w,
+        norm_conv_w=norm_conv_w,
+    )
+    torch._check(rounding in ("vllm", "fp32"), lambda: "ple_gate: rounding must be vllm or fp32")
+    torch._check(hidden.dim() == 2, lambda: "ple_gate: hidden must be 2-D [T, C]")
+    torch._check(hidden.dtype in _PLE_DTYPES, lambda: "ple_gate: unsupported dtype")
+    torch._check(
+        key.dtype == hidden.dtype and value.dtype == hidden.dtype,
+        lambda: "ple_gate: key, value and hidden must share a dtype",
+    )
+    torch._check(key.shape == hidden.shape, lambda: "ple_gate: key must be [T, C]")
+    torch._check(
+        value.dim() == 2 and value.shape[0] == hidden.shape[0],
+        lambda: "ple_gate: value must be [T, H]",
+    )
+    torch._check(
+        hidden.shape[1] % value.shape[1] == 0, lambda: "ple_gate: C must be a multiple of H"
+    )
+    return hidden.new_empty(hidden.shape), hidden.new_empty(hidden.shape)
+
+
+@torch.library.register_fake("qwen4exp::ple_gate_out")
+def _ple_gate_out_fake(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    hidden: torch.Tensor,
+    norm_key_w: torch.Tensor,
+    norm_query_w: torch.Tensor,
+    norm_conv_w: torch.Tensor,
+    eps: float,
+    rounding: str = "vllm",
+    *,
+    gated: torch.Tensor,
+    conv_input: torch.Tensor,
+) -> None:
+    _ple_gate_fake(key, value, hidden, norm_key_w, norm_query_w, norm_conv_w, eps, rounding)
+    _check_same_device("ple_gate", hidden=hidden, gated=gated, conv_input=conv_input)
+    for name, t in (("gated", gated), ("conv_input", conv_input)):
+        torch._check(
+            t.shape == hidden.shape and t.dtype == hidden.dtype,
+            lambda name=name: f"ple_gate: {name} must be [T, C] in hidden's dtype",
+        )
+    return None
+
+
+def ple_conv(
+    inputs: torch.Tensor,
+    residual: torch.Tensor,
+    conv_state: torch.Tensor,
+    conv_weights: torch.Tensor,
+    state_indices: torch.Tensor,
+    outer_residual: torch.Tensor | None,
+    *,
+    mode: str,
+    dilation: int,
+    query_start_loc: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    has_initial_states: torch.Tensor | None = None,
+    spec_query_len: int = 1,
+    token_indices: torch.Tensor | None = None,
+) -> None:
+    """Dilated causal depthwise conv + SiLU with per-request state, SPEC.md §6 (vLLM's
+    ``ple_conv``, same signature and results). Mutates ``residual`` and ``conv_state``.
+
+    inputs/residual/outer_residual [T, C] (row-major views), conv_state [slots, C, W] with any
+    strides (vLLM's window-first or dim-first storage), conv_weights [C, K] (fp32 or the
+    inputs' dtype), K <= 8, dilation <= 8, mode "decode" | "prefill" | "spec". Slot 0 is the
+    null slot (never read or written). With ``outer_residual``: residual <- round(round(residual
+    + round(y)) + outer_residual); without: residual <- y. On CPU, out-of-range slots, token
+    indices or query starts raise before anything is written; on a GPU (where the host cannot see
+    the data) such rows are skipped: their state is left alone and nothing is read out of bounds.
+    """
+    _ple_conv_op(
+        inputs,
+        residual,
+        conv_state,
+        conv_weights,
+        state_indices,
+        outer_residual,
+        conv_mode=mode,
+        dilation=int(dilation),
+        query_start_loc=query_start_loc,
+        num_accepted_tokens=num_accepted_tokens,
+        has_initial_states=has_initial_states,
+        spec_query_len=int(spec_query_len),
+        token_indices=token_indices,
+    )
+
+
+@torch.library.register_fake("qwen4exp::ple_conv")
+def _ple_conv_fake(
+    inputs: torch.Tensor,
+    residual: torch.Tensor,
+    conv_state: torch.Tensor,
+    conv_weights: torch.Tensor,
+    state_indices: torch.Tensor,
+    outer_residual: torch.Tensor | None,
+    *,
+    conv_mode: str,
+    dilation: int,
+    query_start_loc: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    has_initial_states: torch.Tensor | None = None,
+    spec_query_len: int = 1,
+    token_indices: torch.Tensor | None = None,
+) -> None:
+    optional = {
+        "outer_residual": outer_residual,
+        "query_start_loc": query_start_loc,
+        "num_accepted_tokens": num_accepted_tokens,
+        "has_initial_states": has_initial_states,
+        "token_indices": token_indices,
+    }
+    _check_same_device(
+        "ple_conv",
+        inputs=inputs,
+        residual=residual,
+        conv_state=conv_state,
+        conv_weights=conv_weights,
+        state_indices=state_indices,
+        **{name: t for name, t in optional.items() if t is not None},
+    )
+    torch._check(
+        conv_mode in ("decode", "prefill", "spec"),
+        lambda: "ple_conv: mode must be decode, prefill or spec",
+    )
+    torch._check(inputs.dim() == 2, lambda: "ple_conv: inputs must be 2-D [T, C]")
+    torch._check(residual.shape == inputs.shape, lambda: "ple_conv: residual must match inputs")
+    torch._check(conv_state.dim() == 3, lambda: "ple_conv: conv_state must be [slots, C, W]")
+    torch._check(
+        conv_weights.dim() == 2 and conv_weights.shape[0] == inputs.shape[1],
+        lambda: "ple_conv: conv_weights must be [C, K]",
+    )
+    return None
+
+
 # ---- gather_rows (SPEC §4) -------------------------------------------------------------------
 
 __all__ += ["gather_rows"]

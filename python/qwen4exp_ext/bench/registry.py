@@ -16,6 +16,8 @@ import torch
 OP_MODULES: dict[str, str] = {
     "ngram_ids": "qwen4exp_ext.bench.ngram_ids",
     "gather": "qwen4exp_ext.bench.gather",
+    "gate": "qwen4exp_ext.bench.gate",
+    "conv": "qwen4exp_ext.bench.conv",
 }
 
 

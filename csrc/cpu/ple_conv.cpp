@@ -1,0 +1,469 @@
+// CPU kernel for ple_conv (SPEC.md §6).
+//
+// One pass over the tokens computes every output from the *old* state (parallel over tokens;
+// per token the K taps are row pointers — an input row, a state column or a zero row — and the
+// channel loop runs over chunks of 512 channels, vectorised); prefill and spec then write the
+// new state back per request. Decode fuses the state shift into the token's own pass: a token
+// is a request, so no other token reads its slot.
+//
+// Arithmetic follows vLLM 0.33.0's `_ple_conv_kernel` step by step: fp32 taps accumulated in
+// order k = 0..K-1 from +0 (products rounded before the add), the sum rounded to the storage
+// dtype, SiLU as x·(1/(1+exp(-x))) in fp32, then the fused residuals with their two roundings.
+// For bf16/fp16 the SiLU of the rounded sum is a function of 16 bits: a 65536-entry table, built
+// once with a correctly rounded exp, replaces the exp in the hot loop; fp32 uses a vectorised
+// polynomial exp.
+//
+// Every index the data supplies is validated before any write (slots, token map, query starts),
+// so a bad batch raises and leaves residual and conv_state untouched.
+
+// Products must be rounded before they are added, as vLLM and PyTorch compute; GCC would
+// otherwise contract a*b+c into an FMA in the AVX2/AVX-512 clones. Set before any include so
+// that every inline function shares the option (GCC does not inline across differing options).
+#if defined(__GNUC__) && !defined(__clang__) && !defined(QWEN4EXP_TEST_NOPRAGMA)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include <ATen/Parallel.h>
+#include <torch/all.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "../ple_conv_args.h"
+#include "simd.h"
+
+namespace qwen4exp {
+namespace {
+
+constexpr int kChunk = 512;
+
+// ---- SiLU -------------------------------------------------------------------------------------
+
+// round_T(SiLU(x)), back in fp32, for every 16-bit pattern x of T: vLLM's fp32 formula with a
+// correctly rounded exp, computed once. The hot loop of a 16-bit conv looks its SiLU up here.
+template <typename T>
+const float* silu_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(65536);
+    for (uint32_t bits = 0; bits < 65536; ++bits) {
+      const float x = to_float(T{static_cast<uint16_t>(bits)});
+      const float e = static_cast<float>(std::exp(-static_cast<double>(x)));
+      t[bits] = round_to<T>(x * (1.0f / (1.0f + e)));
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// exp on eight fp32 lanes for the fp32 path: Cephes' expf polynomial (~1 ulp), IEEE overflow to
+// inf past ln(FLT_MAX); below -87 it returns exp(-87) (SiLU only adds it to 1, where anything
+// under 2^-24 vanishes). (Its SiLU rounded to bf16 or fp16 would even be exact for all 65536
+// inputs of either type, but the division makes it slower there than the table.)
+QWEN4EXP_ALWAYS_INLINE simd::f32x8 exp_poly(simd::f32x8 x) {
+  using simd::f32x8;
+  const f32x8 lo = simd::splat(-87.0f), hi = simd::splat(88.72283905f);
+  f32x8 c = x < lo ? lo : x;
+  c = c > hi ? hi : c;
+  // n = round(c·log2 e): adding and subtracting 1.5·2^23 rounds to an integer.
+  const f32x8 n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  f32x8 r = c - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  f32x8 poly = simd::splat(1.9875691500e-4f);
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  poly = poly * (r * r) + r + 1.0f;
+  // 2^n as 2^(n-1)·2, so that n = 128 (just below ln(FLT_MAX)) overflows the way IEEE does.
+  const simd::i32x8 exponent = __builtin_convertvector(n, simd::i32x8) + 126;
+  return (poly * (f32x8)(exponent << 23)) * 2.0f;
+}
+
+QWEN4EXP_ALWAYS_INLINE simd::f32x8 silu(simd::f32x8 x) {
+  return x * (1.0f / (1.0f + exp_poly(-x)));
+}
+
+// ---- per-call state ---------------------------------------------------------------------------
+
+// One tap of one token: a row of C values with a channel stride (an input row, a state column,
+// or the shared zero row).
+template <typename T>
+struct Tap {
+  const T* ptr;
+  int64_t stride;
+};
+
+template <typename T>
+struct ConvCtx {
+  const PleConvParams& p;
+  const float* weights;  // [K][C] fp32 (transposed: one contiguous row per tap)
+  const T* zeros;        // [C] zeros: the tap of a position with no history
+  const float* silu;     // 16-bit types: silu_table<T>()
+
+  T* state_entry(int64_t slot, int64_t w) const {
+    return static_cast<T*>(p.conv_state) + slot * p.state_slot_stride + w * p.state_window_stride;
+  }
+  const T* input_row(int64_t physical) const {
+    return static_cast<const T*>(p.inputs) + physical * p.inputs_row_stride;
+  }
+  T* residual_row(int64_t physical) const {
+    return static_cast<T*>(p.residual) + physical * p.residual_row_stride;
+  }
+  const T* outer_row(int64_t physical) const {
+    return p.outer_residual == nullptr
+               ? nullptr
+               : static_cast<const T*>(p.outer_residual) + physical * p.outer_row_stride;
+  }
+};
+
+// ---- the channel loop of one token ------------------------------------------------------------
+
+// y for eight channels [c, c+lanes) of one token: the K taps summed in order from +0, rounded
+// to T, SiLU. Taps are contiguous rows unless `contiguous` is false (a dim-first state).
+template <typename T, bool kFull>
+QWEN4EXP_ALWAYS_INLINE simd::f32x8 conv8(const ConvCtx<T>& ctx, const Tap<T>* taps,
+                                         bool contiguous, int64_t c, int lanes) {
+  using simd::f32x8;
+  const int64_t channels = ctx.p.channels;
+  f32x8 acc = simd::splat(0.0f);
+  for (int k = 0; k < ctx.p.kernel_size; ++k) {
+    const float* w = ctx.weights + k * channels + c;
+    f32x8 tap;
+    if (contiguous) {
+      tap = kFull ? simd::load(taps[k].ptr + c) : simd::load_partial(taps[k].ptr + c, lanes);
+    } else {
+      T gathered[simd::kLanes] = {};
+      for (int j = 0; j < lanes; ++j) gathered[j] = taps[k].ptr[(c + j) * taps[k].stride];
+      tap = simd::load(gathered);
+    }
+    acc += (kFull ? simd::load(w) : simd::load_partial(w, lanes)) * tap;
+  }
+  // The sum is rounded to the storage dtype before SiLU (F.conv1d materialises it).
+  if constexpr (std::is_same_v<T, float>) {
+    return silu(acc);
+  } else {
+    const simd::u16x8 bits = simd::to_bits<T>(acc);
+    simd::f32x8 y;
+    for (int j = 0; j < simd::kLanes; ++j) y[j] = ctx.silu[bits[j]];
+    return y;
+  }
+}
+
+// residual[c, c+lanes) <- y, through the fused residuals when there is an outer residual.
+template <typename T, bool kFull>
+QWEN4EXP_ALWAYS_INLINE void finish8(T* residual, const T* outer, simd::f32x8 y, int64_t c,
+                                    int lanes) {
+  using simd::f32x8;
+  T* res = residual + c;
+  if (outer != nullptr) {
+    const f32x8 r = kFull ? simd::load(res) : simd::load_partial(res, lanes);
+    const f32x8 o = kFull ? simd::load(outer + c) : simd::load_partial(outer + c, lanes);
+    y = o + simd::round<T>(r + y);
+  }
+  if (kFull) {
+    simd::store(res, y);
+  } else {
+    simd::store_partial(res, y, lanes);
+  }
+}
+
+// residual[c0, c0+n) of one token from its K taps. `produce` false writes y = 0 (vLLM's
+// inactive rows), still through the fused residuals. Two groups of eight channels per step
+// keep two independent exp/divide chains in flight.
+template <typename T>
+QWEN4EXP_ALWAYS_INLINE void conv_chunk(const ConvCtx<T>& ctx, const Tap<T>* taps, int64_t c0,
+                                       int n, bool produce, T* residual, const T* outer) {
+  using simd::f32x8;
+  using simd::kLanes;
+  bool contiguous = true;
+  for (int k = 0; k < ctx.p.kernel_size; ++k) contiguous = contiguous && taps[k].stride == 1;
+  const f32x8 zero = simd::splat(0.0f);
+  int i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    const int64_t c = c0 + i;
+    const f32x8 y0 = produce ? conv8<T, true>(ctx, taps, contiguous, c, kLanes) : zero;
+    const f32x8 y1 = produce ? conv8<T, true>(ctx, taps, contiguous, c + kLanes, kLanes) : zero;
+    finish8<T, true>(residual, outer, y0, c, kLanes);
+    finish8<T, true>(residual, outer, y1, c + kLanes, kLanes);
+  }
+  for (; i < n; i += kLanes) {
+    const int lanes = std::min(kLanes, n - i);
+    const int64_t c = c0 + i;
+    const f32x8 y = produce ? conv8<T, false>(ctx, taps, contiguous, c, lanes) : zero;
+    finish8<T, false>(residual, outer, y, c, lanes);
+  }
+}
+
+// dst[c] = src[c] (or 0) for c in [c0, c0+n): one state entry, channel-strided.
+template <typename T>
+QWEN4EXP_ALWAYS_INLINE void copy_entry(T* dst, int64_t dst_stride, const T* src,
+                                       int64_t src_stride, int64_t c0, int n) {
+  if (src == nullptr) {
+    for (int i = 0; i < n; ++i) dst[(c0 + i) * dst_stride] = from_float<T>(0.0f);
+  } else if (dst_stride == 1 && src_stride == 1) {
+    std::memmove(dst + c0, src + c0, sizeof(T) * n);
+  } else {
+    for (int i = 0; i < n; ++i) dst[(c0 + i) * dst_stride] = src[(c0 + i) * src_stride];
+  }
+}
+
+// ---- decode -----------------------------------------------------------------------------------
+
+template <typename T>
+QWEN4EXP_ALWAYS_INLINE void decode_tokens(const ConvCtx<T>& ctx, int64_t begin, int64_t end) {
+  const PleConvParams& p = ctx.p;
+  const int K = p.kernel_size;
+  const int S = p.state_len;
+  const int64_t cs = p.state_channel_stride;
+  Tap<T> taps[kMaxConvKernel];
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t row = conv_physical_row(p, t);
+    const int64_t slot = p.state_indices[t];
+    const bool live = slot != kNullSlot;
+    const bool init = !p.has_initial_states.present() || p.has_initial_states[t] != 0;
+    const bool read = live && init;
+    const T* x = ctx.input_row(row);
+    for (int k = 0; k + 1 < K; ++k) {
+      taps[k] = read ? Tap<T>{ctx.state_entry(slot, int64_t{k} * p.dilation), cs}
+                     : Tap<T>{ctx.zeros, 1};
+    }
+    taps[K - 1] = Tap<T>{x, 1};
+    T* residual = ctx.residual_row(row);
+    const T* outer = ctx.outer_row(row);
+    for (int64_t c0 = 0; c0 < p.channels; c0 += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, p.channels - c0));
+      conv_chunk(ctx, taps, c0, n, live, residual, outer);
+      if (!live) continue;
+      // Shift the window by one and append x (zeros ++ x without an initial state).
+      for (int i = 0; i + 1 < S; ++i) {
+        copy_entry(ctx.state_entry(slot, i), cs, read ? ctx.state_entry(slot, i + 1) : nullptr,
+                   cs, c0, n);
+      }
+      if (S > 0) copy_entry(ctx.state_entry(slot, S - 1), cs, x, 1, c0, n);
+    }
+  }
+}
+
+// ---- prefill / spec ---------------------------------------------------------------------------
+
+template <typename T>
+QWEN4EXP_ALWAYS_INLINE void chunk_tokens(const ConvCtx<T>& ctx, int64_t begin, int64_t end) {
+  const PleConvParams& p = ctx.p;
+  const int K = p.kernel_size;
+  const int S = p.state_len;
+  const int64_t cs = p.state_channel_stride;
+  const int64_t R = p.num_requests;
+  const IndexView& qsl = p.query_start_loc;
+  const bool spec = p.mode == ConvMode::kSpec;
+  Tap<T> taps[kMaxConvKernel];
+  int64_t r = R > 0 ? conv_find_request(qsl, R, begin) : -1;
+  for (int64_t t = begin; t < end; ++t) {
+    while (r >= 0 && r + 1 < R && qsl[r + 1] <= t) ++r;
+    const int64_t row = conv_physical_row(p, t);
+    bool produce = false;
+    if (r >= 0) {
+      const int64_t start = qsl[r];
+      const bool in_range = t >= start && t < qsl[R];
+      const int64_t slot = p.state_indices[r];
+      const bool live = slot != kNullSlot;
+      const bool read = spec ? live : (live && p.has_initial_states[r] != 0);
+      produce = in_range && (spec || live);
+      if (produce) {
+        const int64_t j = t - start;
+        const int64_t offset = spec ? conv_spec_offset(p, r) : 0;
+        for (int k = 0; k < K; ++k) {
+          const int64_t h = j + int64_t{k} * p.dilation;
+          if (h < S) {
+            taps[k] = read ? Tap<T>{ctx.state_entry(slot, offset + h), cs} : Tap<T>{ctx.zeros, 1};
+          } else {
+            taps[k] = Tap<T>{ctx.input_row(conv_physical_row(p, start + h - S)), 1};
+          }
+        }
+      }
+    }
+    T* residual = ctx.residual_row(row);
+    const T* outer = ctx.outer_row(row);
+    for (int64_t c0 = 0; c0 < p.channels; c0 += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, p.channels - c0));
+      conv_chunk(ctx, taps, c0, n, produce, residual, outer);
+    }
+  }
+}
+
+// The new window of request r, written in place in ascending entry order: entry i is read from
+// an entry > i (or from the chunk), so every read sees the old state.
+template <typename T>
+QWEN4EXP_ALWAYS_INLINE void write_back_request(const ConvCtx<T>& ctx, int64_t r) {
+  const PleConvParams& p = ctx.p;
+  const int64_t slot = p.state_indices[r];
+  if (slot == kNullSlot) return;
+  const int S = p.state_len;
+  const int64_t cs = p.state_channel_stride;
+  const int64_t start = p.query_start_loc[r];
+  const int64_t qlen = p.query_start_loc[r + 1] - start;
+  int64_t shift, offset, count;
+  bool init = true;
+  if (p.mode == ConvMode::kSpec) {
+    // Entries [0, S-1+qlen) become old[o+1 : o+S] ++ chunk; the unused tail is kept.
+    shift = 1;
+    offset = conv_spec_offset(p, r);
+    count = std::min<int64_t>(S - 1 + qlen, S + p.query_len - 1);
+  } else {
+    if (qlen <= 0) return;  // an empty request keeps its state
+    shift = qlen;
+    offset = 0;
+    count = S;
+    init = p.has_initial_states[r] != 0;
+  }
+  for (int64_t c0 = 0; c0 < p.channels; c0 += kChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kChunk, p.channels - c0));
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t m = shift + i;
+      T* dst = ctx.state_entry(slot, i);
+      if (m < S) {
+        copy_entry(dst, cs, init ? ctx.state_entry(slot, offset + m) : nullptr, cs, c0, n);
+      } else {
+        copy_entry(dst, cs, ctx.input_row(conv_physical_row(p, start + m - S)), 1, c0, n);
+      }
+    }
+  }
+}
+
+// ---- entry points per dtype (each compiled for three instruction sets) ------------------------
+
+#define QWEN4EXP_CONV_ENTRY(NAME, T, BODY)                                         \
+  QWEN4EXP_CPU_CLONES void NAME(const ConvCtx<T>& ctx, int64_t begin, int64_t end) { \
+    BODY<T>(ctx, begin, end);                                                     \
+  }
+QWEN4EXP_CONV_ENTRY(decode_f32, float, decode_tokens)
+QWEN4EXP_CONV_ENTRY(decode_bf16, bf16_t, decode_tokens)
+QWEN4EXP_CONV_ENTRY(decode_f16, f16_t, decode_tokens)
+QWEN4EXP_CONV_ENTRY(chunk_f32, float, chunk_tokens)
+QWEN4EXP_CONV_ENTRY(chunk_bf16, bf16_t, chunk_tokens)
+QWEN4EXP_CONV_ENTRY(chunk_f16, f16_t, chunk_tokens)
+#undef QWEN4EXP_CONV_ENTRY
+
+template <typename T>
+struct ConvEntries;
+template <>
+struct ConvEntries<float> {
+  static constexpr auto decode = decode_f32;
+  static constexpr auto chunk = chunk_f32;
+};
+template <>
+struct ConvEntries<bf16_t> {
+  static constexpr auto decode = decode_bf16;
+  static constexpr auto chunk = chunk_bf16;
+};
+template <>
+struct ConvEntries<f16_t> {
+  static constexpr auto decode = decode_f16;
+  static constexpr auto chunk = chunk_f16;
+};
+
+template <typename W>
+void transpose_weights(const PleConvParams& p, std::vector<float>& out) {
+  const W* w = static_cast<const W*>(p.weights);
+  out.resize(static_cast<size_t>(p.kernel_size) * p.channels);
+  for (int k = 0; k < p.kernel_size; ++k) {
+    for (int64_t c = 0; c < p.channels; ++c) {
+      out[k * p.channels + c] = to_float(w[c * p.weight_channel_stride + k * p.weight_tap_stride]);
+    }
+  }
+}
+
+template <typename T>
+void ple_conv_cpu_impl(const PleConvParams& p) {
+  std::vector<float> weights;
+  if (p.weight_dtype == FloatType::kFloat32) {
+    transpose_weights<float>(p, weights);
+  } else {
+    transpose_weights<T>(p, weights);
+  }
+  const std::vector<T> zeros(p.channels, from_float<T>(0.0f));
+  const float* silu = nullptr;
+  if constexpr (!std::is_same_v<T, float>) silu = silu_table<T>();
+  const ConvCtx<T> ctx{p, weights.data(), zeros.data(), silu};
+  // A token is C channels of up to K + 3 rows: a couple of tokens already fill a thread.
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, p.channels));
+  if (p.mode == ConvMode::kDecode) {
+    at::parallel_for(0, p.num_rows, grain, [&](int64_t begin, int64_t end) {
+      ConvEntries<T>::decode(ctx, begin, end);
+    });
+    return;
+  }
+  at::parallel_for(0, p.num_rows, grain, [&](int64_t begin, int64_t end) {
+    ConvEntries<T>::chunk(ctx, begin, end);
+  });
+  // Every output has read the old state; now the state moves on.
+  at::parallel_for(0, p.num_requests, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) write_back_request(ctx, r);
+  });
+}
+
+// The CPU reads the index data for free, so it rejects what the GPU kernels can only skip.
+void check_ple_conv_values(const PleConvParams& p) {
+  if (p.token_indices.present()) {
+    for (int64_t t = 0; t < p.num_rows; ++t) {
+      const int64_t row = p.token_indices[t];
+      TORCH_CHECK(row >= 0 && row < p.num_physical_rows, "ple_conv: token_indices[", t, "] = ",
+                  row, " is outside the ", p.num_physical_rows, " rows of inputs");
+    }
+  }
+  std::vector<bool> used(p.num_slots, false);
+  for (int64_t r = 0; r < p.num_requests; ++r) {
+    const int64_t slot = p.state_indices[r];
+    TORCH_CHECK(slot >= 0 && slot < p.num_slots, "ple_conv: state_indices[", r, "] = ", slot,
+                " is outside conv_state's ", p.num_slots, " slots");
+    if (slot == kNullSlot) continue;
+    TORCH_CHECK(!used[slot], "ple_conv: state_indices holds slot ", slot,
+                " twice; every live request needs its own slot");
+    used[slot] = true;
+  }
+  if (p.mode == ConvMode::kDecode) return;
+  const IndexView& qsl = p.query_start_loc;
+  TORCH_CHECK(qsl[0] >= 0, "ple_conv: query_start_loc[0] must be >= 0, got ", qsl[0]);
+  for (int64_t r = 0; r < p.num_requests; ++r) {
+    TORCH_CHECK(qsl[r + 1] >= qsl[r], "ple_conv: query_start_loc must be non-decreasing, got ",
+                qsl[r], " then ", qsl[r + 1], " at index ", r);
+    if (p.mode == ConvMode::kSpec) {
+      TORCH_CHECK(qsl[r + 1] - qsl[r] <= p.query_len, "ple_conv: spec request ", r, " has ",
+                  qsl[r + 1] - qsl[r], " tokens, more than spec_query_len = ", p.query_len);
+    }
+  }
+  TORCH_CHECK(qsl[p.num_requests] <= p.num_rows, "ple_conv: query_start_loc[R] = ",
+              qsl[p.num_requests], " is past the ", p.num_rows, " tokens");
+}
+
+void ple_conv_cpu(const at::Tensor& inputs, const at::Tensor& residual,
+                  const at::Tensor& conv_state, const at::Tensor& conv_weights,
+                  const at::Tensor& state_indices, const std::optional<at::Tensor>& outer_residual,
+                  c10::string_view mode, int64_t dilation,
+                  const std::optional<at::Tensor>& query_start_loc,
+                  const std::optional<at::Tensor>& num_accepted_tokens,
+                  const std::optional<at::Tensor>& has_initial_states, int64_t spec_query_len,
+                  const std::optional<at::Tensor>& token_indices) {
+  const PleConvParams p = check_ple_conv_args(
+      inputs, residual, conv_state, conv_weights, state_indices, outer_residual, std::string(mode),
+      dilation, query_start_loc, num_accepted_tokens, has_initial_states, spec_query_len,
+      token_indices);
+  TORCH_CHECK(inputs.device().is_cpu(), "ple_conv: CPU kernel called with ", inputs.device(),
+              " tensors");
+  check_ple_conv_values(p);
+  if (p.num_rows == 0 && p.num_requests == 0) return;
+  switch (p.dtype) {
+    case FloatType::kBFloat16: ple_conv_cpu_impl<bf16_t>(p); break;
+    case FloatType::kFloat16: ple_conv_cpu_impl<f16_t>(p); break;
+    default: ple_conv_cpu_impl<float>(p); break;
+  }
+}
+
+}  // namespace
+}  // namespace qwen4exp
+
+TORCH_LIBRARY_IMPL(qwen4exp, CPU, m) {
+  m.impl("ple_conv", &qwen4exp::ple_conv_cpu);
+}

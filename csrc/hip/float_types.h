@@ -1,0 +1,53 @@
+// Typed 16-bit storage for the ple_gate/ple_conv kernels: bf16_t and f16_t wrap the bit patterns
+// of float16.h, so one kernel template serves fp32, bf16 and fp16 through to_float / from_float.
+// c10::BFloat16 and c10::Half have the same layout (one uint16_t): the host glue reinterprets
+// tensor data pointers as these types.
+#pragma once
+
+#include "float16.h"
+#include "platform.h"
+
+namespace qwen4exp {
+
+struct bf16_t {
+  uint16_t bits;
+};
+struct f16_t {
+  uint16_t bits;
+};
+
+// The storage type of a kernel's activations, as a runtime tag in params structs.
+enum class FloatType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+QWEN4EXP_HD float to_float(float x) { return x; }
+QWEN4EXP_HD float to_float(bf16_t x) { return bf16_bits_to_float(x.bits); }
+QWEN4EXP_HD float to_float(f16_t x) { return fp16_bits_to_float(x.bits); }
+
+template <typename T>
+struct FloatConvert;
+template <>
+struct FloatConvert<float> {
+  QWEN4EXP_HD static float from(float x) { return x; }
+};
+template <>
+struct FloatConvert<bf16_t> {
+  QWEN4EXP_HD static bf16_t from(float x) { return bf16_t{float_to_bf16_bits(x)}; }
+};
+template <>
+struct FloatConvert<f16_t> {
+  QWEN4EXP_HD static f16_t from(float x) { return f16_t{float_to_fp16_bits(x)}; }
+};
+
+// fp32 -> T, round to nearest even (torch's `.to(dtype)`).
+template <typename T>
+QWEN4EXP_HD T from_float(float x) {
+  return FloatConvert<T>::from(x);
+}
+
+// x rounded to T and read back: the value an eager graph materialises in T.
+template <typename T>
+QWEN4EXP_HD float round_to(float x) {
+  return to_float(from_float<T>(x));
+}
+
+}  // namespace qwen4exp

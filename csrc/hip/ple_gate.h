@@ -1,0 +1,47 @@
+// ple_gate (SPEC.md §5): the params struct shared by the CPU kernel, the HIP kernel and the host
+// glue, and the launcher of the HIP kernel. Torch-free.
+#pragma once
+
+#include "float_types.h"
+#include "platform.h"
+
+namespace qwen4exp {
+
+// Streams of width H of one token are reduced in fp32; "vllm" rounding reproduces vLLM 0.33.0's
+// rounding points (normed key and query, their products, the dot, d, |d|^½, g and gated, in the
+// storage dtype), "fp32" keeps every intermediate in fp32 and rounds only the two outputs.
+enum class GateRounding : int32_t { kVllm = 0, kFp32 = 1 };
+
+struct PleGateParams {
+  // Activations (dtype): key [T, C] and hidden [T, C], value [T, H]; unit stride along the row,
+  // any row stride (key and value are usually column slices of one [T, C + H] projection).
+  const void* key;
+  const void* value;
+  const void* hidden;
+  int64_t key_row_stride;  // elements
+  int64_t value_row_stride;
+  int64_t hidden_row_stride;
+  // Gemma RMSNorm weights [C], contiguous, in weight_dtype (fp32 or the activations' dtype).
+  const void* norm_key_w;
+  const void* norm_query_w;
+  const void* norm_conv_w;
+  // Outputs [T, C] (dtype), unit stride along the row.
+  void* gated;
+  void* conv_input;
+  int64_t gated_row_stride;
+  int64_t conv_input_row_stride;
+  int64_t num_tokens;  // T
+  int32_t width;       // H
+  int32_t streams;     // M = C / H
+  float eps;
+  FloatType dtype;
+  FloatType weight_dtype;
+  GateRounding rounding;
+};
+
+#if defined(QWEN4EXP_HIP) || defined(QWEN4EXP_CUDA)  // the CPU build sees only the params
+// Enqueues the gate on `stream`; returns the launch status. Expects T > 0 and H > 0.
+hipError_t launch_ple_gate(const PleGateParams& p, hipStream_t stream);
+#endif
+
+}  // namespace qwen4exp

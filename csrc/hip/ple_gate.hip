@@ -1,0 +1,197 @@
+// HIP kernel for ple_gate (SPEC.md §5). Compiled by hipcc for AMD and by nvcc (through
+// platform.h) for NVIDIA.
+//
+// One block per token does all M streams of the token, so the token's value row is read once
+// per stream from L2 at most, and the fast mode's Σvalue² is reduced once for all streams. Each
+// thread handles 16-byte chunks (8 bf16/fp16 or 4 fp32 values) when the rows allow 128-bit
+// accesses, else single elements. Per stream:
+// - "vllm" rounding: Σk², Σq² (one block reduction); Σ round(round(k·r_k·(1+w_k))·round(q·r_q·
+//   (1+w_q))) (a second); g; Σ round(g·v)² (a third); then the two outputs. The rounding points
+//   are vLLM's; the summation order is a tree, not numpy's, so bf16/fp16 results can differ from
+//   the CPU kernel by one unit in the last place where a sum lands next to a rounding boundary.
+// - "fp32" rounding: Σk², Σq², Σk·q·(1+w_k)(1+w_q) in one reduction, then the outputs.
+#include "block_reduce.h"
+#include "ple_gate.h"
+
+namespace qwen4exp {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename W>
+QWEN4EXP_DEVICE float one_plus(const void* w, int64_t i) {
+  return 1.0f + to_float(static_cast<const W*>(w)[i]);
+}
+
+QWEN4EXP_DEVICE float gate_of(float d, float magnitude) {
+  const float sign = d < 0.f ? -1.0f : (d > 0.f ? 1.0f : 0.0f);
+  return 1.0f / (1.0f + expf(-(sign * magnitude)));
+}
+
+template <typename T, typename W, int VEC, bool kVllm>
+__global__ void __launch_bounds__(kThreads) ple_gate_kernel(PleGateParams p) {
+  constexpr int kWaves = kThreads / kWaveSize;
+  __shared__ float scratch[3 * kWaves];
+  const int64_t t = blockIdx.x;
+  const int H = p.width;
+  const float h_f = static_cast<float>(H);
+  const float sqrt_h = sqrtf(h_f);
+  const int chunks = H / VEC;
+  const T* key = static_cast<const T*>(p.key) + t * p.key_row_stride;
+  const T* hidden = static_cast<const T*>(p.hidden) + t * p.hidden_row_stride;
+  const T* value = static_cast<const T*>(p.value) + t * p.value_row_stride;
+  T* gated = static_cast<T*>(p.gated) + t * p.gated_row_stride;
+  T* conv = static_cast<T*>(p.conv_input) + t * p.conv_input_row_stride;
+
+  float sum_vv = 0.f;
+  if constexpr (!kVllm) {
+    float acc[1] = {0.f};
+    for (int c = threadIdx.x; c < chunks; c += kThreads) {
+      float v[VEC];
+      load_floats<T, VEC>(value + c * VEC, v);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[0] += v[i] * v[i];
+    }
+    block_sum<1, kThreads>(acc, scratch);
+    sum_vv = acc[0];
+  }
+
+  for (int m = 0; m < p.streams; ++m) {
+    const int64_t base = static_cast<int64_t>(m) * H;
+    if constexpr (kVllm) {
+      float sums[2] = {0.f, 0.f};
+      for (int c = threadIdx.x; c < chunks; c += kThreads) {
+        float k[VEC], q[VEC];
+        load_floats<T, VEC>(key + base + c * VEC, k);
+        load_floats<T, VEC>(hidden + base + c * VEC, q);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          sums[0] += k[i] * k[i];
+          sums[1] += q[i] * q[i];
+        }
+      }
+      block_sum<2, kThreads>(sums, scratch);
+      const float rk = 1.0f / sqrtf(sums[0] / h_f + p.eps);
+      const float rq = 1.0f / sqrtf(sums[1] / h_f + p.eps);
+      float dot[1] = {0.f};
+      for (int c = threadIdx.x; c < chunks; c += kThreads) {
+        float k[VEC], q[VEC];
+        load_floats<T, VEC>(key + base + c * VEC, k);
+        load_floats<T, VEC>(hidden + base + c * VEC, q);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const int64_t ch = base + c * VEC + i;
+          const float kn = round_to<T>(k[i] * rk * one_plus<W>(p.norm_key_w, ch));
+          const float qn = round_to<T>(q[i] * rq * one_plus<W>(p.norm_query_w, ch));
+          dot[0] += round_to<T>(kn * qn);
+        }
+      }
+      block_sum<1, kThreads>(dot, scratch);
+      const float d = round_to<T>(round_to<T>(dot[0]) / sqrt_h);
+      const float magnitude = round_to<T>(sqrtf(fmaxf(fabsf(d), 1e-6f)));
+      const float g = round_to<T>(gate_of(d, magnitude));
+      float sum_gg[1] = {0.f};
+      for (int c = threadIdx.x; c < chunks; c += kThreads) {
+        float v[VEC], out[VEC];
+        load_floats<T, VEC>(value + c * VEC, v);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          out[i] = round_to<T>(g * v[i]);
+          sum_gg[0] += out[i] * out[i];
+        }
+        store_floats<T, VEC>(gated + base + c * VEC, out);
+      }
+      block_sum<1, kThreads>(sum_gg, scratch);
+      const float rg = 1.0f / sqrtf(sum_gg[0] / h_f + p.eps);
+      for (int c = threadIdx.x; c < chunks; c += kThreads) {
+        float v[VEC], out[VEC];
+        load_floats<T, VEC>(value + c * VEC, v);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          out[i] = round_to<T>(g * v[i]) * rg * one_plus<W>(p.norm_conv_w, base + c * VEC + i);
+        }
+        store_floats<T, VEC>(conv + base + c * VEC, out);
+      }
+    } else {
+      float sums[3] = {0.f, 0.f, 0.f};
+      for (int c = threadIdx.x; c < chunks; c += kThreads) {
+        float k[VEC], q[VEC];
+        load_floats<T, VEC>(key + base + c * VEC, k);
+        load_floats<T, VEC>(hidden + base + c * VEC, q);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const int64_t ch = base + c * VEC + i;
+          const float fused = one_plus<W>(p.norm_key_w, ch) * one_plus<W>(p.norm_query_w, ch);
+          sums[0] += k[i] * k[i];
+          sums[1] += q[i] * q[i];
+          sums[2] += k[i] * q[i] * fused;
+        }
+      }
+      block_sum<3, kThreads>(sums, scratch);
+      const float rk = 1.0f / sqrtf(sums[0] / h_f + p.eps);
+      const float rq = 1.0f / sqrtf(sums[1] / h_f + p.eps);
+      const float d = sums[2] * rk * rq / sqrt_h;
+      const float g = gate_of(d, sqrtf(fmaxf(fabsf(d), 1e-6f)));
+      const float g_rg = g / sqrtf(g * g * sum_vv / h_f + p.eps);
+      for (int c = threadIdx.x; c < chunks; c += kThreads) {
+        float v[VEC], out_g[VEC], out_c[VEC];
+        load_floats<T, VEC>(value + c * VEC, v);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          out_g[i] = g * v[i];
+          out_c[i] = g_rg * v[i] * one_plus<W>(p.norm_conv_w, base + c * VEC + i);
+        }
+        store_floats<T, VEC>(gated + base + c * VEC, out_g);
+        store_floats<T, VEC>(conv + base + c * VEC, out_c);
+      }
+    }
+  }
+}
+
+template <typename T, typename W>
+hipError_t launch_typed(const PleGateParams& p, hipStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  const bool vec = p.width % kVec == 0 &&
+                   aligned16(reinterpret_cast<uint64_t>(p.key)) &&
+                   aligned16(reinterpret_cast<uint64_t>(p.value)) &&
+                   aligned16(reinterpret_cast<uint64_t>(p.hidden)) &&
+                   aligned16(reinterpret_cast<uint64_t>(p.gated)) &&
+                   aligned16(reinterpret_cast<uint64_t>(p.conv_input)) &&
+                   aligned16(p.key_row_stride * sizeof(T)) &&
+                   aligned16(p.value_row_stride * sizeof(T)) &&
+                   aligned16(p.hidden_row_stride * sizeof(T)) &&
+                   aligned16(p.gated_row_stride * sizeof(T)) &&
+                   aligned16(p.conv_input_row_stride * sizeof(T));
+  const dim3 grid(static_cast<unsigned>(p.num_tokens));
+  const bool vllm = p.rounding == GateRounding::kVllm;
+  if (vec) {
+    if (vllm) {
+      ple_gate_kernel<T, W, kVec, true><<<grid, kThreads, 0, stream>>>(p);
+    } else {
+      ple_gate_kernel<T, W, kVec, false><<<grid, kThreads, 0, stream>>>(p);
+    }
+  } else if (vllm) {
+    ple_gate_kernel<T, W, 1, true><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    ple_gate_kernel<T, W, 1, false><<<grid, kThreads, 0, stream>>>(p);
+  }
+  return hipGetLastError();
+}
+
+template <typename T>
+hipError_t launch_weights(const PleGateParams& p, hipStream_t stream) {
+  if (p.weight_dtype == FloatType::kFloat32) return launch_typed<T, float>(p, stream);
+  return launch_typed<T, T>(p, stream);
+}
+
+}  // namespace
+
+hipError_t launch_ple_gate(const PleGateParams& p, hipStream_t stream) {
+  switch (p.dtype) {
+    case FloatType::kBFloat16: return launch_weights<bf16_t>(p, stream);
+    case FloatType::kFloat16: return launch_weights<f16_t>(p, stream);
+    default: return launch_typed<float, float>(p, stream);
+  }
+}
+
+}  // namespace qwen4exp

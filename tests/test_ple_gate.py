@@ -1,0 +1,304 @@
+"""ple_gate (SPEC.md §5): parity with vLLM 0.33.0's own Triton kernel (run by Triton's CPU
+interpreter), parity with the reference oracle on odd shapes and strided views in every dtype,
+the stated tolerance of the fast ("fp32") mode against an fp64 evaluation, SPEC §9 properties 1
+(row independence, the gate's chunk-split invariance) and 8 (hypothesis), opcheck, errors and a
+torch.compile smoke test — on every backend this machine has.
+
+Tolerances, as data (TOLERANCE below):
+- "vllm" rounding: fp16 equals vLLM's kernel bit for bit; against the reference (which sums in
+  PyTorch's order, not numpy's) every element within two units in the last place of its dtype
+  (a sum next to a rounding boundary flips g by one unit, and gated = round(g·value) adds the
+  other), fp32 within 1e-5 relative.
+- "fp32" rounding (the fast single pass): every element within one unit in the last place of the
+  output dtype of the exactly computed (fp64) result (fp32: 2e-5 relative), and in bf16/fp16
+  never further from it than 2x the "vllm"-rounded result is (flash-attention's rule). One
+  caveat, by analysis, not by test: where d is within fp32 rounding of 0, sign(d) can differ,
+  and g differs by up to sqrt(1e-6)/4 = 2.5e-4 absolute.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import vllm_triton
+from conftest import devices
+from qwen4exp_ext import ops, reference
+
+DEVICES = devices()
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+EPS = 1e-6
+
+# dtype -> (atol, rtol): one unit in the last place at the bottom of a binade.
+ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2e-5}
+TOLERANCE = {
+    "vllm": {dt: (1e-5, 1e-5 if dt == torch.float32 else 2 * ULP[dt]) for dt in DTYPES},
+    "fp32": {dt: (1e-5, ULP[dt]) for dt in DTYPES},
+}
+
+
+def make_inputs(tokens, width, streams, dtype, *, weight_dtype=None, seed=0, device="cpu",
+                scale=3.0, hidden_strided=False):
+    """key and value as column slices of one [T, C+H] projection (as the layer makes them),
+    hidden [T, C] (or a column slice of a wider buffer), weights [C] near zero (Gemma's 1+w)."""
+    g = torch.Generator().manual_seed(seed)
+    channels = width * streams
+    kv = torch.randn(tokens, channels + width, generator=g).to(dtype)
+    hidden_full = (torch.randn(tokens, channels + 3, generator=g) * scale).to(dtype)
+    hidden = hidden_full[:, 3:] if hidden_strided else hidden_full[:, :channels].contiguous()
+    wdt = weight_dtype or dtype
+    weights = [(torch.randn(channels, generator=g) * 0.2).to(wdt) for _ in range(3)]
+    kv, hidden = kv.to(device), hidden.to(device)
+    weights = [w.to(device) for w in weights]
+    return kv[:, :channels], kv[:, channels:], hidden, weights
+
+
+def exact_gate(key, value, hidden, weights, eps=EPS):
+    """SPEC §5 evaluated in fp64 (no rounding at all), outputs in fp64."""
+    wk, wq, wc = (w.double() for w in weights)
+    tokens, channels = hidden.shape
+    width = value.shape[1]
+    streams = channels // width
+
+    def gn(x, w):
+        x = x.double().reshape(tokens, streams, width)
+        scale = torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
+        return x * scale * (1 + w.reshape(streams, width))
+
+    d = (gn(key, wk) * gn(hidden, wq)).sum(-1) / math.sqrt(width)
+    g = torch.sigmoid(torch.sign(d) * torch.sqrt(d.abs().clamp(min=1e-6)))
+    gated = (g[..., None] * value.double()[:, None, :]).reshape(tokens, channels)
+    return gated, gn(gated, wc).reshape(tokens, channels)
+
+
+def assert_close(got, expected, dtype, rounding, what=""):
+    atol, rtol = TOLERANCE[rounding][dtype]
+    torch.testing.assert_close(got.cpu().double(), expected.cpu().double(), atol=atol, rtol=rtol,
+                               msg=lambda m: f"{what}: {m}")
+
+
+# --- vLLM's own kernel ---------------------------------------------------------------------------
+
+VLLM = vllm_triton.load()
+needs_vllm = pytest.mark.skipif(
+    VLLM is None, reason="vllm==0.33.0 (pip install --no-deps) and triton are needed"
+)
+
+
+def vllm_gate(key, value, hidden, weights):
+    """vLLM's `_ple_gate_kernel` under the interpreter. Its `ple_gate` wrapper only admits
+    bf16/fp16; the kernel itself is dtype-generic, so fp32 launches it directly (same grid)."""
+    with vllm_triton.interpreter():
+        if hidden.dtype != torch.float32:
+            return VLLM.ple_gate(key, value, hidden, *weights, EPS)
+        width = value.shape[1]
+        streams = hidden.shape[1] // width
+        gated, normed = torch.empty_like(hidden), torch.empty_like(hidden)
+        VLLM._ple_gate_kernel[(hidden.shape[0], streams)](
+            key, value, hidden, *weights, gated, normed, key.stride(0), value.stride(0), EPS,
+            H=width, HC=streams, BLOCK_H=1 << (width - 1).bit_length(), num_warps=4,
+            launch_pdl=False,
+        )
+        return gated, normed
+
+
+@needs_vllm
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "tokens,width,streams", [(5, 100, 3), (3, 2624, 1), (4, 656, 4), (7, 3, 5), (2, 130, 2)]
+)
+def test_matches_vllm_triton_kernel(dtype, tokens, width, streams):
+    """fp16: bit for bit (same rounding points, same numpy-pairwise reduction order); fp32:
+    within 1e-6 (exp and FMA details differ in the last fp32 bit)."""
+    key, value, hidden, weights = make_inputs(tokens, width, streams, dtype, seed=tokens)
+    expected = vllm_gate(key, value, hidden, weights)
+    got = ops.ple_gate(key, value, hidden, *weights, EPS)
+    for g, e, name in zip(got, expected, ("gated", "conv_input"), strict=True):
+        if dtype == torch.float16:
+            assert torch.equal(g, e), f"{name}: {(g != e).sum()} elements differ"
+        else:
+            torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-6)
+
+
+# --- the reference, odd shapes, strided views ---------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rounding", ["vllm", "fp32"])
+@pytest.mark.parametrize(
+    "tokens,width,streams", [(0, 100, 1), (1, 100, 1), (37, 100, 1), (5000, 100, 1),
+                             (129, 2624, 1), (11, 656, 4), (3, 1, 4), (17, 4, 2), (9, 5, 3)]
+)
+def test_matches_reference(device, dtype, rounding, tokens, width, streams):
+    key, value, hidden, weights = make_inputs(tokens, width, streams, dtype, device=device,
+                                              seed=width + tokens)
+    got = ops.ple_gate(key, value, hidden, *weights, EPS, rounding=rounding)
+    expected = reference.ple_gate(key.cpu(), value.cpu(), hidden.cpu(),
+                                  *(w.cpu() for w in weights), EPS, rounding=rounding)
+    for g, e, name in zip(got, expected, ("gated", "conv_input"), strict=True):
+        assert g.shape == e.shape and g.dtype == dtype and g.is_contiguous()
+        assert_close(g, e, dtype, rounding, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fast_mode_tolerance(device, dtype):
+    """The fast single pass against fp64: within one ulp of the output dtype, and in bf16/fp16
+    at most 2x the error of vLLM's rounding (it is in fact several times smaller). In fp32 both
+    modes are plain fp32 arithmetic; the fast one sums in 8 lanes instead of a pairwise tree and
+    stays within 2e-5 relative."""
+    key, value, hidden, weights = make_inputs(300, 640, 4, dtype, device=device, seed=3)
+    exact = exact_gate(key.cpu(), value.cpu(), hidden.cpu(), [w.cpu() for w in weights])
+    fast = ops.ple_gate(key, value, hidden, *weights, EPS, rounding="fp32")
+    vllm = ops.ple_gate(key, value, hidden, *weights, EPS, rounding="vllm")
+    for f, v, e in zip(fast, vllm, exact, strict=True):
+        atol, rtol = TOLERANCE["fp32"][dtype]
+        torch.testing.assert_close(f.cpu().double(), e.to(dtype).double(), atol=atol, rtol=rtol)
+        fast_err = (f.cpu().double() - e).abs().max().item()
+        vllm_err = (v.cpu().double() - e).abs().max().item()
+        if dtype != torch.float32:
+            assert fast_err <= 2 * vllm_err
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rounding", ["vllm", "fp32"])
+def test_strided_views_and_out(device, dtype, rounding):
+    """hidden as a column slice, fp32 weights with 16-bit activations, and out= views into wider
+    buffers: the same values as contiguous inputs, and nothing outside the views is touched."""
+    key, value, hidden, weights = make_inputs(23, 96, 3, dtype, device=device,
+                                              hidden_strided=True, weight_dtype=torch.float32)
+    assert not hidden.is_contiguous() and not key.is_contiguous()
+    expected = ops.ple_gate(key.contiguous(), value.contiguous(), hidden.contiguous(), *weights,
+                            EPS, rounding=rounding)
+    wide = torch.full((2, 23, 300), 7.0, dtype=dtype, device=device)
+    out = (wide[0, :, 5:293], wide[1, :, 1:289])
+    got = ops.ple_gate(key, value, hidden, *weights, EPS, rounding=rounding, out=out)
+    assert got[0].data_ptr() == out[0].data_ptr()
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e)
+    assert torch.all(wide[0, :, :5] == 7) and torch.all(wide[0, :, 293:] == 7)
+    assert torch.all(wide[1, :, :1] == 7) and torch.all(wide[1, :, 289:] == 7)
+    ref = reference.ple_gate(key.cpu(), value.cpu(), hidden.cpu(),
+                             *(w.cpu() for w in weights), EPS, rounding=rounding)
+    for g, e in zip(got, ref, strict=True):
+        assert_close(g, e, dtype, rounding)
+
+
+# --- SPEC §9 properties ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(
+    tokens=st.integers(0, 40),
+    width=st.integers(1, 300),
+    streams=st.integers(1, 4),
+    dtype=st.sampled_from(DTYPES),
+    rounding=st.sampled_from(["vllm", "fp32"]),
+    seed=st.integers(0, 2**16),
+    scale=st.sampled_from([1e-3, 1.0, 30.0]),
+)
+def test_property_matches_reference(device, tokens, width, streams, dtype, rounding, seed,
+                                    scale):
+    """§9.8: equal to the reference within the stated tolerance on any shape, strided views."""
+    key, value, hidden, weights = make_inputs(tokens, width, streams, dtype, device=device,
+                                              seed=seed, scale=scale,
+                                              hidden_strided=seed % 2 == 1)
+    got = ops.ple_gate(key, value, hidden, *weights, EPS, rounding=rounding)
+    expected = reference.ple_gate(key.cpu(), value.cpu(), hidden.cpu(),
+                                  *(w.cpu() for w in weights), EPS, rounding=rounding)
+    for g, e in zip(got, expected, strict=True):
+        assert_close(g, e, dtype, rounding)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(tokens=st.integers(1, 30), data=st.data(), rounding=st.sampled_from(["vllm", "fp32"]))
+def test_property_rows_are_independent(device, tokens, data, rounding):
+    """§9.1 for the gate: a batch gives the same rows as any split of it (bit for bit)."""
+    key, value, hidden, weights = make_inputs(tokens, 64, 2, torch.bfloat16, device=device,
+                                              seed=tokens)
+    whole = ops.ple_gate(key, value, hidden, *weights, EPS, rounding=rounding)
+    cut = data.draw(st.integers(0, tokens))
+    parts = [ops.ple_gate(key[a:b], value[a:b], hidden[a:b], *weights, EPS, rounding=rounding)
+             for a, b in ((0, cut), (cut, tokens))]
+    for i in range(2):
+        assert torch.equal(torch.cat([p[i] for p in parts]), whole[i])
+
+
+# --- opcheck, compile, errors ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rounding", ["vllm", "fp32"])
+def test_opcheck(device, dtype, rounding):
+    key, value, hidden, weights = make_inputs(6, 40, 3, dtype, device=device)
+    torch.library.opcheck(torch.ops.qwen4exp.ple_gate.default,
+                          (key, value, hidden, *weights, EPS, rounding))
+    gated, conv_input = torch.empty_like(hidden), torch.empty_like(hidden)
+    torch.library.opcheck(torch.ops.qwen4exp.ple_gate_out.default,
+                          (key, value, hidden, *weights, EPS, rounding),
+                          {"gated": gated, "conv_input": conv_input})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_smoke(device):
+    key, value, hidden, weights = make_inputs(9, 32, 2, torch.bfloat16, device=device)
+
+    @torch.compile(fullgraph=True, dynamic=True)
+    def gate(key, value, hidden):
+        gated, conv_input = ops.ple_gate(key, value, hidden, *weights, EPS)
+        return gated + conv_input
+
+    eager_g, eager_c = ops.ple_gate(key, value, hidden, *weights, EPS)
+    assert torch.equal(gate(key, value, hidden), eager_g + eager_c)
+
+
+def gate_call(**overrides):
+    key, value, hidden, weights = make_inputs(4, 8, 2, torch.bfloat16)
+    args = dict(key=key, value=value, hidden=hidden, norm_key_w=weights[0],
+                norm_query_w=weights[1], norm_conv_w=weights[2], eps=EPS)
+    args.update(overrides)
+    return ops.ple_gate(**args)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(hidden=torch.zeros(4, 16, 1, dtype=torch.bfloat16)), "hidden must be 2-D"),
+        (dict(hidden=torch.zeros(4, 16, dtype=torch.float64)), "hidden must be float32"),
+        (dict(key=torch.zeros(4, 16)), "key must have hidden's dtype"),
+        (dict(value=torch.zeros(4, 8)), "value must have hidden's dtype"),
+        (dict(value=torch.zeros(3, 8, dtype=torch.bfloat16)), r"value must be \[T, H\]"),
+        (dict(value=torch.zeros(4, 5, dtype=torch.bfloat16)), "multiple of value's H"),
+        (dict(key=torch.zeros(4, 12, dtype=torch.bfloat16)), r"key must be \[T, C\]"),
+        (dict(key=torch.zeros(16, 4, dtype=torch.bfloat16).t()), "key must have unit stride"),
+        (dict(norm_key_w=torch.zeros(16, dtype=torch.float16)), "norm_key_w must be float32 or"),
+        (dict(norm_query_w=torch.zeros(16)), "norm_query_w must have norm_key_w's dtype"),
+        (dict(norm_conv_w=torch.zeros(15, dtype=torch.bfloat16)), r"norm_conv_w must be \[C\]"),
+        (dict(norm_conv_w=torch.zeros(32, dtype=torch.bfloat16)[::2]), "must be contiguous"),
+        (dict(eps=-1.0), "eps must be >= 0"),
+        (dict(norm_conv_w=torch.zeros(16, dtype=torch.bfloat16, device="meta")),
+         "norm_conv_w is on meta but hidden is on cpu"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(overrides, message):
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        gate_call(**overrides)
+
+
+def test_bad_rounding_and_out_raise():
+    key, value, hidden, weights = make_inputs(4, 8, 2, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="rounding must be 'vllm' or 'fp32'"):
+        ops.ple_gate(key, value, hidden, *weights, EPS, rounding="fast")
+    with pytest.raises(RuntimeError, match=r"gated must be \[T, C\]"):
+        ops.ple_gate(key, value, hidden, *weights, EPS,
+                     out=(torch.empty(4, 15, dtype=torch.bfloat16), torch.empty_like(hidden)))
+    with pytest.raises(RuntimeError, match="conv_input must have hidden's dtype"):
+        ops.ple_gate(key, value, hidden, *weights, EPS,
+                     out=(torch.empty_like(hidden), torch.empty(4, 16)))
