@@ -32,13 +32,20 @@ export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 
 stamp="$VENV/.qwen4exp-deps"
 deps="$TORCH_REQ pytest>=8 hypothesis>=6.100 numpy transformers==5.18.0 safetensors ninja setuptools>=69 wheel ruff"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$deps" ]; then
+vllm_reqs="$QWEN4EXP_ROOT/tools/requirements-vllm.txt"
+want="$deps | $(md5sum <"$vllm_reqs")"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  # (the filter drops this machine's pip-config noise about absent local index folders)
+  quiet_pip() {
+    "$PY" -m pip install --quiet --disable-pip-version-check "$@" \
+      2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  }
   echo "== installing $deps"
   # shellcheck disable=SC2086
-  # (the filter drops this machine's pip-config noise about absent local index folders)
-  "$PY" -m pip install --quiet --disable-pip-version-check $deps \
-    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-  echo "$deps" >"$stamp"
+  quiet_pip $deps
+  echo "== installing vLLM 0.33.0 for the plugin tests (--no-deps: torch stays as built)"
+  quiet_pip --no-deps -r "$vllm_reqs"
+  echo "$want" >"$stamp"
 fi
 
 # Rebuild when a source or the build script is newer than the built library.
