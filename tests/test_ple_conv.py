@@ -42,20 +42,32 @@ class Batch:
     def run(self, fn, device="cpu"):
         """Calls fn (ours, the reference or vLLM's) on copies; returns (residual, conv_state)."""
         residual = self.residual.clone().to(device)
-        state = clone_layout(self.conv_state).to(device) if device == "cpu" else \
-            clone_layout(self.conv_state.to(device))
-        kwargs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-                  for k, v in self.kwargs.items()}
+        state = (
+            clone_layout(self.conv_state).to(device)
+            if device == "cpu"
+            else clone_layout(self.conv_state.to(device))
+        )
+        kwargs = {
+            k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.kwargs.items()
+        }
         outer = self.outer_residual.to(device) if self.outer_residual is not None else None
-        fn(self.inputs.to(device), residual, state, self.conv_weights.to(device),
-           self.state_indices.to(device), outer, **kwargs)
+        fn(
+            self.inputs.to(device),
+            residual,
+            state,
+            self.conv_weights.to(device),
+            self.state_indices.to(device),
+            outer,
+            **kwargs,
+        )
         return residual.cpu(), state.cpu()
 
 
 def clone_layout(state: torch.Tensor) -> torch.Tensor:
     """A copy with the same strides (window-first stays window-first)."""
-    return torch.empty_strided(state.shape, state.stride(), dtype=state.dtype,
-                               device=state.device).copy_(state)
+    return torch.empty_strided(
+        state.shape, state.stride(), dtype=state.dtype, device=state.device
+    ).copy_(state)
 
 
 def make_state(slots, channels, width, dtype, window_first, gen):
@@ -64,9 +76,25 @@ def make_state(slots, channels, width, dtype, window_first, gen):
     return torch.randn(slots, channels, width, generator=gen).to(dtype)
 
 
-def make_batch(mode, dtype, *, lengths=None, tokens=None, channels=37, kernel=4, dilation=3,
-               query_len=1, extra_width=0, window_first=True, token_map=False, outer=True,
-               null_every=3, seed=0, weight_dtype=None, initial=None):
+def make_batch(
+    mode,
+    dtype,
+    *,
+    lengths=None,
+    tokens=None,
+    channels=37,
+    kernel=4,
+    dilation=3,
+    query_len=1,
+    extra_width=0,
+    window_first=True,
+    token_map=False,
+    outer=True,
+    null_every=3,
+    seed=0,
+    weight_dtype=None,
+    initial=None,
+):
     """A random batch: requests of the given lengths (decode: `tokens` single-token requests),
     distinct live slots with every `null_every`-th request on the null slot 0, random
     has_initial_states (or `initial`), a random accepted count per spec request (0..q+1, so the
@@ -82,8 +110,12 @@ def make_batch(mode, dtype, *, lengths=None, tokens=None, channels=37, kernel=4,
     slots = num_reqs + 2
     live_slots = rng.sample(range(1, slots), num_reqs) if num_reqs else []
     state_indices = torch.tensor(
-        [0 if null_every and r % null_every == null_every - 1 else s
-         for r, s in enumerate(live_slots)], dtype=torch.int32)
+        [
+            0 if null_every and r % null_every == null_every - 1 else s
+            for r, s in enumerate(live_slots)
+        ],
+        dtype=torch.int32,
+    )
     physical = num_rows + (3 if token_map else 0)
     inputs = torch.randn(physical, channels, generator=gen).to(dtype)
     residual = torch.randn(physical, channels, generator=gen).to(dtype)
@@ -107,13 +139,14 @@ def make_batch(mode, dtype, *, lengths=None, tokens=None, channels=37, kernel=4,
             kwargs["has_initial_states"] = has_init
         else:
             kwargs["num_accepted_tokens"] = torch.tensor(
-                [rng.randint(0, query_len + 1) for _ in range(num_reqs)], dtype=torch.int32)
+                [rng.randint(0, query_len + 1) for _ in range(num_reqs)], dtype=torch.int32
+            )
             kwargs["spec_query_len"] = query_len
     if token_map:
-        kwargs["token_indices"] = torch.tensor(rng.sample(range(physical), num_rows),
-                                               dtype=torch.int64)
-    return Batch(inputs, residual, conv_state, conv_weights, state_indices, outer_residual,
-                 kwargs)
+        kwargs["token_indices"] = torch.tensor(
+            rng.sample(range(physical), num_rows), dtype=torch.int64
+        )
+    return Batch(inputs, residual, conv_state, conv_weights, state_indices, outer_residual, kwargs)
 
 
 def random_lengths(rng, mode, query_len):
@@ -126,8 +159,9 @@ def random_lengths(rng, mode, query_len):
 def assert_same(got, expected, dtype, what=""):
     for g, e, name in zip(got, expected, ("residual", "conv_state"), strict=True):
         if dtype == torch.float32:
-            torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-6,
-                                       msg=lambda m, name=name: f"{what} {name}: {m}")
+            torch.testing.assert_close(
+                g, e, atol=1e-6, rtol=1e-6, msg=lambda m, name=name: f"{what} {name}: {m}"
+            )
         else:
             assert torch.equal(g, e), f"{what} {name}: {(g != e).sum()} elements differ"
 
@@ -147,18 +181,34 @@ def vllm_conv(*args, **kwargs):
 
 @needs_vllm
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("mode,lengths,query_len", [
-    ("decode", None, 1), ("prefill", [3, 1, 0, 6, 2], 1), ("spec", [2, 3, 0, 1, 3], 3),
-])
+@pytest.mark.parametrize(
+    "mode,lengths,query_len",
+    [
+        ("decode", None, 1),
+        ("prefill", [3, 1, 0, 6, 2], 1),
+        ("spec", [2, 3, 0, 1, 3], 3),
+    ],
+)
 @pytest.mark.parametrize("window_first", [True, False])
 @pytest.mark.parametrize("token_map,outer", [(False, True), (True, True), (True, False)])
-def test_matches_vllm_triton_kernels(dtype, mode, lengths, query_len, window_first, token_map,
-                                     outer):
+def test_matches_vllm_triton_kernels(
+    dtype, mode, lengths, query_len, window_first, token_map, outer
+):
     """fp16 bit for bit, fp32 within 1e-6, every mode, both layouts, token maps, null slots,
     has_initial_states, spec roll-back offsets, channels spanning two of vLLM's 512 blocks."""
-    batch = make_batch(mode, dtype, lengths=lengths, tokens=5, channels=600 if outer else 40,
-                       query_len=query_len, window_first=window_first, token_map=token_map,
-                       outer=outer, extra_width=1, seed=len(lengths or []) + query_len)
+    batch = make_batch(
+        mode,
+        dtype,
+        lengths=lengths,
+        tokens=5,
+        channels=600 if outer else 40,
+        query_len=query_len,
+        window_first=window_first,
+        token_map=token_map,
+        outer=outer,
+        extra_width=1,
+        seed=len(lengths or []) + query_len,
+    )
     expected = batch.run(vllm_conv)
     got = batch.run(ops.ple_conv)
     assert_same(got, expected, dtype, mode)
@@ -168,8 +218,15 @@ def test_matches_vllm_triton_kernels(dtype, mode, lengths, query_len, window_fir
 @pytest.mark.parametrize("kernel,dilation", [(1, 1), (2, 8), (8, 1), (5, 2)])
 def test_matches_vllm_other_kernel_sizes(kernel, dilation):
     for mode, lengths in (("decode", None), ("prefill", [4, 0, 9])):
-        batch = make_batch(mode, torch.float16, lengths=lengths, tokens=3, kernel=kernel,
-                           dilation=dilation, seed=kernel * 10 + dilation)
+        batch = make_batch(
+            mode,
+            torch.float16,
+            lengths=lengths,
+            tokens=3,
+            kernel=kernel,
+            dilation=dilation,
+            seed=kernel * 10 + dilation,
+        )
         assert_same(batch.run(ops.ple_conv), batch.run(vllm_conv), torch.float16, mode)
 
 
@@ -179,15 +236,30 @@ def test_matches_vllm_other_kernel_sizes(kernel, dilation):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("channels,lengths", [
-    (100, []), (100, [0]), (100, [1]), (100, [5000]), (100, [1200, 0, 1300, 7]),
-    (2624, [129, 3]), (2624, [1]),
-])
+@pytest.mark.parametrize(
+    "channels,lengths",
+    [
+        (100, []),
+        (100, [0]),
+        (100, [1]),
+        (100, [5000]),
+        (100, [1200, 0, 1300, 7]),
+        (2624, [129, 3]),
+        (2624, [1]),
+    ],
+)
 def test_matches_reference(device, dtype, mode, channels, lengths):
     if mode == "spec":
         lengths = [min(n, 4) for n in lengths]
-    batch = make_batch(mode, dtype, lengths=lengths, tokens=min(sum(lengths), 600),
-                       channels=channels, query_len=4, seed=channels + len(lengths))
+    batch = make_batch(
+        mode,
+        dtype,
+        lengths=lengths,
+        tokens=min(sum(lengths), 600),
+        channels=channels,
+        query_len=4,
+        seed=channels + len(lengths),
+    )
     assert_same(batch.run(ops.ple_conv, device), batch.run(reference.ple_conv), dtype, mode)
 
 
@@ -197,14 +269,33 @@ def test_matches_reference(device, dtype, mode, channels, lengths):
 def test_fp32_weights_and_strided_rows(device, dtype, mode):
     """fp32 conv weights with 16-bit activations; inputs, residual and outer_residual as column
     slices of wider buffers; a dim-first state with room for more spec columns."""
-    batch = make_batch(mode, dtype, lengths=[3, 4, 1], tokens=4, channels=50, query_len=4,
-                       weight_dtype=torch.float32, window_first=False, extra_width=2, seed=5)
-    wide = [torch.randn(t.shape[0], 60).to(dtype) for t in (batch.inputs, batch.residual,
-                                                             batch.outer_residual)]
+    batch = make_batch(
+        mode,
+        dtype,
+        lengths=[3, 4, 1],
+        tokens=4,
+        channels=50,
+        query_len=4,
+        weight_dtype=torch.float32,
+        window_first=False,
+        extra_width=2,
+        seed=5,
+    )
+    wide = [
+        torch.randn(t.shape[0], 60).to(dtype)
+        for t in (batch.inputs, batch.residual, batch.outer_residual)
+    ]
     for w, t in zip(wide, (batch.inputs, batch.residual, batch.outer_residual), strict=True):
         w[:, 7:57] = t
-    strided = Batch(wide[0][:, 7:57], wide[1][:, 7:57], batch.conv_state, batch.conv_weights,
-                    batch.state_indices, wide[2][:, 7:57], batch.kwargs)
+    strided = Batch(
+        wide[0][:, 7:57],
+        wide[1][:, 7:57],
+        batch.conv_state,
+        batch.conv_weights,
+        batch.state_indices,
+        wide[2][:, 7:57],
+        batch.kwargs,
+    )
     assert not strided.inputs.is_contiguous()
     assert_same(strided.run(ops.ple_conv, device), batch.run(reference.ple_conv), dtype, mode)
 
@@ -225,19 +316,32 @@ def test_fp32_weights_and_strided_rows(device, dtype, mode):
     outer=st.booleans(),
     channels=st.sampled_from([1, 7, 33, 100]),
 )
-def test_property_matches_reference(device, mode, dtype, seed, query_len, kernel, dilation,
-                                    window_first, token_map, outer, channels):
+def test_property_matches_reference(
+    device, mode, dtype, seed, query_len, kernel, dilation, window_first, token_map, outer, channels
+):
     """§9.8: equal to the reference on random batches, any K <= 8 and dilation <= 8."""
     rng = random.Random(seed)
-    batch = make_batch(mode, dtype, lengths=random_lengths(rng, mode, query_len),
-                       tokens=rng.randint(0, 6), channels=channels, kernel=kernel,
-                       dilation=dilation, query_len=query_len, window_first=window_first,
-                       token_map=token_map, outer=outer, extra_width=rng.randint(0, 2), seed=seed)
+    batch = make_batch(
+        mode,
+        dtype,
+        lengths=random_lengths(rng, mode, query_len),
+        tokens=rng.randint(0, 6),
+        channels=channels,
+        kernel=kernel,
+        dilation=dilation,
+        query_len=query_len,
+        window_first=window_first,
+        token_map=token_map,
+        outer=outer,
+        extra_width=rng.randint(0, 2),
+        seed=seed,
+    )
     assert_same(batch.run(ops.ple_conv, device), batch.run(reference.ple_conv), dtype, mode)
 
 
-def single_request_step(device, mode, x, state, weights, *, init=True, accepted=1, query_len=1,
-                        dilation=3):
+def single_request_step(
+    device, mode, x, state, weights, *, init=True, accepted=1, query_len=1, dilation=3
+):
     """One call for one request on slot 1 of a one-slot-plus-null state; returns (y, state)."""
     residual = torch.zeros_like(x)
     kwargs = {"mode": mode, "dilation": dilation}
@@ -251,8 +355,9 @@ def single_request_step(device, mode, x, state, weights, *, init=True, accepted=
         else:
             kwargs["num_accepted_tokens"] = torch.tensor([accepted], dtype=torch.int32).to(device)
             kwargs["spec_query_len"] = query_len
-    ops.ple_conv(x, residual, state, weights, torch.tensor([1], dtype=torch.int32).to(device),
-                 None, **kwargs)
+    ops.ple_conv(
+        x, residual, state, weights, torch.tensor([1], dtype=torch.int32).to(device), None, **kwargs
+    )
     return residual
 
 
@@ -262,8 +367,7 @@ def fresh_state(channels, width, dtype, device, gen, window_first=True):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@given(length=st.integers(1, 14), data=st.data(), init=st.booleans(),
-       window_first=st.booleans())
+@given(length=st.integers(1, 14), data=st.data(), init=st.booleans(), window_first=st.booleans())
 def test_property_chunk_split_invariance(device, length, data, init, window_first):
     """§9.1: whole prefill == any split into chunks == token-by-token decode: outputs and the
     final state."""
@@ -278,8 +382,11 @@ def test_property_chunk_split_invariance(device, length, data, init, window_firs
         outs, a = [], 0
         for i, b in enumerate([*cuts, length]):
             if b > a:
-                outs.append(single_request_step(device, mode, x[a:b], state, weights,
-                                                init=init or i > 0 and a > 0))
+                outs.append(
+                    single_request_step(
+                        device, mode, x[a:b], state, weights, init=init or i > 0 and a > 0
+                    )
+                )
             a = b
         return torch.cat(outs), state[1]
 
@@ -307,18 +414,35 @@ def test_property_zero_weights_give_hidden_plus_gated(device, mode, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@given(seed=st.integers(0, 2**16), tokens=st.integers(0, 6), window_first=st.booleans(),
-       token_map=st.booleans())
+@given(
+    seed=st.integers(0, 2**16),
+    tokens=st.integers(0, 6),
+    window_first=st.booleans(),
+    token_map=st.booleans(),
+)
 def test_property_decode_equals_one_token_prefill(device, seed, tokens, window_first, token_map):
     """§9.5: a decode step equals a prefill of one token per request from the same state."""
-    batch = make_batch("decode", torch.float16, tokens=tokens, window_first=window_first,
-                       token_map=token_map, seed=seed, initial=seed % 2)
-    prefill = Batch(batch.inputs, batch.residual, batch.conv_state, batch.conv_weights,
-                    batch.state_indices, batch.outer_residual, dict(batch.kwargs))
+    batch = make_batch(
+        "decode",
+        torch.float16,
+        tokens=tokens,
+        window_first=window_first,
+        token_map=token_map,
+        seed=seed,
+        initial=seed % 2,
+    )
+    prefill = Batch(
+        batch.inputs,
+        batch.residual,
+        batch.conv_state,
+        batch.conv_weights,
+        batch.state_indices,
+        batch.outer_residual,
+        dict(batch.kwargs),
+    )
     prefill.kwargs["mode"] = "prefill"
     prefill.kwargs["query_start_loc"] = torch.arange(tokens + 1, dtype=torch.int32)
-    assert_same(batch.run(ops.ple_conv, device), prefill.run(ops.ple_conv, device),
-                torch.float16)
+    assert_same(batch.run(ops.ple_conv, device), prefill.run(ops.ple_conv, device), torch.float16)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -338,15 +462,24 @@ def test_property_spec_equals_replaying_accepted_tokens(device, query_len, data,
     next_len = data.draw(st.integers(0, query_len))
 
     spec_state = clone_layout(start)
-    single_request_step(device, "spec", drafts, spec_state, weights, accepted=1,
-                        query_len=query_len)
-    spec_y = single_request_step(device, "spec", following[:next_len], spec_state, weights,
-                                 accepted=accepted, query_len=query_len)
+    single_request_step(
+        device, "spec", drafts, spec_state, weights, accepted=1, query_len=query_len
+    )
+    spec_y = single_request_step(
+        device,
+        "spec",
+        following[:next_len],
+        spec_state,
+        weights,
+        accepted=accepted,
+        query_len=query_len,
+    )
 
     replay_state = clone_layout(start)
     single_request_step(device, "prefill", drafts[:accepted], replay_state, weights)
-    replay_y = single_request_step(device, "spec", following[:next_len], replay_state, weights,
-                                   accepted=1, query_len=query_len)
+    replay_y = single_request_step(
+        device, "spec", following[:next_len], replay_state, weights, accepted=1, query_len=query_len
+    )
     assert torch.equal(spec_y, replay_y)
     kept = state_len - 1 + next_len
     assert torch.equal(spec_state[1, :, :kept], replay_state[1, :, :kept])
@@ -359,8 +492,15 @@ def test_property_null_slot_and_empty_requests_write_no_state(device, mode, seed
     keeps its state; null-slot rows output 0 in decode/prefill (residual = outer + residual)."""
     rng = random.Random(seed)
     lengths = random_lengths(rng, mode, query_len) + [0]
-    batch = make_batch(mode, torch.bfloat16, lengths=lengths, tokens=rng.randint(0, 6),
-                       query_len=query_len, null_every=2, seed=seed)
+    batch = make_batch(
+        mode,
+        torch.bfloat16,
+        lengths=lengths,
+        tokens=rng.randint(0, 6),
+        query_len=query_len,
+        null_every=2,
+        seed=seed,
+    )
     residual, state = batch.run(ops.ple_conv, device)
     slots = batch.state_indices.tolist()
     assert torch.equal(state[0], batch.conv_state[0])
@@ -373,13 +513,16 @@ def test_property_null_slot_and_empty_requests_write_no_state(device, mode, seed
             if qsl[r + 1] == qsl[r]:
                 assert torch.equal(state[slot], batch.conv_state[slot])
     if mode != "spec":
-        starts = list(range(len(slots) + 1)) if mode == "decode" else \
-            batch.kwargs["query_start_loc"].tolist()
+        starts = (
+            list(range(len(slots) + 1))
+            if mode == "decode"
+            else batch.kwargs["query_start_loc"].tolist()
+        )
         rows = batch.kwargs.get("token_indices", torch.arange(residual.shape[0]))
         for r, slot in enumerate(slots):
             if slot == 0:
-                for t in rows[starts[r]:starts[r + 1]].tolist():
-                    expected = (batch.residual[t].float() + batch.outer_residual[t].float())
+                for t in rows[starts[r] : starts[r + 1]].tolist():
+                    expected = batch.residual[t].float() + batch.outer_residual[t].float()
                     assert torch.equal(residual[t], expected.to(torch.bfloat16))
 
 
@@ -390,16 +533,23 @@ def test_property_null_slot_and_empty_requests_write_no_state(device, mode, seed
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_opcheck(device, mode, dtype):
-    batch = make_batch(mode, dtype, lengths=[2, 0, 3], tokens=3, query_len=3, token_map=True,
-                       seed=4)
-    kwargs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-              for k, v in batch.kwargs.items()}
+    batch = make_batch(
+        mode, dtype, lengths=[2, 0, 3], tokens=3, query_len=3, token_map=True, seed=4
+    )
+    kwargs = {
+        k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.kwargs.items()
+    }
     kwargs["conv_mode"] = kwargs.pop("mode")  # the schema's name for vLLM's `mode`
     torch.library.opcheck(
         torch.ops.qwen4exp.ple_conv.default,
-        (batch.inputs.to(device), batch.residual.to(device), batch.conv_state.to(device),
-         batch.conv_weights.to(device), batch.state_indices.to(device),
-         batch.outer_residual.to(device)),
+        (
+            batch.inputs.to(device),
+            batch.residual.to(device),
+            batch.conv_state.to(device),
+            batch.conv_weights.to(device),
+            batch.state_indices.to(device),
+            batch.outer_residual.to(device),
+        ),
         kwargs,
     )
 
@@ -410,13 +560,30 @@ def test_torch_compile_smoke(device):
 
     @torch.compile(fullgraph=True, dynamic=True)
     def layer_tail(inputs, residual, state, weights, slots, outer, qsl, init):
-        ops.ple_conv(inputs, residual, state, weights, slots, outer, mode="prefill", dilation=3,
-                     query_start_loc=qsl, has_initial_states=init)
+        ops.ple_conv(
+            inputs,
+            residual,
+            state,
+            weights,
+            slots,
+            outer,
+            mode="prefill",
+            dilation=3,
+            query_start_loc=qsl,
+            has_initial_states=init,
+        )
         return residual * 2
 
-    args = [batch.inputs, batch.residual.clone(), clone_layout(batch.conv_state),
-            batch.conv_weights, batch.state_indices, batch.outer_residual,
-            batch.kwargs["query_start_loc"], batch.kwargs["has_initial_states"]]
+    args = [
+        batch.inputs,
+        batch.residual.clone(),
+        clone_layout(batch.conv_state),
+        batch.conv_weights,
+        batch.state_indices,
+        batch.outer_residual,
+        batch.kwargs["query_start_loc"],
+        batch.kwargs["has_initial_states"],
+    ]
     args = [a.to(device) for a in args]
     compiled = layer_tail(*args)
     expected_residual, expected_state = batch.run(ops.ple_conv, device)
@@ -426,10 +593,15 @@ def test_torch_compile_smoke(device):
 
 
 def conv_call(batch: Batch, **overrides):
-    args = dict(inputs=batch.inputs, residual=batch.residual.clone(),
-                conv_state=clone_layout(batch.conv_state), conv_weights=batch.conv_weights,
-                state_indices=batch.state_indices, outer_residual=batch.outer_residual,
-                **batch.kwargs)
+    args = dict(
+        inputs=batch.inputs,
+        residual=batch.residual.clone(),
+        conv_state=clone_layout(batch.conv_state),
+        conv_weights=batch.conv_weights,
+        state_indices=batch.state_indices,
+        outer_residual=batch.outer_residual,
+        **batch.kwargs,
+    )
     args.update(overrides)
     return ops.ple_conv(**args)
 
@@ -446,56 +618,117 @@ SPEC = make_batch("spec", torch.bfloat16, lengths=[2, 1], channels=8, query_len=
         (PREFILL, dict(inputs=torch.zeros(5, 8, 1, dtype=torch.bfloat16)), "inputs must be 2-D"),
         (PREFILL, dict(inputs=torch.zeros(5, 8, dtype=torch.float64)), "inputs must be float32"),
         (PREFILL, dict(residual=torch.zeros(5, 8)), "residual must have inputs' dtype"),
-        (PREFILL, dict(residual=torch.zeros(5, 9, dtype=torch.bfloat16)),
-         "residual must have inputs' shape"),
-        (PREFILL, dict(outer_residual=torch.zeros(4, 8, dtype=torch.bfloat16)),
-         "outer_residual must have inputs' shape"),
-        (PREFILL, dict(inputs=torch.zeros(8, 5, dtype=torch.bfloat16).t()),
-         "inputs must have unit stride"),
-        (PREFILL, dict(conv_weights=torch.zeros(7, 4, dtype=torch.bfloat16)),
-         r"conv_weights must be \[C, K\]"),
-        (PREFILL, dict(conv_weights=torch.zeros(8, 9, dtype=torch.bfloat16)),
-         "kernel size K must be in"),
-        (PREFILL, dict(conv_weights=torch.zeros(8, 4, dtype=torch.float16)),
-         "conv_weights must be float32 or inputs' dtype"),
+        (
+            PREFILL,
+            dict(residual=torch.zeros(5, 9, dtype=torch.bfloat16)),
+            "residual must have inputs' shape",
+        ),
+        (
+            PREFILL,
+            dict(outer_residual=torch.zeros(4, 8, dtype=torch.bfloat16)),
+            "outer_residual must have inputs' shape",
+        ),
+        (
+            PREFILL,
+            dict(inputs=torch.zeros(8, 5, dtype=torch.bfloat16).t()),
+            "inputs must have unit stride",
+        ),
+        (
+            PREFILL,
+            dict(conv_weights=torch.zeros(7, 4, dtype=torch.bfloat16)),
+            r"conv_weights must be \[C, K\]",
+        ),
+        (
+            PREFILL,
+            dict(conv_weights=torch.zeros(8, 9, dtype=torch.bfloat16)),
+            "kernel size K must be in",
+        ),
+        (
+            PREFILL,
+            dict(conv_weights=torch.zeros(8, 4, dtype=torch.float16)),
+            "conv_weights must be float32 or inputs' dtype",
+        ),
         (PREFILL, dict(dilation=0), "dilation must be in"),
         (PREFILL, dict(dilation=9), "dilation must be in"),
-        (PREFILL, dict(conv_state=torch.zeros(4, 8, 8, dtype=torch.bfloat16)),
-         "conv_state must have shape"),
+        (
+            PREFILL,
+            dict(conv_state=torch.zeros(4, 8, 8, dtype=torch.bfloat16)),
+            "conv_state must have shape",
+        ),
         (PREFILL, dict(conv_state=torch.zeros(4, 8, 9)), "conv_state must have inputs' dtype"),
-        (PREFILL, dict(query_start_loc=None), "query_start_loc and has_initial_states are "
-                                              "required for prefill"),
+        (
+            PREFILL,
+            dict(query_start_loc=None),
+            "query_start_loc and has_initial_states are required for prefill",
+        ),
         (SPEC, dict(num_accepted_tokens=None), "required for spec decode"),
-        (SPEC, dict(conv_state=torch.zeros(4, 8, 9, dtype=torch.bfloat16)),
-         "window >= 10"),
-        (PREFILL, dict(query_start_loc=torch.tensor([0, 2], dtype=torch.int32)),
-         "query_start_loc needs at least 3 entries"),
-        (PREFILL, dict(query_start_loc=torch.tensor([0.0, 2.0, 5.0])),
-         "query_start_loc must be int32 or int64"),
-        (PREFILL, dict(has_initial_states=torch.tensor([True])),
-         "has_initial_states needs at least 2 entries"),
-        (PREFILL, dict(state_indices=torch.tensor([[1, 2]], dtype=torch.int32)),
-         "state_indices must be 1-D"),
-        (DECODE, dict(state_indices=torch.tensor([1, 2], dtype=torch.int32)),
-         "state_indices needs at least 3 entries"),
-        (PREFILL, dict(token_indices=torch.tensor([[0, 1], [2, 3]])),
-         "token_indices must be 1-D"),
-        (PREFILL, dict(state_indices=torch.tensor([1, 4], dtype=torch.int32)),
-         r"state_indices\[1\] = 4 is outside conv_state's 4 slots"),
-        (PREFILL, dict(state_indices=torch.tensor([-1, 2], dtype=torch.int32)),
-         r"state_indices\[0\] = -1 is outside"),
-        (PREFILL, dict(state_indices=torch.tensor([2, 2], dtype=torch.int32)),
-         "holds slot 2 twice"),
-        (PREFILL, dict(token_indices=torch.tensor([0, 1, 2, 3, 5])),
-         r"token_indices\[4\] = 5 is outside the 5 rows"),
-        (PREFILL, dict(query_start_loc=torch.tensor([0, 3, 2], dtype=torch.int32)),
-         "query_start_loc must be non-decreasing"),
-        (PREFILL, dict(query_start_loc=torch.tensor([0, 3, 6], dtype=torch.int32)),
-         r"query_start_loc\[R\] = 6 is past the 5 tokens"),
-        (SPEC, dict(query_start_loc=torch.tensor([0, 3, 3], dtype=torch.int32)),
-         "spec request 0 has 3 tokens, more than spec_query_len = 2"),
-        (PREFILL, dict(conv_weights=torch.zeros(8, 4, dtype=torch.bfloat16, device="meta")),
-         "conv_weights is on meta but inputs is on cpu"),
+        (SPEC, dict(conv_state=torch.zeros(4, 8, 9, dtype=torch.bfloat16)), "window >= 10"),
+        (
+            PREFILL,
+            dict(query_start_loc=torch.tensor([0, 2], dtype=torch.int32)),
+            "query_start_loc needs at least 3 entries",
+        ),
+        (
+            PREFILL,
+            dict(query_start_loc=torch.tensor([0.0, 2.0, 5.0])),
+            "query_start_loc must be int32 or int64",
+        ),
+        (
+            PREFILL,
+            dict(has_initial_states=torch.tensor([True])),
+            "has_initial_states needs at least 2 entries",
+        ),
+        (
+            PREFILL,
+            dict(state_indices=torch.tensor([[1, 2]], dtype=torch.int32)),
+            "state_indices must be 1-D",
+        ),
+        (
+            DECODE,
+            dict(state_indices=torch.tensor([1, 2], dtype=torch.int32)),
+            "state_indices needs at least 3 entries",
+        ),
+        (PREFILL, dict(token_indices=torch.tensor([[0, 1], [2, 3]])), "token_indices must be 1-D"),
+        (
+            PREFILL,
+            dict(state_indices=torch.tensor([1, 4], dtype=torch.int32)),
+            r"state_indices\[1\] = 4 is outside conv_state's 4 slots",
+        ),
+        (
+            PREFILL,
+            dict(state_indices=torch.tensor([-1, 2], dtype=torch.int32)),
+            r"state_indices\[0\] = -1 is outside",
+        ),
+        (
+            PREFILL,
+            dict(state_indices=torch.tensor([2, 2], dtype=torch.int32)),
+            "holds slot 2 twice",
+        ),
+        (
+            PREFILL,
+            dict(token_indices=torch.tensor([0, 1, 2, 3, 5])),
+            r"token_indices\[4\] = 5 is outside the 5 rows",
+        ),
+        (
+            PREFILL,
+            dict(query_start_loc=torch.tensor([0, 3, 2], dtype=torch.int32)),
+            "query_start_loc must be non-decreasing",
+        ),
+        (
+            PREFILL,
+            dict(query_start_loc=torch.tensor([0, 3, 6], dtype=torch.int32)),
+            r"query_start_loc\[R\] = 6 is past the 5 tokens",
+        ),
+        (
+            SPEC,
+            dict(query_start_loc=torch.tensor([0, 3, 3], dtype=torch.int32)),
+            "spec request 0 has 3 tokens, more than spec_query_len = 2",
+        ),
+        (
+            PREFILL,
+            dict(conv_weights=torch.zeros(8, 4, dtype=torch.bfloat16, device="meta")),
+            "conv_weights is on meta but inputs is on cpu",
+        ),
     ],
 )
 def test_bad_arguments_raise_clear_errors(batch, overrides, message):
@@ -507,9 +740,15 @@ def test_bad_values_leave_state_and_residual_untouched():
     residual = PREFILL.residual.clone()
     state = clone_layout(PREFILL.conv_state)
     with pytest.raises(RuntimeError, match="outside"):
-        ops.ple_conv(PREFILL.inputs, residual, state, PREFILL.conv_weights,
-                     torch.tensor([1, 9], dtype=torch.int32), PREFILL.outer_residual,
-                     **PREFILL.kwargs)
+        ops.ple_conv(
+            PREFILL.inputs,
+            residual,
+            state,
+            PREFILL.conv_weights,
+            torch.tensor([1, 9], dtype=torch.int32),
+            PREFILL.outer_residual,
+            **PREFILL.kwargs,
+        )
     assert torch.equal(residual, PREFILL.residual)
     assert torch.equal(state, PREFILL.conv_state)
 
@@ -524,14 +763,21 @@ def test_silu_is_exact_for_every_16_bit_value(device, dtype):
     xf = x.float()
     expected = (xf * (1.0 / (1.0 + torch.exp(-xf.double()).float()))).to(dtype)
     residual = torch.zeros_like(x).to(device)
-    ops.ple_conv(x.to(device), residual, torch.zeros(2, x.shape[1], 0, dtype=dtype, device=device),
-                 torch.ones(x.shape[1], 1, dtype=dtype, device=device),
-                 torch.tensor([1], dtype=torch.int32, device=device), None, mode="prefill",
-                 dilation=1, query_start_loc=torch.tensor([0, 1], dtype=torch.int32,
-                                                          device=device),
-                 has_initial_states=torch.tensor([False], device=device))
+    ops.ple_conv(
+        x.to(device),
+        residual,
+        torch.zeros(2, x.shape[1], 0, dtype=dtype, device=device),
+        torch.ones(x.shape[1], 1, dtype=dtype, device=device),
+        torch.tensor([1], dtype=torch.int32, device=device),
+        None,
+        mode="prefill",
+        dilation=1,
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
+        has_initial_states=torch.tensor([False], device=device),
+    )
     if device == "cpu":
         torch.testing.assert_close(residual, expected, atol=0, rtol=0, equal_nan=True)
     else:  # the GPU's expf is not correctly rounded: one unit in the last place
-        torch.testing.assert_close(residual.cpu(), expected, atol=1e-6, rtol=2.0**-7,
-                                   equal_nan=True)
+        torch.testing.assert_close(
+            residual.cpu(), expected, atol=1e-6, rtol=2.0**-7, equal_nan=True
+        )

@@ -41,8 +41,18 @@ TOLERANCE = {
 }
 
 
-def make_inputs(tokens, width, streams, dtype, *, weight_dtype=None, seed=0, device="cpu",
-                scale=3.0, hidden_strided=False):
+def make_inputs(
+    tokens,
+    width,
+    streams,
+    dtype,
+    *,
+    weight_dtype=None,
+    seed=0,
+    device="cpu",
+    scale=3.0,
+    hidden_strided=False,
+):
     """key and value as column slices of one [T, C+H] projection (as the layer makes them),
     hidden [T, C] (or a column slice of a wider buffer), weights [C] near zero (Gemma's 1+w)."""
     g = torch.Generator().manual_seed(seed)
@@ -77,8 +87,13 @@ def exact_gate(key, value, hidden, weights, eps=EPS):
 
 def assert_close(got, expected, dtype, rounding, what=""):
     atol, rtol = TOLERANCE[rounding][dtype]
-    torch.testing.assert_close(got.cpu().double(), expected.cpu().double(), atol=atol, rtol=rtol,
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        got.cpu().double(),
+        expected.cpu().double(),
+        atol=atol,
+        rtol=rtol,
+        msg=lambda m: f"{what}: {m}",
+    )
 
 
 # --- vLLM's own kernel ---------------------------------------------------------------------------
@@ -99,8 +114,19 @@ def vllm_gate(key, value, hidden, weights):
         streams = hidden.shape[1] // width
         gated, normed = torch.empty_like(hidden), torch.empty_like(hidden)
         VLLM._ple_gate_kernel[(hidden.shape[0], streams)](
-            key, value, hidden, *weights, gated, normed, key.stride(0), value.stride(0), EPS,
-            H=width, HC=streams, BLOCK_H=1 << (width - 1).bit_length(), num_warps=4,
+            key,
+            value,
+            hidden,
+            *weights,
+            gated,
+            normed,
+            key.stride(0),
+            value.stride(0),
+            EPS,
+            H=width,
+            HC=streams,
+            BLOCK_H=1 << (width - 1).bit_length(),
+            num_warps=4,
             launch_pdl=False,
         )
         return gated, normed
@@ -131,15 +157,27 @@ def test_matches_vllm_triton_kernel(dtype, tokens, width, streams):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rounding", ["vllm", "fp32"])
 @pytest.mark.parametrize(
-    "tokens,width,streams", [(0, 100, 1), (1, 100, 1), (37, 100, 1), (5000, 100, 1),
-                             (129, 2624, 1), (11, 656, 4), (3, 1, 4), (17, 4, 2), (9, 5, 3)]
+    "tokens,width,streams",
+    [
+        (0, 100, 1),
+        (1, 100, 1),
+        (37, 100, 1),
+        (5000, 100, 1),
+        (129, 2624, 1),
+        (11, 656, 4),
+        (3, 1, 4),
+        (17, 4, 2),
+        (9, 5, 3),
+    ],
 )
 def test_matches_reference(device, dtype, rounding, tokens, width, streams):
-    key, value, hidden, weights = make_inputs(tokens, width, streams, dtype, device=device,
-                                              seed=width + tokens)
+    key, value, hidden, weights = make_inputs(
+        tokens, width, streams, dtype, device=device, seed=width + tokens
+    )
     got = ops.ple_gate(key, value, hidden, *weights, EPS, rounding=rounding)
-    expected = reference.ple_gate(key.cpu(), value.cpu(), hidden.cpu(),
-                                  *(w.cpu() for w in weights), EPS, rounding=rounding)
+    expected = reference.ple_gate(
+        key.cpu(), value.cpu(), hidden.cpu(), *(w.cpu() for w in weights), EPS, rounding=rounding
+    )
     for g, e, name in zip(got, expected, ("gated", "conv_input"), strict=True):
         assert g.shape == e.shape and g.dtype == dtype and g.is_contiguous()
         assert_close(g, e, dtype, rounding, name)
@@ -171,11 +209,13 @@ def test_fast_mode_tolerance(device, dtype):
 def test_strided_views_and_out(device, dtype, rounding):
     """hidden as a column slice, fp32 weights with 16-bit activations, and out= views into wider
     buffers: the same values as contiguous inputs, and nothing outside the views is touched."""
-    key, value, hidden, weights = make_inputs(23, 96, 3, dtype, device=device,
-                                              hidden_strided=True, weight_dtype=torch.float32)
+    key, value, hidden, weights = make_inputs(
+        23, 96, 3, dtype, device=device, hidden_strided=True, weight_dtype=torch.float32
+    )
     assert not hidden.is_contiguous() and not key.is_contiguous()
-    expected = ops.ple_gate(key.contiguous(), value.contiguous(), hidden.contiguous(), *weights,
-                            EPS, rounding=rounding)
+    expected = ops.ple_gate(
+        key.contiguous(), value.contiguous(), hidden.contiguous(), *weights, EPS, rounding=rounding
+    )
     wide = torch.full((2, 23, 300), 7.0, dtype=dtype, device=device)
     out = (wide[0, :, 5:293], wide[1, :, 1:289])
     got = ops.ple_gate(key, value, hidden, *weights, EPS, rounding=rounding, out=out)
@@ -184,8 +224,9 @@ def test_strided_views_and_out(device, dtype, rounding):
         assert torch.equal(g, e)
     assert torch.all(wide[0, :, :5] == 7) and torch.all(wide[0, :, 293:] == 7)
     assert torch.all(wide[1, :, :1] == 7) and torch.all(wide[1, :, 289:] == 7)
-    ref = reference.ple_gate(key.cpu(), value.cpu(), hidden.cpu(),
-                             *(w.cpu() for w in weights), EPS, rounding=rounding)
+    ref = reference.ple_gate(
+        key.cpu(), value.cpu(), hidden.cpu(), *(w.cpu() for w in weights), EPS, rounding=rounding
+    )
     for g, e in zip(got, ref, strict=True):
         assert_close(g, e, dtype, rounding)
 
@@ -203,15 +244,22 @@ def test_strided_views_and_out(device, dtype, rounding):
     seed=st.integers(0, 2**16),
     scale=st.sampled_from([1e-3, 1.0, 30.0]),
 )
-def test_property_matches_reference(device, tokens, width, streams, dtype, rounding, seed,
-                                    scale):
+def test_property_matches_reference(device, tokens, width, streams, dtype, rounding, seed, scale):
     """§9.8: equal to the reference within the stated tolerance on any shape, strided views."""
-    key, value, hidden, weights = make_inputs(tokens, width, streams, dtype, device=device,
-                                              seed=seed, scale=scale,
-                                              hidden_strided=seed % 2 == 1)
+    key, value, hidden, weights = make_inputs(
+        tokens,
+        width,
+        streams,
+        dtype,
+        device=device,
+        seed=seed,
+        scale=scale,
+        hidden_strided=seed % 2 == 1,
+    )
     got = ops.ple_gate(key, value, hidden, *weights, EPS, rounding=rounding)
-    expected = reference.ple_gate(key.cpu(), value.cpu(), hidden.cpu(),
-                                  *(w.cpu() for w in weights), EPS, rounding=rounding)
+    expected = reference.ple_gate(
+        key.cpu(), value.cpu(), hidden.cpu(), *(w.cpu() for w in weights), EPS, rounding=rounding
+    )
     for g, e in zip(got, expected, strict=True):
         assert_close(g, e, dtype, rounding)
 
@@ -220,12 +268,15 @@ def test_property_matches_reference(device, tokens, width, streams, dtype, round
 @given(tokens=st.integers(1, 30), data=st.data(), rounding=st.sampled_from(["vllm", "fp32"]))
 def test_property_rows_are_independent(device, tokens, data, rounding):
     """§9.1 for the gate: a batch gives the same rows as any split of it (bit for bit)."""
-    key, value, hidden, weights = make_inputs(tokens, 64, 2, torch.bfloat16, device=device,
-                                              seed=tokens)
+    key, value, hidden, weights = make_inputs(
+        tokens, 64, 2, torch.bfloat16, device=device, seed=tokens
+    )
     whole = ops.ple_gate(key, value, hidden, *weights, EPS, rounding=rounding)
     cut = data.draw(st.integers(0, tokens))
-    parts = [ops.ple_gate(key[a:b], value[a:b], hidden[a:b], *weights, EPS, rounding=rounding)
-             for a, b in ((0, cut), (cut, tokens))]
+    parts = [
+        ops.ple_gate(key[a:b], value[a:b], hidden[a:b], *weights, EPS, rounding=rounding)
+        for a, b in ((0, cut), (cut, tokens))
+    ]
     for i in range(2):
         assert torch.equal(torch.cat([p[i] for p in parts]), whole[i])
 
@@ -238,12 +289,15 @@ def test_property_rows_are_independent(device, tokens, data, rounding):
 @pytest.mark.parametrize("rounding", ["vllm", "fp32"])
 def test_opcheck(device, dtype, rounding):
     key, value, hidden, weights = make_inputs(6, 40, 3, dtype, device=device)
-    torch.library.opcheck(torch.ops.qwen4exp.ple_gate.default,
-                          (key, value, hidden, *weights, EPS, rounding))
+    torch.library.opcheck(
+        torch.ops.qwen4exp.ple_gate.default, (key, value, hidden, *weights, EPS, rounding)
+    )
     gated, conv_input = torch.empty_like(hidden), torch.empty_like(hidden)
-    torch.library.opcheck(torch.ops.qwen4exp.ple_gate_out.default,
-                          (key, value, hidden, *weights, EPS, rounding),
-                          {"gated": gated, "conv_input": conv_input})
+    torch.library.opcheck(
+        torch.ops.qwen4exp.ple_gate_out.default,
+        (key, value, hidden, *weights, EPS, rounding),
+        {"gated": gated, "conv_input": conv_input},
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -261,8 +315,15 @@ def test_torch_compile_smoke(device):
 
 def gate_call(**overrides):
     key, value, hidden, weights = make_inputs(4, 8, 2, torch.bfloat16)
-    args = dict(key=key, value=value, hidden=hidden, norm_key_w=weights[0],
-                norm_query_w=weights[1], norm_conv_w=weights[2], eps=EPS)
+    args = dict(
+        key=key,
+        value=value,
+        hidden=hidden,
+        norm_key_w=weights[0],
+        norm_query_w=weights[1],
+        norm_conv_w=weights[2],
+        eps=EPS,
+    )
     args.update(overrides)
     return ops.ple_gate(**args)
 
@@ -283,8 +344,10 @@ def gate_call(**overrides):
         (dict(norm_conv_w=torch.zeros(15, dtype=torch.bfloat16)), r"norm_conv_w must be \[C\]"),
         (dict(norm_conv_w=torch.zeros(32, dtype=torch.bfloat16)[::2]), "must be contiguous"),
         (dict(eps=-1.0), "eps must be >= 0"),
-        (dict(norm_conv_w=torch.zeros(16, dtype=torch.bfloat16, device="meta")),
-         "norm_conv_w is on meta but hidden is on cpu"),
+        (
+            dict(norm_conv_w=torch.zeros(16, dtype=torch.bfloat16, device="meta")),
+            "norm_conv_w is on meta but hidden is on cpu",
+        ),
     ],
 )
 def test_bad_arguments_raise_clear_errors(overrides, message):
@@ -297,8 +360,15 @@ def test_bad_rounding_and_out_raise():
     with pytest.raises(RuntimeError, match="rounding must be 'vllm' or 'fp32'"):
         ops.ple_gate(key, value, hidden, *weights, EPS, rounding="fast")
     with pytest.raises(RuntimeError, match=r"gated must be \[T, C\]"):
-        ops.ple_gate(key, value, hidden, *weights, EPS,
-                     out=(torch.empty(4, 15, dtype=torch.bfloat16), torch.empty_like(hidden)))
+        ops.ple_gate(
+            key,
+            value,
+            hidden,
+            *weights,
+            EPS,
+            out=(torch.empty(4, 15, dtype=torch.bfloat16), torch.empty_like(hidden)),
+        )
     with pytest.raises(RuntimeError, match="conv_input must have hidden's dtype"):
-        ops.ple_gate(key, value, hidden, *weights, EPS,
-                     out=(torch.empty_like(hidden), torch.empty(4, 16)))
+        ops.ple_gate(
+            key, value, hidden, *weights, EPS, out=(torch.empty_like(hidden), torch.empty(4, 16))
+        )

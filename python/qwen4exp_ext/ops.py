@@ -337,7 +337,9 @@ def gather_rows(
     pinned host memory (:func:`qwen4exp_ext.host_table.device_view`): read zero-copy over PCIe.
     """
     if table.dim() != 2:
-        raise ValueError(f"gather_rows: table must be 2-D [rows, d], got shape {tuple(table.shape)}")
+        raise ValueError(
+            f"gather_rows: table must be 2-D [rows, d], got shape {tuple(table.shape)}"
+        )
     if ids.dim() < 1:
         raise ValueError("gather_rows: ids must be [..., NH], got a 0-d tensor")
     rows, width = table.shape
@@ -359,8 +361,7 @@ def gather_rows(
         output = torch.empty(out_shape, dtype=out_dtype, device=table.device)
     elif tuple(output.shape) != out_shape:
         raise ValueError(
-            f"gather_rows: output must be {list(out_shape)} = [..., NH·d], got "
-            f"{list(output.shape)}"
+            f"gather_rows: output must be {list(out_shape)} = [..., NH·d], got {list(output.shape)}"
         )
     out2 = output if output.dim() == 2 else output.view(-1, num_heads * width)
     _gather_rows_op(table, ids2, scale, int(vocab_start), int(vocab_end), out2)

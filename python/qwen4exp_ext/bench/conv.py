@@ -41,16 +41,24 @@ def _vllm_ple_conv():
 
 def cases(device: torch.device) -> list[Case]:
     shapes = [(f"decode_R{r}", "decode", [1] * r, 1) for r in DECODE_REQUESTS]
-    shapes += [(f"spec_q{q}_R{SPEC_REQUESTS}", "spec", [q] * SPEC_REQUESTS, q)
-               for q in SPEC_QUERY_LENS]
+    shapes += [
+        (f"spec_q{q}_R{SPEC_REQUESTS}", "spec", [q] * SPEC_REQUESTS, q) for q in SPEC_QUERY_LENS
+    ]
     per_request = PREFILL_TOKENS // PREFILL_REQUESTS
-    shapes += [(f"prefill_T{PREFILL_TOKENS}_R{PREFILL_REQUESTS}", "prefill",
-                [per_request] * PREFILL_REQUESTS, 1)]
+    shapes += [
+        (
+            f"prefill_T{PREFILL_TOKENS}_R{PREFILL_REQUESTS}",
+            "prefill",
+            [per_request] * PREFILL_REQUESTS,
+            1,
+        )
+    ]
     out = [_case(*shape, device, vs_vllm=None) for shape in shapes]
     vllm_conv = _vllm_ple_conv() if device.type == "cuda" else None
     if vllm_conv is not None:
-        out += [_case(name + "_vs_vllm", *rest, device, vs_vllm=vllm_conv)
-                for name, *rest in shapes]
+        out += [
+            _case(name + "_vs_vllm", *rest, device, vs_vllm=vllm_conv) for name, *rest in shapes
+        ]
     return out
 
 
@@ -63,8 +71,9 @@ class _Contender:
         self.state = self.storage.transpose(1, 2)  # [slots, C, W], window-first
 
 
-def _case(name: str, mode: str, lengths: list[int], query_len: int, device: torch.device,
-          vs_vllm) -> Case:
+def _case(
+    name: str, mode: str, lengths: list[int], query_len: int, device: torch.device, vs_vllm
+) -> Case:
     gen = torch.Generator().manual_seed(INPUT_SEED)
     tokens = sum(lengths)
     requests = len(lengths)
@@ -75,16 +84,23 @@ def _case(name: str, mode: str, lengths: list[int], query_len: int, device: torc
     weights = (torch.randn(CHANNELS, KERNEL, generator=gen) * 0.3).to(DTYPE).to(device)
     storage = torch.randn(requests + 1, width, CHANNELS, generator=gen).to(DTYPE).to(device)
     slots = torch.arange(1, requests + 1, dtype=torch.int32, device=device)
-    qsl = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                       device=device)
+    qsl = torch.tensor(
+        [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device
+    )
     kwargs: dict = {"mode": mode, "dilation": DILATION}
     if mode == "prefill":
-        kwargs.update(query_start_loc=qsl,
-                      has_initial_states=torch.ones(requests, dtype=torch.bool, device=device))
+        kwargs.update(
+            query_start_loc=qsl,
+            has_initial_states=torch.ones(requests, dtype=torch.bool, device=device),
+        )
     elif mode == "spec":
-        kwargs.update(query_start_loc=qsl, spec_query_len=query_len,
-                      num_accepted_tokens=torch.full((requests,), query_len, dtype=torch.int32,
-                                                     device=device))
+        kwargs.update(
+            query_start_loc=qsl,
+            spec_query_len=query_len,
+            num_accepted_tokens=torch.full(
+                (requests,), query_len, dtype=torch.int32, device=device
+            ),
+        )
     mine, theirs = _Contender(residual, storage), _Contender(residual, storage)
     ref_fn = reference.ple_conv if vs_vllm is None else vs_vllm
 
@@ -107,8 +123,10 @@ def _case(name: str, mode: str, lengths: list[int], query_len: int, device: torc
             if not torch.equal(x, y):
                 bad = (x != y).nonzero()
                 first = tuple(bad[0].tolist())
-                return (f"{what}: {bad.shape[0]} of {x.numel()} elements differ; first at "
-                        f"{first}: ours {x[first].item()}, ref {y[first].item()}")
+                return (
+                    f"{what}: {bad.shape[0]} of {x.numel()} elements differ; first at "
+                    f"{first}: ours {x[first].item()}, ref {y[first].item()}"
+                )
         return None
 
     element = inputs.element_size()
@@ -124,7 +142,13 @@ def _case(name: str, mode: str, lengths: list[int], query_len: int, device: torc
         nbytes=nbytes,
         ours=ours,
         ref=ref,
-        params={"T": tokens, "R": requests, "q": query_len, "C": CHANNELS, "K": KERNEL,
-                "dilation": DILATION},
+        params={
+            "T": tokens,
+            "R": requests,
+            "q": query_len,
+            "C": CHANNELS,
+            "K": KERNEL,
+            "dilation": DILATION,
+        },
         check=check,
     )

@@ -92,8 +92,10 @@ def _case(name: str, tokens: int, rounding: str, device: torch.device, vs_vllm) 
             bad = ~torch.isclose(g.float(), e.float(), atol=ATOL, rtol=RTOL[rounding])
             if bool(bad.any()):
                 first = tuple(bad.nonzero()[0].tolist())
-                return (f"{what}: {int(bad.sum())} of {g.numel()} elements beyond tolerance; "
-                        f"first at {first}: ours {g[first].item()}, ref {e[first].item()}")
+                return (
+                    f"{what}: {int(bad.sum())} of {g.numel()} elements beyond tolerance; "
+                    f"first at {first}: ours {g[first].item()}, ref {e[first].item()}"
+                )
         return None
 
     element = hidden.element_size()
