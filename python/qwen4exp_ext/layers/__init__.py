@@ -2,6 +2,19 @@
 
 from __future__ import annotations
 
+from .hyper_connection import GatedResidual, HyperConnection, HyperConnectionConfig
 from .ngram_embedding import NGramEmbedding
+from .ple_layer import PLELayer
+from .state import PLEBatch, PLEState, get_ple_mamba_state_dtype, get_ple_mamba_state_shape
 
-__all__ = ["NGramEmbedding"]
+__all__ = [
+    "GatedResidual",
+    "HyperConnection",
+    "HyperConnectionConfig",
+    "NGramEmbedding",
+    "PLEBatch",
+    "PLELayer",
+    "PLEState",
+    "get_ple_mamba_state_dtype",
+    "get_ple_mamba_state_shape",
+]

@@ -1,0 +1,181 @@
+"""Hyper-connections of Qwen4Exp (SPEC.md §8; seed 004's ``HyperConnectionBase`` and
+``GatedResidual``), plain PyTorch.
+
+A decoder block reads one [.., H] input mixed from the M residual streams ([.., M·H], stream m in
+columns m·H .. m·H+H-1) and writes its output back into every stream:
+
+    mixed, residuals = hc.mix(x)
+    x = hc.combine(block(mixed), residuals)
+
+State-dict names match transformers' ``Qwen4ExpTextGatedResidual`` (``hc_norm.weight``,
+``input_mix_weight_down.weight``, ``input_mix_weight_up.weight``, ``block_inject_weight.weight``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .state import _text_config
+
+__all__ = ["GatedResidual", "HyperConnection", "HyperConnectionConfig"]
+
+
+@dataclass
+class HyperConnectionConfig:
+    """Seed 004's ``HyperConnectionConfig``."""
+
+    hc_count: int = 4
+    hidden_size: int = 64
+    params_dtype: torch.dtype = torch.bfloat16
+    mtp_hc: bool = False
+    hc_lowrank: int = 16
+    rms_norm_eps: float = 1e-6
+    hc_per_branch_norm: bool = True
+
+    @classmethod
+    def from_config(cls, config: Any, dtype: torch.dtype = torch.bfloat16, **overrides: Any):
+        """From a ``Qwen4ExpTextConfig``. transformers keeps one norm weight per element of the
+        M·H layout (``hc_per_branch_norm=True``); vLLM may share one [H] weight (False)."""
+        text = _text_config(config)
+        fields = dict(
+            hc_count=int(text.hc_count),
+            hidden_size=int(text.hidden_size),
+            params_dtype=dtype,
+            hc_lowrank=int(getattr(text, "hc_lowrank", 16)),
+            rms_norm_eps=float(text.rms_norm_eps),
+            hc_per_branch_norm=bool(getattr(text, "hc_per_branch_norm", True)),
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def _as_hc_config(config: Any, dtype: torch.dtype | None) -> HyperConnectionConfig:
+    if isinstance(config, HyperConnectionConfig):
+        return config
+    return HyperConnectionConfig.from_config(config, dtype or torch.bfloat16)
+
+
+class HyperConnection(nn.Module):
+    """Average pooling (``HyperConnectionBase``): mix = mean of the M streams; combine =
+    residual + block output broadcast to every stream. No weights."""
+
+    def __init__(self, config: Any, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = _as_hc_config(config, dtype)
+        self.hc_count = self.config.hc_count
+        self.hidden_size = self.config.hidden_size
+
+    @property
+    def hyper_hidden_size(self) -> int:
+        return self.hc_count * self.hidden_size
+
+    def _check(self, hyper_input: torch.Tensor) -> None:
+        if hyper_input.shape[-1] != self.hyper_hidden_size:
+            raise ValueError(
+                f"expected {self.hyper_hidden_size} hyper-connection features, "
+                f"got {hyper_input.shape[-1]}"
+            )
+
+    def mix(self, hyper_input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check(hyper_input)
+        return hyper_input.unflatten(-1, (self.hc_count, self.hidden_size)).mean(
+            dim=-2
+        ), hyper_input
+
+    def combine(self, block_output: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        self._check(residual)
+        streams = residual.unflatten(-1, (self.hc_count, self.hidden_size))
+        return (streams + block_output.unsqueeze(-2)).flatten(-2)
+
+
+class GatedResidual(HyperConnection):
+    """Gated hyper-connection: n = grouped Gemma RMSNorm(x); mix = mean_m(sigmoid(W_up·SiLU(
+    W_down·n / M))_m ⊙ n_m); combine = x_m + block_out · 2·sigmoid(W_inj·n / M)_m, reusing the
+    mix's n. ``forward(x)`` returns what transformers' module returns: (mixed, x, injection
+    weights [.., M]) — or just mixed when built with ``use_combine=False``."""
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        use_mix: bool = True,
+        use_combine: bool = True,
+    ) -> None:
+        super().__init__(config, dtype=dtype)
+        cfg = self.config
+        dtype = dtype or cfg.params_dtype
+        self.eps = float(cfg.rms_norm_eps)
+        self.per_branch_norm = bool(cfg.hc_per_branch_norm)
+        norm_size = self.hyper_hidden_size if self.per_branch_norm else self.hidden_size
+        self.hc_norm = _NormWeight(norm_size, dtype, device)
+        factory = dict(bias=False, dtype=dtype, device=device)
+        self.input_mix_weight_down = (
+            nn.Linear(self.hyper_hidden_size, cfg.hc_lowrank, **factory) if use_mix else None
+        )
+        self.input_mix_weight_up = (
+            nn.Linear(cfg.hc_lowrank, self.hyper_hidden_size, **factory) if use_mix else None
+        )
+        self.block_inject_weight = (
+            nn.Linear(self.hyper_hidden_size, self.hc_count, **factory) if use_combine else None
+        )
+
+    def normalize(self, hyper_input: torch.Tensor) -> torch.Tensor:
+        """Grouped Gemma RMSNorm: each H-wide stream in fp32, scaled by (1 + w), input dtype."""
+        x = hyper_input.to(torch.float32).unflatten(-1, (self.hc_count, self.hidden_size))
+        w = self.hc_norm.weight.to(torch.float32).reshape(-1, self.hidden_size)
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * (1.0 + w)
+        return x.flatten(-2).to(hyper_input.dtype)
+
+    def mix(
+        self, hyper_input: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        self._check(hyper_input)
+        if self.input_mix_weight_down is None or self.input_mix_weight_up is None:
+            raise RuntimeError("mix was disabled for this hyper-connection")
+        normed = self.normalize(hyper_input)
+        gate = F.silu(F.linear(normed, self.input_mix_weight_down.weight) / self.hc_count)
+        gate = torch.sigmoid(F.linear(gate, self.input_mix_weight_up.weight))
+        gate = gate.unflatten(-1, (self.hc_count, self.hidden_size))
+        mixed = (gate * normed.unflatten(-1, (self.hc_count, self.hidden_size))).mean(dim=-2)
+        return mixed.to(hyper_input.dtype), (hyper_input, normed)
+
+    def injection_weights(self, normed: torch.Tensor) -> torch.Tensor:
+        """2·sigmoid(W_inj·n / M): [.., M]."""
+        if self.block_inject_weight is None:
+            raise RuntimeError("combine was disabled for this hyper-connection")
+        return 2.0 * torch.sigmoid(
+            F.linear(normed, self.block_inject_weight.weight) / self.hc_count
+        )
+
+    def combine(
+        self, block_output: torch.Tensor, residuals: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        hyper_input, normed = residuals
+        self._check(hyper_input)
+        if block_output.shape[-1] != self.hidden_size:
+            raise ValueError(f"block output must have {self.hidden_size} features")
+        streams = hyper_input.unflatten(-1, (self.hc_count, self.hidden_size))
+        injection = self.injection_weights(normed)
+        out = streams + block_output.unsqueeze(-2) * injection.unsqueeze(-1)
+        return out.flatten(-2).to(hyper_input.dtype)
+
+    def forward(
+        self, hyper_input: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mixed, (_, normed) = self.mix(hyper_input)
+        if self.block_inject_weight is None:
+            return mixed
+        return mixed, hyper_input, self.injection_weights(normed)
+
+
+class _NormWeight(nn.Module):
+    def __init__(self, size: int, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size, dtype=dtype, device=device))

@@ -1,0 +1,333 @@
+"""The Qwen4Exp PLE layer as a plain nn.Module on our kernels (SPEC.md §7; seed 000's
+``Qwen4ExpPLELayer``), with its own state handling (:class:`~.state.PLEState`) instead of vLLM's.
+
+out = hidden + gated + SiLU(conv(conv_in)) where emb = gather(ngram_ids(...)),
+kv = emb·W_kvᵀ (W_kv = [key_proj; value_proj]), gated, conv_in = ple_gate(key, value, hidden).
+transformers' ``Qwen4ExpTextPLELayer`` returns the same thing without ``hidden``.
+
+Checkpoints: :meth:`PLELayer.load_weights` takes tensor names relative to the layer in either
+layout — transformers (``ple_embedding.ngram_embedding.weight`` whole, ``key_proj.weight``,
+``value_proj.weight``, ``conv1d.weight`` [C, 1, K]) or vLLM/seed (``ple_embedding.ngram_embedding.
+shard_<i>.weight`` split in ``split_ngram_parts`` blocks, a merged ``kv_proj.weight``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qwen4exp_ext import ops
+
+from .ngram_embedding import FP8_DTYPES, NGramEmbedding, Placement
+from .state import PLEBatch, _text_config, ple_conv_state_len
+
+__all__ = ["PLELayer"]
+
+EMBEDDING_PREFIX = "ple_embedding."
+TABLE_NAME = "ngram_embedding.weight"
+
+
+class _Weight(nn.Module):
+    """A bare ``weight`` parameter, so state-dict names match transformers (``conv1d.weight``)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+
+class _GroupedNorm(nn.Module):
+    """Holds one grouped Gemma RMSNorm weight [C] (the math runs inside ``ple_gate``)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.eps = float(eps)
+        self.weight = nn.Parameter(
+            torch.zeros(size, dtype=dtype, device=device), requires_grad=False
+        )
+
+
+class PLELayer(nn.Module):
+    """One PLE layer: n-gram embedding → merged kv projection → gate → dilated conv.
+
+    ``forward(hidden [T, C], input_ids [T], batch)``: ``batch`` is a :class:`~.state.PLEBatch`
+    from :meth:`PLEState.prepare` (varlen requests, conv state in the cache at ``state_index``);
+    without it the T tokens are one fresh sequence and no state is kept. Returns [T, C] in
+    hidden's dtype (= hidden + the transformers layer's output).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_index: int = 0,
+        *,
+        state_index: int | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        table_dtype: torch.dtype | None = None,
+        placement: Placement = "device",
+        device: torch.device | str | None = None,
+        rounding: str = "vllm",
+        shard: tuple[int, int] | None = None,
+        process_group: Any = None,
+    ) -> None:
+        super().__init__()
+        config = _text_config(config)
+        self.layer_index = int(layer_index)
+        self.state_index = self.layer_index if state_index is None else int(state_index)
+        self.hidden_size = int(config.hidden_size)
+        self.hc_count = int(config.hc_count)
+        self.hc_hidden_size = self.hidden_size * self.hc_count
+        self.embed_dim = int(config.ple_embed_dim)
+        self.conv_kernel_size = int(config.ple_conv_kernel_size)
+        self.dilation = int(config.ngram_size)
+        self.state_len = ple_conv_state_len(config)
+        self.eps = float(config.rms_norm_eps)
+        self.dtype = dtype
+        self.rounding = rounding
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        self.ple_embedding = NGramEmbedding(
+            _EosConfig(config),
+            self.layer_index,
+            placement=placement,
+            device=dev,
+            dtype=table_dtype or dtype,
+            out_dtype=dtype,
+            shard=shard,
+            process_group=process_group,
+        )
+        self.kv_proj = nn.Linear(
+            self.embed_dim,
+            self.hc_hidden_size + self.hidden_size,
+            bias=False,
+            dtype=dtype,
+            device=dev,
+        )
+        self.kv_proj.weight.requires_grad_(False)
+        self.norm_key = _GroupedNorm(self.hc_hidden_size, self.eps, dtype, dev)
+        self.norm_query = _GroupedNorm(self.hc_hidden_size, self.eps, dtype, dev)
+        self.norm_conv = _GroupedNorm(self.hc_hidden_size, self.eps, dtype, dev)
+        # [C, 1, K] as transformers' depthwise nn.Conv1d stores it; zero at init (SPEC §7).
+        self.conv1d = _Weight(
+            torch.zeros(self.hc_hidden_size, 1, self.conv_kernel_size, dtype=dtype, device=dev)
+        )
+
+    @classmethod
+    def from_config(cls, config: Any, layer_index: int = 0, **kwargs: Any) -> PLELayer:
+        """Builds from a ``Qwen4ExpTextConfig`` (or a composite config with a text config)."""
+        return cls(config, layer_index, **kwargs)
+
+    @property
+    def conv_weights(self) -> torch.Tensor:
+        return self.conv1d.weight.squeeze(1)
+
+    # --- forward -------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
+        batch: PLEBatch | None = None,
+    ) -> torch.Tensor:
+        if hidden.dim() != 2 or hidden.shape[1] != self.hc_hidden_size:
+            raise ValueError(
+                f"hidden must be [T, {self.hc_hidden_size}], got {tuple(hidden.shape)}"
+            )
+        if input_ids is None:
+            if batch is None:
+                raise ValueError("input_ids or batch is required")
+            input_ids = batch.input_ids
+        input_ids = input_ids.reshape(-1)
+        if input_ids.numel() != hidden.shape[0]:
+            raise ValueError(
+                f"input_ids has {input_ids.numel()} tokens but hidden has {hidden.shape[0]}"
+            )
+        hidden = hidden.contiguous()
+        device = hidden.device
+        if batch is None:
+            qsl = torch.tensor([0, hidden.shape[0]], dtype=torch.int32, device=device)
+            context = torch.full(
+                (1, self.dilation - 1),
+                self.ple_embedding.eos_token_id,
+                dtype=torch.int64,
+                device=device,
+            )
+        else:
+            qsl, context = batch.query_start_loc, batch.ngram_context
+
+        embeddings = self.ple_embedding(input_ids, qsl, context)
+        if embeddings.dtype != hidden.dtype:
+            embeddings = embeddings.to(hidden.dtype)
+        kv = F.linear(embeddings, self.kv_proj.weight.to(hidden.dtype))
+        key, value = kv.split([self.hc_hidden_size, self.hidden_size], dim=-1)
+        gated, conv_input = ops.ple_gate(
+            key,
+            value,
+            hidden,
+            self.norm_key.weight,
+            self.norm_query.weight,
+            self.norm_conv.weight,
+            self.eps,
+            rounding=self.rounding,
+        )
+        conv_weights = self.conv_weights.to(hidden.dtype)
+        if batch is None:
+            scratch = torch.zeros(
+                2, self.hc_hidden_size, self.state_len, dtype=hidden.dtype, device=device
+            )
+            ops.ple_conv(
+                conv_input,
+                gated,
+                scratch,
+                conv_weights,
+                torch.ones(1, dtype=torch.int32, device=device),
+                hidden,
+                mode="prefill",
+                dilation=self.dilation,
+                query_start_loc=qsl,
+                has_initial_states=torch.zeros(1, dtype=torch.bool, device=device),
+            )
+            return gated
+        conv_state = batch.conv_state(self.state_index)
+        if conv_state.dtype != hidden.dtype:
+            raise ValueError(f"conv state is {conv_state.dtype} but hidden is {hidden.dtype}")
+        for group in batch.groups:
+            ops.ple_conv(
+                conv_input,
+                gated,
+                conv_state,
+                conv_weights,
+                group.state_indices,
+                hidden,
+                mode=group.mode,
+                dilation=self.dilation,
+                query_start_loc=group.query_start_loc,
+                num_accepted_tokens=group.num_accepted_tokens,
+                has_initial_states=group.has_initial_states,
+                spec_query_len=group.spec_query_len,
+                token_indices=group.token_indices,
+            )
+        return gated
+
+    # --- checkpoint loading --------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Loads tensors named relative to the layer, transformers or vLLM/seed layout (module
+        docstring). Returns the names of this module's state that were written; an unknown name
+        is an error (``hashstats_*`` and ``token_lookup`` are skipped)."""
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.startswith(EMBEDDING_PREFIX):
+                sub = name[len(EMBEDDING_PREFIX) :]
+                if sub == TABLE_NAME:
+                    self._load_table(tensor)
+                    loaded.add("ple_embedding.weight")
+                else:
+                    for got in self.ple_embedding.load_weights([(sub, tensor)]):
+                        loaded.add(EMBEDDING_PREFIX + got.removeprefix("ngram_embedding."))
+                continue
+            if name == "kv_proj.weight":
+                self._copy(self.kv_proj.weight, tensor, name)
+            elif name == "key_proj.weight":
+                self._copy(self.kv_proj.weight[: self.hc_hidden_size], tensor, name)
+            elif name == "value_proj.weight":
+                self._copy(self.kv_proj.weight[self.hc_hidden_size :], tensor, name)
+            elif name in ("norm_key.weight", "norm_query.weight", "norm_conv.weight"):
+                self._copy(getattr(self, name.split(".")[0]).weight, tensor, name)
+            elif name == "conv1d.weight":
+                if tensor.dim() == 2:
+                    tensor = tensor.unsqueeze(1)
+                self._copy(self.conv1d.weight, tensor, name)
+            else:
+                leaf = name.rsplit(".", 1)[-1]
+                if leaf.startswith("hashstats_") or leaf == "token_lookup":
+                    continue
+                raise ValueError(f"PLELayer.load_weights: unexpected checkpoint tensor {name!r}")
+            loaded.add(
+                "kv_proj.weight" if name in ("key_proj.weight", "value_proj.weight") else name
+            )
+        return loaded
+
+    def load_state_dict_transformers(
+        self, state_dict: Mapping[str, torch.Tensor], prefix: str = ""
+    ) -> set[str]:
+        """Loads a transformers ``Qwen4ExpTextPLELayer`` state dict (or a model's, with
+        ``prefix`` such as ``"model.language_model.layers.3.ple."``); other keys are ignored."""
+        return self.load_weights(
+            (key[len(prefix) :], value)
+            for key, value in state_dict.items()
+            if key.startswith(prefix)
+        )
+
+    def load_safetensors(self, files: Iterable[str | Path], prefix: str = "") -> set[str]:
+        """Loads from safetensors files (transformers or vLLM layout) the tensors under ``prefix``;
+        checkpoint-split table shards are read as memory-mapped slices of this rank's rows."""
+        from safetensors import safe_open
+
+        loaded: set[str] = set()
+        emb = self.ple_embedding
+        emb_prefix = prefix + EMBEDDING_PREFIX
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    if not key.startswith(prefix):
+                        continue
+                    sub = key[len(emb_prefix) :] if key.startswith(emb_prefix) else None
+                    shard_index = emb._shard_index(sub) if sub is not None else None
+                    if sub == TABLE_NAME:
+                        start, shape = 0, f.get_slice(key).get_shape()
+                        if len(shape) != 2 or shape[1] != emb.head_dim or shape[0] > emb.num_rows:
+                            raise ValueError(f"{key}: bad table shape {tuple(shape)}")
+                    elif shard_index is not None:
+                        shape = f.get_slice(key).get_shape()
+                        start = emb._check_shard(sub, shard_index, shape)
+                    else:
+                        loaded |= self.load_weights([(key[len(prefix) :], f.get_tensor(key))])
+                        continue
+                    # Table rows: read only this rank's rows, as memory-mapped slices.
+                    lo = max(start, emb.vocab_start)
+                    hi = min(start + shape[0], emb.vocab_end)
+                    if lo < hi:
+                        rows = f.get_slice(key)[lo - start : hi - start]
+                        if emb.table_dtype not in FP8_DTYPES:
+                            rows = rows.to(emb.table_dtype)
+                        emb._copy_rows(lo, rows)
+                    loaded.add("ple_embedding.weight")
+        return loaded
+
+    def _load_table(self, tensor: torch.Tensor) -> None:
+        emb = self.ple_embedding
+        if tensor.dim() != 2 or tensor.shape[1] != emb.head_dim or tensor.shape[0] > emb.num_rows:
+            raise ValueError(
+                f"ple_embedding.ngram_embedding.weight must be [<= {emb.num_rows}, "
+                f"{emb.head_dim}], got {tuple(tensor.shape)}"
+            )
+        if emb.table_dtype not in FP8_DTYPES:
+            tensor = tensor.to(emb.table_dtype)
+        emb._copy_rows(0, tensor)
+
+    @staticmethod
+    def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"Shape mismatch for {name}: expected {tuple(param.shape)}, "
+                f"got {tuple(tensor.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+
+
+class _EosConfig:
+    """The config as NGramEmbedding reads it, with a list-valued ``eos_token_id`` reduced to
+    its first entry (transformers configs may carry several)."""
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+        eos = config.eos_token_id
+        self.eos_token_id = int(eos[0] if isinstance(eos, (list, tuple)) else eos)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
