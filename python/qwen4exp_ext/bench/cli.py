@@ -12,6 +12,7 @@ import argparse
 import json
 import platform
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -26,6 +27,11 @@ from qwen4exp_ext.bench.timing import roofline_copy, time_interleaved
 
 DEFAULT_REPEAT = 500
 QUICK_REPEAT = 10
+# Without --repeat, each case gets as many rounds as fit this many seconds (MIN_REPEAT to
+# DEFAULT_REPEAT): the eager references of the big shapes take seconds per call on a CPU, the
+# kernels microseconds, and a fixed count would make the default run take hours.
+CASE_BUDGET_S = 4.0
+MIN_REPEAT = 5
 
 COLUMNS = (
     ("op", 10, "s"),
@@ -60,13 +66,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         else "cpu"
     )
-    repeat = args.repeat or (QUICK_REPEAT if args.quick else DEFAULT_REPEAT)
+    repeat: int | None = args.repeat or (QUICK_REPEAT if args.quick else None)
     # A tenth of the run, at least two rounds: enough to settle caches, clocks and the allocator.
-    warmup = max(2, repeat // 10)
+    # (With repeat=None each case warms up and sizes its own run: _auto_repeat.)
+    warmup = max(2, repeat // 10) if repeat is not None else 2
 
+    shown = repeat if repeat is not None else f"auto ({CASE_BUDGET_S:g} s per case)"
     print(
         f"device: {_device_name(device)} ({device.type}), torch {torch.__version__}, "
-        f"repeat {repeat}, warmup {warmup}"
+        f"repeat {shown}, warmup {warmup}"
     )
     print(_row([name for name, _, _ in COLUMNS], header=True))
     results = []
@@ -81,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(_row(_table_values(result)), flush=True)
 
     if args.json is not None:
-        report = {**_environment(device), "repeat": repeat, "warmup": warmup, "results": results}
+        report = {**_environment(device), "repeat": shown, "warmup": warmup, "results": results}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
@@ -114,7 +122,8 @@ def _parser() -> argparse.ArgumentParser:
         "--repeat",
         type=int,
         metavar="N",
-        help=f"timed calls per contender (default {DEFAULT_REPEAT})",
+        help=f"timed calls per contender (default: as many as fit {CASE_BUDGET_S:g} s per case, "
+        f"{MIN_REPEAT} to {DEFAULT_REPEAT})",
     )
     parser.add_argument(
         "--check",
@@ -125,15 +134,31 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _auto_repeat(fns: dict[str, Any], device: torch.device, warmup: int) -> int:
+    """Runs the warm-up rounds and returns how many rounds fit CASE_BUDGET_S (timed on the last
+    warm-up round), clamped to [MIN_REPEAT, DEFAULT_REPEAT]."""
+    round_s = 0.0
+    for _ in range(warmup):
+        start = time.perf_counter()
+        for fn in fns.values():
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        round_s = time.perf_counter() - start
+    return max(MIN_REPEAT, min(DEFAULT_REPEAT, int(CASE_BUDGET_S / max(round_s, 1e-9))))
+
+
 def _run_case(
-    case: Case, device: torch.device, warmup: int, repeat: int, check: bool
+    case: Case, device: torch.device, warmup: int, repeat: int | None, check: bool
 ) -> dict[str, Any]:
     if check:
         _check(case)
     copy, copy_bytes = roofline_copy(case.nbytes, device)
-    times = time_interleaved(
-        {"ours": case.ours, "ref": case.ref, "copy": copy}, device, warmup, repeat
-    )
+    fns = {"ours": case.ours, "ref": case.ref, "copy": copy}
+    if repeat is None:
+        repeat = _auto_repeat(fns, device, warmup)
+        warmup = 0  # done
+    times = time_interleaved(fns, device, warmup, repeat)
     ours, ref, copy_t = times["ours"], times["ref"], times["copy"]
     gbps = {
         "ours": case.nbytes / (ours.p50_us * 1e3),
