@@ -26,48 +26,15 @@ from qwen4exp_ext.layers import (
 )
 
 pytest.importorskip("transformers.models.qwen4_exp")
-from transformers import Qwen4ExpTextConfig  # noqa: E402
 from transformers.models.qwen4_exp.modeling_qwen4_exp import (  # noqa: E402
     Qwen4ExpTextGatedResidual,
     Qwen4ExpTextPLELayer,
 )
 
+from hf_support import EOS, tiny_config  # noqa: E402
+
 DEVICES = devices()
-EOS = 7
 REL_TOL = 1e-5
-
-
-def tiny_config(**overrides) -> Qwen4ExpTextConfig:
-    fields = dict(
-        vocab_size=128,
-        hidden_size=8,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=4,
-        hc_count=3,
-        hc_lowrank=5,
-        ple_layer_ids=[1, 2],
-        ple_embed_dim=16,
-        ple_conv_kernel_size=4,
-        ngram_size=3,
-        heads_per_ngram=2,
-        ngram_vocab_size_base=1000,
-        seed=42,
-        eos_token_id=EOS,
-        num_experts=2,
-        num_experts_per_tok=1,
-        moe_intermediate_size=4,
-        shared_expert_intermediate_size=4,
-        linear_num_key_heads=1,
-        linear_num_value_heads=1,
-        linear_key_head_dim=4,
-        linear_value_head_dim=4,
-        layer_types=["linear_attention", "linear_attention"],
-        rms_norm_eps=1e-6,
-    )
-    fields.update(overrides)
-    return Qwen4ExpTextConfig(**fields)
 
 
 CASES = {

@@ -28,10 +28,10 @@ pytestmark = require_vllm()
 
 if os.environ.get("QWEN4EXP_REQUIRE_VLLM") != "1":  # vLLM 0.33.0 itself needs it
     pytest.importorskip("transformers.models.qwen4_exp")
-from transformers import Qwen4ExpTextConfig  # noqa: E402
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextPLELayer  # noqa: E402
 
-EOS = 7
+from hf_support import EOS, tiny_config  # noqa: E402
+
 OUR_OPS = (
     "qwen4exp::ngram_ids",
     "qwen4exp::gather_rows",
@@ -54,40 +54,6 @@ STEPS = [
     [("A", 1), ("C", 1)],  # decodes only
     [("B", 1)],  # a single decode
 ]
-
-
-def tiny_config(**overrides) -> Qwen4ExpTextConfig:
-    """tests/test_reference.py's toy config (PLE needs linear_attention layers and an EOS)."""
-    fields = dict(
-        vocab_size=128,
-        hidden_size=8,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=4,
-        hc_count=3,
-        hc_lowrank=5,
-        ple_layer_ids=[1, 2],
-        ple_embed_dim=16,
-        ple_conv_kernel_size=4,
-        ngram_size=3,
-        heads_per_ngram=2,
-        ngram_vocab_size_base=1000,
-        seed=42,
-        eos_token_id=EOS,
-        num_experts=2,
-        num_experts_per_tok=1,
-        moe_intermediate_size=4,
-        shared_expert_intermediate_size=4,
-        linear_num_key_heads=1,
-        linear_num_value_heads=1,
-        linear_key_head_dim=4,
-        linear_value_head_dim=4,
-        layer_types=["linear_attention", "linear_attention"],
-        rms_norm_eps=1e-6,
-    )
-    fields.update(overrides)
-    return Qwen4ExpTextConfig(**fields)
 
 
 # The vLLM side. Reads the case from $QWEN4EXP_CASE (torch.save'd by the test), writes the
