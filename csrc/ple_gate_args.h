@@ -5,6 +5,8 @@
 
 #include <torch/all.h>
 
+#include <cmath>
+
 #include <string>
 
 #include "hip/ple_gate.h"
@@ -87,7 +89,11 @@ inline PleGateParams check_ple_gate_args(const at::Tensor& key, const at::Tensor
     TORCH_CHECK(tensor->device() == device, "ple_gate: ", name, " is on ", tensor->device(),
                 " but hidden is on ", device);
   }
-  TORCH_CHECK(eps >= 0.0, "ple_gate: eps must be >= 0, got ", eps);
+  // eps is what keeps an all-zero row finite (rsqrt(0 + eps)); it reaches the kernel as fp32, so a
+  // value that rounds to 0 there (or is inf/NaN) would give inf/NaN rows instead of an error.
+  TORCH_CHECK(std::isfinite(eps) && eps > 0.0 && std::isfinite(static_cast<float>(eps)) &&
+                  static_cast<float>(eps) > 0.0f,
+              "ple_gate: eps must be a positive finite number (also in fp32), got ", eps);
 
   p.key = key.data_ptr();
   p.value = value.data_ptr();

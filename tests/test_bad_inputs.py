@@ -365,6 +365,10 @@ CASES = [
     p("ple_gate", "norm_conv_w-noncontig", set_("norm_conv_w", noncontig), "norm_conv_w"),
     p("ple_gate", "eps-negative", put("eps", -1e-6), "eps"),
     p("ple_gate", "eps-nan", put("eps", float("nan")), "eps"),
+    p("ple_gate", "eps-zero", put("eps", 0.0), "eps"),
+    p("ple_gate", "eps-negative-zero", put("eps", -0.0), "eps"),
+    p("ple_gate", "eps-inf", put("eps", float("inf")), "eps"),
+    p("ple_gate", "eps-zero-in-fp32", put("eps", 1e-50), "eps"),  # the kernel's eps is fp32
     p("ple_gate", "rounding-bad", put("rounding", "bf16"), "rounding"),
     p("ple_gate", "gated-shape", put("gated", lambda: sentinel((3, 7), torch.float32)), "gated"),
     p("ple_gate", "conv_input-f16", put("conv_input", lambda: sentinel((3, 8), F16)), "conv_input"),
@@ -505,6 +509,12 @@ CASES = [
     ),
     p(
         "ple_conv_prefill",
+        "qsl-nonzero-start",
+        put("query_start_loc", lambda: torch.tensor([1, 2, 5], dtype=I32)),
+        "query_start_loc",
+    ),
+    p(
+        "ple_conv_prefill",
         "qsl-short",
         set_("query_start_loc", lambda t: t[:2]),
         "query_start_loc",
@@ -595,6 +605,25 @@ LOAD_CASES = [
     pytest.param(
         [("ngram_embedding.weight_scale", torch.ones(1))], "weight_scale", id="scale-non-fp8"
     ),
+    pytest.param(
+        [("ngram_embedding.shard_0.weight", torch.empty(SHARD_ROWS, HEAD_DIM, device=META))],
+        "shard_0.weight.*meta",
+        id="shard-meta",
+    ),
+    pytest.param(
+        [shard(4, SHARD_ROWS, dtype=torch.int32)], "shard_4.weight.*floating", id="rows-int"
+    ),
+    # A bad tensor after good ones: a list is checked in full first, so nothing is written.
+    pytest.param(
+        [shard(0, SHARD_ROWS), shard(1, SHARD_ROWS), shard(2, SHARD_ROWS - 1)],
+        "shard 2",
+        id="good-shards-then-bad",
+    ),
+    pytest.param(
+        [("layer_multipliers", torch.arange(3)), shard(5, SHARD_ROWS), ("bogus", torch.ones(1))],
+        "bogus",
+        id="good-buffer-then-unknown",
+    ),
 ]
 
 
@@ -608,6 +637,38 @@ def test_load_weights_mismatch_raises_and_writes_nothing(weights, match):
     with pytest.raises(EXC, match=match):
         m.load_weights(weights)
     assert_untouched(before, state)
+
+
+def test_streamed_load_failing_late_refuses_to_run_until_reloaded():
+    """A lazy iterator cannot be checked ahead: rows of earlier shards are written, buffers are
+    not, and the module raises on use (never silent half-loaded rows) until a load succeeds."""
+    m = NGramEmbedding(CONFIG, layer_index=1, placement="cpu", dtype=torch.float32)
+    multipliers = m.layer_multipliers.clone()
+    good = [shard(i, SHARD_ROWS if i < 6 else LAST_ROWS) for i in range(7)]
+    stream = iter([("layer_multipliers", torch.arange(3)), good[0], shard(1, SHARD_ROWS + 1)])
+    with pytest.raises(ValueError, match="shard 1") as info:
+        m.load_weights(stream)
+    assert "refuses to run" in "".join(getattr(info.value, "__notes__", []))
+    assert torch.equal(m.layer_multipliers, multipliers)  # staged buffers were not written
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="load the checkpoint again"):
+        m.lookup(ids)
+    m.load_weights(iter(good))
+    assert m.lookup(ids).abs().sum() > 0
+
+
+def test_safetensors_load_checks_every_header_first(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file(dict([shard(0, SHARD_ROWS)]), tmp_path / "a.safetensors")
+    save_file(dict([shard(1, SHARD_ROWS + 1)]), tmp_path / "b.safetensors")
+    m = NGramEmbedding(CONFIG, layer_index=1, placement="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        m.weight.copy_(sentinel(tuple(m.weight.shape), torch.float32))
+    before = snapshot({"weight": m.weight.detach()})
+    with pytest.raises(ValueError, match="shard 1"):
+        m.load_safetensors([tmp_path / "a.safetensors", tmp_path / "b.safetensors"])
+    assert_untouched(before, {"weight": m.weight.detach()})
 
 
 # ---- data, never errors ----------------------------------------------------------------------

@@ -343,7 +343,7 @@ def gate_call(**overrides):
         (dict(norm_query_w=torch.zeros(16)), "norm_query_w must have norm_key_w's dtype"),
         (dict(norm_conv_w=torch.zeros(15, dtype=torch.bfloat16)), r"norm_conv_w must be \[C\]"),
         (dict(norm_conv_w=torch.zeros(32, dtype=torch.bfloat16)[::2]), "must be contiguous"),
-        (dict(eps=-1.0), "eps must be >= 0"),
+        (dict(eps=-1.0), "eps must be a positive finite number"),
         (
             dict(norm_conv_w=torch.zeros(16, dtype=torch.bfloat16, device="meta")),
             "norm_conv_w is on meta but hidden is on cpu",

@@ -14,7 +14,7 @@ With ``shard=(rank, world_size)`` this rank holds only its block of rows
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -149,6 +149,8 @@ class NGramEmbedding(nn.Module):
         else:
             self.weight_scale = None
         self._device_table = device_view(table) if placement == "pinned" else None
+        # Set when a streamed load failed after writing rows (see load_weights).
+        self._incomplete_load: str | None = None
 
     # --- forward -------------------------------------------------------------------------------
 
@@ -159,6 +161,7 @@ class NGramEmbedding(nn.Module):
 
     def lookup(self, ngram_ids: torch.Tensor, *, reduce: bool = True) -> torch.Tensor:
         """Rows of precomputed ids [T, NH] → [T, D_e] (this rank's partial sum if not reduced)."""
+        self._check_complete()
         out = ops.gather_rows(
             self.table,
             ngram_ids,
@@ -209,23 +212,16 @@ class NGramEmbedding(nn.Module):
         return int(text) if text.isdigit() else None
 
     def _copy_rows(self, global_start: int, rows: torch.Tensor) -> None:
-        """Copies checkpoint rows [global_start, global_start + len) that this rank owns."""
+        """Copies checkpoint rows [global_start, global_start + len) that this rank owns (rows
+        already checked by :meth:`_check_rows`)."""
         lo = max(global_start, self.vocab_start)
         hi = min(global_start + rows.shape[0], self.vocab_end)
         if lo >= hi:
             return
-        src = rows[lo - global_start : hi - global_start]
-        if self.table_dtype in FP8_DTYPES and src.dtype != self.table_dtype:
-            raise ValueError(
-                f"PLE embedding rows are {src.dtype} but the table is {self.table_dtype}; "
-                "an fp8 table loads fp8 rows of the same format (with their weight_scale)"
-            )
-        if src.dtype in FP8_DTYPES and src.dtype != self.table_dtype:
-            raise ValueError(
-                f"PLE embedding rows are {src.dtype} but the table is {self.table_dtype}"
-            )
         with torch.no_grad():
-            self.weight[lo - self.vocab_start : hi - self.vocab_start].copy_(src)
+            self.weight[lo - self.vocab_start : hi - self.vocab_start].copy_(
+                rows[lo - global_start : hi - global_start]
+            )
 
     def _check_shard(self, name: str, shard_index: int, shape: Sequence[int]) -> int:
         start, expected_rows = self._checkpoint_shard_rows(shard_index)
@@ -237,80 +233,187 @@ class NGramEmbedding(nn.Module):
             )
         return start
 
+    def _check_rows(self, name: str, dtype: torch.dtype) -> None:
+        if not dtype.is_floating_point:
+            raise ValueError(f"PLE embedding rows {name} must be floating point, got {dtype}")
+        if self.table_dtype in FP8_DTYPES and dtype != self.table_dtype:
+            raise ValueError(
+                f"PLE embedding rows {name} are {dtype} but the table is {self.table_dtype}; "
+                "an fp8 table loads fp8 rows of the same format (with their weight_scale)"
+            )
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16, self.table_dtype):
+            raise ValueError(
+                f"PLE embedding rows {name} are {dtype} but the table is {self.table_dtype}"
+            )
+
+    def _plan(self, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device):
+        """Checks one checkpoint tensor from its metadata alone and says what loading it does:
+        ("skip",), ("buffer",), ("scale",) or ("rows", first global row). Raises on a mismatch,
+        before anything is written."""
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf.startswith("hashstats_") or leaf == "token_lookup":
+            return ("skip",)
+        if device.type == "meta":
+            raise ValueError(f"checkpoint tensor {name!r} has no data (it is on the meta device)")
+        shape = tuple(shape)
+        if name in BUFFER_NAMES:
+            expected = tuple(getattr(self, name).shape)
+            if shape != expected:
+                raise ValueError(f"Shape mismatch for {name}: expected {expected}, got {shape}")
+            if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+                raise ValueError(
+                    f"{name} must be an integer tensor (int64 hash constants), got {dtype}"
+                )
+            return ("buffer",)
+        shard_index = self._shard_index(name)
+        if shard_index is not None:
+            start = self._check_shard(name, shard_index, shape)
+            self._check_rows(name, dtype)
+            return ("rows", start)
+        if name == SCALE_NAME:
+            if self.weight_scale is None:
+                raise ValueError(
+                    f"{SCALE_NAME} given, but the table is {self.table_dtype}, not fp8"
+                )
+            numel = 1
+            for s in shape:
+                numel *= s
+            if numel != 1 or not dtype.is_floating_point:
+                raise ValueError(f"{SCALE_NAME} must be one float element, got {dtype} {shape}")
+            return ("scale",)
+        raise ValueError(f"NGramEmbedding.load_weights: unexpected checkpoint tensor {name!r}")
+
+    def _commit_small(self, staged: list[tuple[str, torch.Tensor]]) -> None:
+        """Writes the checked hash buffers (exact int64) and the fp8 scale."""
+        with torch.no_grad():
+            for name, tensor in staged:
+                if name == SCALE_NAME:
+                    self.weight_scale.copy_(tensor.reshape(1).to(torch.float32))
+                else:
+                    buffer = getattr(self, name)
+                    buffer.copy_(tensor.to(dtype=torch.int64).to(buffer.device))
+
+    def _check_complete(self) -> None:
+        if self._incomplete_load is not None:
+            raise RuntimeError(self._incomplete_load)
+
+    def _run_load(self, steps: Iterable[tuple[str, tuple, Any]]) -> set[str]:
+        """Loads (name, plan, tensor-or-slice-reader) steps whose plans are all checked. Table
+        rows are written as they come (the table is never staged: it is too large); buffers and
+        the scale only once every step succeeded. If a step fails after rows were written, the
+        module refuses to run until a later load succeeds: a half-written table must never give
+        silent wrong rows."""
+        loaded: set[str] = set()
+        staged: list[tuple[str, torch.Tensor]] = []
+        wrote_rows = False
+        try:
+            for name, plan, source in steps:
+                if plan[0] == "skip":
+                    continue
+                if plan[0] == "rows":
+                    if isinstance(source, torch.Tensor):
+                        self._copy_rows(plan[1], source)
+                    else:  # a reader of a memory-mapped checkpoint slice
+                        source(plan[1])
+                    wrote_rows = True
+                    loaded.add(WEIGHT_NAME)
+                else:
+                    staged.append((name, source))
+                    loaded.add(name)
+        except BaseException as error:
+            if wrote_rows:
+                self._incomplete_load = (
+                    "NGramEmbedding: a load_weights call failed after writing part of the table "
+                    f"({type(error).__name__}: {error}); load the checkpoint again before use"
+                )
+                error.add_note("The table is partly written; this module refuses to run.")
+            raise
+        self._commit_small(staged)
+        if wrote_rows:
+            self._incomplete_load = None
+        return loaded
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads hash buffers (exact int64), checkpoint-split table rows and the fp8 scale.
 
         ``hashstats_*`` and ``token_lookup`` tensors are skipped; every other mismatch — a shard
-        index >= split_ngram_parts, a wrong shard or buffer shape, a float buffer, an unknown
-        name — is an error. Returns the names loaded (``ngram_embedding.weight`` for the rows).
-        Tensors are consumed one at a time, so a lazy iterator never holds the table twice.
+        index >= split_ngram_parts, a wrong shard or buffer shape or dtype, a float buffer, a
+        meta tensor, an unknown name — is an error. Returns the names loaded
+        (``ngram_embedding.weight`` for the rows).
+
+        A list, tuple or dict is checked in full before anything is written, so an error leaves
+        the module untouched. Any other iterable is consumed one tensor at a time (a lazy
+        iterator never holds the table twice): buffers and the scale are still written only at
+        the end, but rows of earlier shards are already in place when a later tensor is bad; the
+        module then raises on use until a load succeeds.
         """
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf.startswith("hashstats_") or leaf == "token_lookup":
-                continue
-            if name in BUFFER_NAMES:
-                self._load_buffer(name, tensor)
-                loaded.add(name)
-                continue
-            shard_index = self._shard_index(name)
-            if shard_index is not None:
-                start = self._check_shard(name, shard_index, tensor.shape)
-                self._copy_rows(start, tensor)
-                loaded.add(WEIGHT_NAME)
-                continue
-            if name == SCALE_NAME:
-                self._load_scale(tensor)
-                loaded.add(name)
-                continue
-            raise ValueError(f"NGramEmbedding.load_weights: unexpected checkpoint tensor {name!r}")
-        return loaded
-
-    def _load_buffer(self, name: str, tensor: torch.Tensor) -> None:
-        buffer = getattr(self, name)
-        if tuple(buffer.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"Shape mismatch for {name}: expected {tuple(buffer.shape)}, "
-                f"got {tuple(tensor.shape)}"
-            )
-        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-            raise ValueError(
-                f"{name} must be an integer tensor (int64 hash constants), got {tensor.dtype}"
-            )
-        buffer.copy_(tensor.to(dtype=torch.int64).to(buffer.device))
-
-    def _load_scale(self, tensor: torch.Tensor) -> None:
-        if self.weight_scale is None:
-            raise ValueError(f"{SCALE_NAME} given, but the table is {self.table_dtype}, not fp8")
-        if tensor.numel() != 1 or not tensor.dtype.is_floating_point:
-            raise ValueError(
-                f"{SCALE_NAME} must be one float element, got {tensor.dtype} {tuple(tensor.shape)}"
-            )
-        self.weight_scale.copy_(tensor.reshape(1).to(torch.float32))
+        if isinstance(weights, Mapping):
+            weights = list(weights.items())
+        if isinstance(weights, Sequence):
+            steps = [(n, self._plan(n, t.shape, t.dtype, t.device), t) for n, t in weights]
+            return self._run_load(steps)
+        return self._run_load((n, self._plan(n, t.shape, t.dtype, t.device), t) for n, t in weights)
 
     def load_safetensors(self, files: Iterable[str | Path], prefix: str = "") -> set[str]:
         """Loads from safetensors files, reading only the rows this rank owns (memory-mapped
         slices, one checkpoint shard at a time): the table is never in memory twice.
-        ``prefix`` (e.g. ``"model.layers.3.ple."``) is stripped; other tensors are ignored."""
+        ``prefix`` (e.g. ``"model.ple."``) is stripped; other tensors are ignored. Every
+        tensor's header is checked before anything is written."""
         from safetensors import safe_open
 
-        loaded: set[str] = set()
+        files = [str(path) for path in files]
+        steps = []
         for path in files:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
+            with safe_open(path, framework="pt", device="cpu") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
                     if not key.startswith(prefix):
                         continue
                     name = key[len(prefix) :]
-                    shard_index = self._shard_index(name)
-                    if shard_index is None:
-                        loaded |= self.load_weights([(name, f.get_tensor(key))])
-                        continue
                     piece = f.get_slice(key)
-                    start = self._check_shard(name, shard_index, piece.get_shape())
-                    lo = max(start, self.vocab_start)
-                    hi = min(start + piece.get_shape()[0], self.vocab_end)
-                    if lo < hi:
-                        self._copy_rows(lo, piece[lo - start : hi - start])
-                    loaded.add(WEIGHT_NAME)
-        return loaded
+                    dtype = safetensors_dtype(piece.get_dtype(), key)
+                    plan = self._plan(name, piece.get_shape(), dtype, torch.device("cpu"))
+                    if plan[0] in ("buffer", "scale"):  # small: read now, written at the end
+                        steps.append((name, plan, f.get_tensor(key)))
+                    elif plan[0] == "rows":
+                        steps.append((name, plan, self._slice_reader(path, key)))
+        return self._run_load(steps)
+
+    def _slice_reader(self, path: str, key: str):
+        """Copies this rank's rows of one checkpoint shard, as a memory-mapped slice."""
+
+        def read(start: int) -> None:
+            from safetensors import safe_open
+
+            with safe_open(path, framework="pt", device="cpu") as f:
+                piece = f.get_slice(key)
+                lo = max(start, self.vocab_start)
+                hi = min(start + piece.get_shape()[0], self.vocab_end)
+                if lo < hi:
+                    self._copy_rows(lo, piece[lo - start : hi - start])
+
+        return read
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def safetensors_dtype(code: str, key: str) -> torch.dtype:
+    """The torch dtype of a safetensors header dtype code."""
+    try:
+        return _SAFETENSORS_DTYPES[code]
+    except KeyError:
+        raise ValueError(f"checkpoint tensor {key!r} has unsupported dtype {code}") from None

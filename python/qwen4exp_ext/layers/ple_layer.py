@@ -292,6 +292,7 @@ class PLELayer(nn.Module):
                     hi = min(start + shape[0], emb.vocab_end)
                     if lo < hi:
                         rows = f.get_slice(key)[lo - start : hi - start]
+                        emb._check_rows(key, rows.dtype)
                         if emb.table_dtype not in FP8_DTYPES:
                             rows = rows.to(emb.table_dtype)
                         emb._copy_rows(lo, rows)
@@ -305,6 +306,7 @@ class PLELayer(nn.Module):
                 f"ple_embedding.ngram_embedding.weight must be [<= {emb.num_rows}, "
                 f"{emb.head_dim}], got {tuple(tensor.shape)}"
             )
+        emb._check_rows(EMBEDDING_PREFIX + TABLE_NAME, tensor.dtype)
         if emb.table_dtype not in FP8_DTYPES:
             tensor = tensor.to(emb.table_dtype)
         emb._copy_rows(0, tensor)
