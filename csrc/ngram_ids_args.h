@@ -104,4 +104,9 @@ inline NgramIdsParams check_ngram_ids_args(const at::Tensor& input_ids,
   return p;
 }
 
+// Value checks (query_start_loc layout, head sizes and offsets) that need the index data on the
+// host: always on the CPU path; on the GPU path only as opt-in debug checks (csrc/debug_checks.h).
+// Defined in csrc/cpu/ngram_ids.cpp.
+void check_ngram_ids_values(const NgramIdsParams& p, bool output_int32);
+
 }  // namespace qwen4exp

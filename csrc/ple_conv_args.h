@@ -173,4 +173,9 @@ inline PleConvParams check_ple_conv_args(
   return p;
 }
 
+// Value checks (token_indices, state_indices, query_start_loc) that need the index data on the
+// host: always on the CPU path; on the GPU path only as opt-in debug checks (csrc/debug_checks.h).
+// Defined in csrc/cpu/ple_conv.cpp.
+void check_ple_conv_values(const PleConvParams& p);
+
 }  // namespace qwen4exp

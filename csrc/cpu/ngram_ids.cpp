@@ -13,9 +13,9 @@
 #include "../ngram_ids_args.h"
 
 namespace qwen4exp {
-namespace {
 
-// The CPU can read the data for free, so it rejects layouts that the GPU kernel can only survive.
+// The CPU can read the data for free, so it rejects layouts that the GPU kernel can only survive
+// (the GPU glue runs this too, on host copies, when debug checks are on: csrc/debug_checks.h).
 void check_ngram_ids_values(const NgramIdsParams& p, bool output_int32) {
   const IntView& qsl = p.query_start_loc;
   TORCH_CHECK(qsl[0] == 0, "ngram_ids: query_start_loc[0] must be 0, got ", qsl[0]);
@@ -39,6 +39,9 @@ void check_ngram_ids_values(const NgramIdsParams& p, bool output_int32) {
     }
   }
 }
+
+namespace {
+
 
 template <typename OutT, int kMaxContext>
 void ngram_ids_cpu_impl(const NgramIdsParams& p) {

@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/all.h>
 
+#include "../debug_checks.h"
 #include "../hip/ngram_ids.h"
 #include "../ngram_ids_args.h"
 
@@ -25,6 +26,16 @@ void ngram_ids_gpu(const at::Tensor& input_ids, const at::Tensor& query_start_lo
       ngram_heads_offsets, eos_token_id, heads_per_ngram, output);
   TORCH_CHECK(input_ids.is_cuda(), "ngram_ids: GPU kernel called with ", input_ids.device(),
               " tensors");
+  if (debug_checks_enabled()) {
+    NgramIdsParams host = p;
+    HostIndexCopies copies;
+    int64_t stride = 0;
+    host.query_start_loc.data = copies.add(query_start_loc, &stride);
+    host.query_start_loc.stride = stride;
+    host.sizes = static_cast<const int64_t*>(copies.add(ngram_heads_vocab_sizes, &stride));
+    host.offsets = static_cast<const int64_t*>(copies.add(ngram_heads_offsets, &stride));
+    check_ngram_ids_values(host, output.scalar_type() == at::kInt);
+  }
   if (p.num_tokens == 0) return;
   const c10::cuda::CUDAGuard device_guard(input_ids.device());
   const hipError_t status = launch_ngram_ids(p, output.scalar_type() == at::kLong,

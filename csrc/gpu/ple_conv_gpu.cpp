@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/all.h>
 
+#include "../debug_checks.h"
 #include "../hip/ple_conv.h"
 #include "../ple_conv_args.h"
 
@@ -26,6 +27,20 @@ void ple_conv_gpu(const at::Tensor& inputs, const at::Tensor& residual,
       dilation, query_start_loc, num_accepted_tokens, has_initial_states, spec_query_len,
       token_indices);
   TORCH_CHECK(inputs.is_cuda(), "ple_conv: GPU kernel called with ", inputs.device(), " tensors");
+  if (debug_checks_enabled()) {
+    PleConvParams host = p;
+    HostIndexCopies copies;
+    const auto to_host = [&copies](IndexView& view, const at::Tensor& t) {
+      view.data = copies.add(t, &view.stride);
+    };
+    to_host(host.state_indices, state_indices);
+    if (p.query_start_loc.present()) to_host(host.query_start_loc, *query_start_loc);
+    if (p.token_indices.present()) to_host(host.token_indices, *token_indices);
+    // num_accepted_tokens and has_initial_states are not read by the value checks.
+    host.num_accepted_tokens.data = nullptr;
+    host.has_initial_states.data = nullptr;
+    check_ple_conv_values(host);
+  }
   const bool writes_back = p.mode != ConvMode::kDecode && p.num_requests > 0;
   if (p.num_rows == 0 && !writes_back) return;
   TORCH_CHECK(p.num_rows <= 0x7fffffff && p.num_requests <= 0x7fffffff,

@@ -6,7 +6,10 @@ never needs a GPU. The typed Python door to the kernels is :mod:`qwen4exp_ext.op
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
@@ -17,7 +20,7 @@ from . import (
     ops,
 )
 
-__all__ = ["build_info", "ops"]
+__all__ = ["build_info", "debug_checks", "ops"]
 __version__ = "0.1.0"
 
 
@@ -31,3 +34,30 @@ def build_info() -> dict[str, Any]:
     info = json.loads(torch.ops.qwen4exp.build_info())
     info["torch_runtime"] = torch.__version__
     return info
+
+
+DEBUG_CHECKS_ENV = "QWEN4EXP_DEBUG_CHECKS"
+
+
+@contextlib.contextmanager
+def debug_checks(enabled: bool = True) -> Iterator[None]:
+    """Within the block, GPU calls also check index *values* and raise on bad ones.
+
+    On a GPU the kernels never read index data on the host (it would sync the stream and break
+    CUDA-graph capture), so a bad ``query_start_loc`` layout, an out-of-range ``state_indices``
+    or ``token_indices`` entry, or a non-positive head size is not an error there: the kernels
+    read and write nothing out of bounds (skipped rows and slots; ids of -1, which gather as zero
+    rows). With the checks on, each GPU call copies those index tensors to the host (a sync) and
+    raises the same error the CPU path raises. Skipped while a CUDA graph is being captured.
+    The same switch for a whole process: ``QWEN4EXP_DEBUG_CHECKS=1`` in the environment. Token
+    ids and gather ids are data, never errors, with or without the checks (SPEC §3, §4).
+    """
+    previous = os.environ.get(DEBUG_CHECKS_ENV)
+    os.environ[DEBUG_CHECKS_ENV] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[DEBUG_CHECKS_ENV]
+        else:
+            os.environ[DEBUG_CHECKS_ENV] = previous

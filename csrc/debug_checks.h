@@ -1,0 +1,50 @@
+// Opt-in debug checks for the GPU path (host glue only).
+//
+// The GPU kernels never read index data on the host: that would sync the stream on every call
+// and break CUDA-graph capture. So values that only the data shows (query_start_loc layout,
+// state_indices, token_indices, head sizes) are not errors there: every kernel is written so that
+// such values read and write nothing out of bounds (skipped rows and slots, -1 ids that gather as
+// zero rows; see each kernel). With QWEN4EXP_DEBUG_CHECKS=1 in the environment (or inside
+// `with qwen4exp_ext.debug_checks():`), the GPU glue instead copies the index tensors to the
+// host and runs the same value checks as the CPU path, so bad data raises the CPU's error. The
+// copy syncs the stream; during CUDA-graph capture the checks are skipped (a capture cannot
+// hold a host copy), so they run again on the next eager call.
+#pragma once
+
+#ifndef QWEN4EXP_GPU_HOST_GLUE
+#error "debug_checks.h is for the GPU host glue (csrc/gpu/*_gpu.cpp)"
+#endif
+
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <torch/all.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace qwen4exp {
+
+// Read on every call (a getenv is a few hundred ns next to a kernel launch), so Python can turn
+// the checks on and off at run time through os.environ.
+inline bool debug_checks_enabled() {
+  const char* value = std::getenv("QWEN4EXP_DEBUG_CHECKS");
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "0") == 0) return false;
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None;
+}
+
+// Host copies of index tensors, kept alive for the duration of one check.
+class HostIndexCopies {
+ public:
+  // A host copy of `t`; returns its data pointer and sets `stride` (elements) along dim 0.
+  const void* add(const at::Tensor& t, int64_t* stride) {
+    copies_.push_back(t.to(at::kCPU));
+    const at::Tensor& host = copies_.back();
+    *stride = host.dim() > 0 && host.size(0) > 1 ? host.stride(0) : 1;
+    return host.data_ptr();
+  }
+
+ private:
+  std::vector<at::Tensor> copies_;
+};
+
+}  // namespace qwen4exp
