@@ -3,7 +3,9 @@
 # torch there (no venv, no downloads: the H200 lent to this project reaches no registry), runs
 # the test suite on CPU and GPU, and the benchmark on the GPU, writing everything into OUTDIR.
 #   usage: tools/gpu_check.sh OUTDIR
-# Files: build_info.json, build.log, pytest.log, pytest.xml, bench-<date>-<device>.json, bench.log
+# Files: build_info.json, build.log, pytest.log, pytest.xml, memcheck.log,
+#        bench-<date>-<device>.json, bench.log (8 with nvidia-smi.txt: the device tool returns 8)
+# MEMCHECK_SECONDS (default 240) bounds the compute-sanitizer run; 0 skips it.
 set -uo pipefail
 out="${1:?usage: tools/gpu_check.sh OUTDIR}"
 mkdir -p "$out"
@@ -34,10 +36,32 @@ echo "== tests"
 "$PY" -m pytest tests -q -rs --junitxml "$out/pytest.xml" 2>&1 | tee "$out/pytest.log"
 tests_status=${PIPESTATUS[0]}
 
+echo "== compute-sanitizer memcheck over the GPU tests"
+# The GPU cases only (their ids say cuda; tests/test_gpu_debug_checks.py runs the bad-index data
+# that the kernels must survive without debug checks). No caching allocator: memcheck then sees
+# each tensor's own bounds rather than a pooled block's. A timeout ends a slow run early (124).
+memcheck_seconds="${MEMCHECK_SECONDS:-240}"
+memcheck_status=0
+if [ "$memcheck_seconds" != 0 ]; then
+  if command -v compute-sanitizer >/dev/null 2>&1; then
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$memcheck_seconds" \
+      compute-sanitizer --tool memcheck --error-exitcode 86 --print-limit 20 \
+      "$PY" -m pytest tests -q -x -p no:cacheprovider -k "cuda or gpu_debug_checks" \
+      >"$out/memcheck.log" 2>&1
+    memcheck_status=$?
+    tail -n 5 "$out/memcheck.log"
+  else
+    echo "compute-sanitizer not found" | tee "$out/memcheck.log"
+    memcheck_status=127
+  fi
+fi
+echo "== memcheck exit $memcheck_status (86: a memory error; 124: ran out of time)"
+
 echo "== benchmark"
 device="$("$PY" -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "-"))')"
 "$PY" -m qwen4exp_ext.bench --device cuda --json "$out/bench-$(date +%F)-$device.json" 2>&1 \
   | tee "$out/bench.log"
 bench_status=${PIPESTATUS[0]}
-echo "== tests exit $tests_status, bench exit $bench_status"
-[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ]
+echo "== tests exit $tests_status, memcheck exit $memcheck_status, bench exit $bench_status"
+[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ] &&
+  { [ "$memcheck_status" -eq 0 ] || [ "$memcheck_status" -eq 124 ]; }
