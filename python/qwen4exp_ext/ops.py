@@ -6,6 +6,8 @@ implementation, so the ops trace under torch.compile and capture in CUDA graphs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["ngram_ids"]
@@ -355,7 +357,9 @@ def gather_rows(
         vocab_end = vocab_start + rows
     if scale is not None and not isinstance(scale, torch.Tensor):
         scale = torch.tensor([float(scale)], dtype=torch.float32, device=table.device)
-    ids2 = ids if ids.dim() == 2 else ids.reshape(-1, num_heads)
+    # Explicit token counts, not -1: with NH·d == 0 a -1 in a reshape/view is ambiguous.
+    num_tokens = math.prod(ids.shape[:-1])
+    ids2 = ids if ids.dim() == 2 else ids.reshape(num_tokens, num_heads)
     out_shape = (*ids.shape[:-1], num_heads * width)
     if output is None:
         output = torch.empty(out_shape, dtype=out_dtype, device=table.device)
@@ -363,7 +367,7 @@ def gather_rows(
         raise ValueError(
             f"gather_rows: output must be {list(out_shape)} = [..., NH·d], got {list(output.shape)}"
         )
-    out2 = output if output.dim() == 2 else output.view(-1, num_heads * width)
+    out2 = output if output.dim() == 2 else output.view(num_tokens, num_heads * width)
     _gather_rows_op(table, ids2, scale, int(vocab_start), int(vocab_end), out2)
     return output
 

@@ -179,7 +179,9 @@ def gather_rows(
     flat = ids.reshape(-1).to(device=table.device, dtype=torch.int64)
     owned = (flat >= vocab_start) & (flat < vocab_end)
     local = torch.where(owned, flat - vocab_start, torch.zeros_like(flat))
-    picked = table[local]  # [n, d]; row 0 stands in for unowned ids and is zeroed below
+    # Row 0 stands in for unowned ids and is zeroed below (a zero row when the table has none).
+    source = table if rows > 0 else table.new_zeros((1, width))
+    picked = source[local]  # [n, d]
     if is_fp8:
         scale_t = torch.as_tensor(scale, dtype=torch.float32, device=table.device).reshape(())
         scale_out = scale_t.to(out_dtype).to(torch.float32)

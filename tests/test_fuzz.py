@@ -1,0 +1,940 @@
+"""Time-bounded fuzzing of every op against the reference oracle (SPEC.md §9.8), on every backend
+this machine has.
+
+Each test draws whole calls with hypothesis: sizes (0, 1, odd, prime and larger), every supported
+dtype, strided and transposed views where the op takes them, contiguous ones, and request layouts
+(empty, single-token and many requests, padding, tokens outside the requests); it compares ours
+with ``qwen4exp_ext.reference`` exactly as the per-op tests do (same tolerances: bit for bit where
+they are), and checks that nothing outside the outputs is written.
+
+Budget: hypothesis has no time limit, so each test runs batches of ``EXAMPLES_PER_BATCH`` examples,
+each batch a fresh hypothesis run with its own seed (batch i of a test uses seed base + i), until
+``QWEN4EXP_FUZZ_SECONDS`` (default 8; per op, shared by the devices) are spent; one batch always
+runs. A developer fuzzes for longer with e.g. ``QWEN4EXP_FUZZ_SECONDS=600``. The base seed is
+random unless ``QWEN4EXP_FUZZ_SEED`` is set; a failure names the seed of its batch, and
+
+    QWEN4EXP_FUZZ_SEED=<seed> QWEN4EXP_FUZZ_SECONDS=0 python -m pytest tests/test_fuzz.py -k <op>
+
+replays exactly that batch (hypothesis also prints the falsifying draws and a
+``@reproduce_failure`` blob). The explicit settings below override the conftest profile, whose
+``derandomize=True`` would otherwise repeat the same examples in every batch; every test asserts
+that later batches drew new inputs.
+
+Findings: reference.gather_rows failed on an empty table and ops.gather_rows on ids that are not
+2-D when NH·d == 0 (both fixed; their regression tests are below). Pinned as a strict xfail
+(remove the mark once fixed): ple_gate's "vllm" rounding exceeds test_ple_gate's stated
+tolerance where a stream's dot nearly cancels (the fuzz test keeps that tolerance for every
+well-conditioned stream and bounds the others).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+
+from conftest import devices
+from qwen4exp_ext import ops, reference
+
+DEVICES = devices()
+FUZZ_SECONDS = float(os.environ.get("QWEN4EXP_FUZZ_SECONDS", "8"))
+EXAMPLES_PER_BATCH = 25
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+FP8 = reference.FP8_DTYPES
+# The NaN bytes of each fp8 format (NaN != NaN, so tables leave them out, as test_gather_rows does).
+FP8_NAN_BYTES = {torch.float8_e4m3fn: (0x7F, 0xFF), torch.float8_e4m3fnuz: (0x80,)}
+SENTINEL_BYTE = 0x5A  # fills every buffer byte outside a view: finite in every float format
+
+
+# --- the time-bounded driver ----------------------------------------------------------------------
+
+
+def _base_seed() -> int:
+    env = os.environ.get("QWEN4EXP_FUZZ_SEED")
+    return int(env) if env else secrets.randbits(32)
+
+
+class Recorder:
+    """`data.draw` that also keeps what was drawn, to count distinct examples."""
+
+    def __init__(self, data):
+        self.data = data
+        self.drawn: list[str] = []
+
+    def __call__(self, strategy, label: str | None = None):
+        value = self.data.draw(strategy, label=label)
+        self.drawn.append(repr(value))
+        return value
+
+
+def fuzz(label: str, body: Callable[[Recorder], None], record=None) -> dict:
+    """Runs hypothesis batches of `body(draw)` until this test's budget is spent (at least one)."""
+    budget = FUZZ_SECONDS / len(DEVICES)
+    base = _base_seed()
+    started = time.monotonic()
+    seen: set = set()
+    first_batch: set = set()
+    batches = 0
+    calls = [0]  # examples run (hypothesis may draw one twice)
+    current: list[set] = []  # the running batch's draws (a list: no loop variable in the closure)
+    while True:
+        batch_seed = base + batches
+        drawn: set = set()
+        current[:] = [drawn]
+
+        @seed(batch_seed)
+        @settings(
+            max_examples=EXAMPLES_PER_BATCH,
+            deadline=None,
+            derandomize=False,
+            database=None,
+            print_blob=True,
+            suppress_health_check=[
+                HealthCheck.too_slow,
+                HealthCheck.data_too_large,
+                HealthCheck.filter_too_much,
+                HealthCheck.large_base_example,
+                HealthCheck.differing_executors,
+            ],
+        )
+        @given(data=st.data())
+        def batch(data):
+            calls[0] += 1
+            draw = Recorder(data)
+            body(draw)
+            current[0].add(tuple(draw.drawn))
+
+        try:
+            batch()
+        except Exception as exc:
+            raise AssertionError(
+                f"fuzz {label}: batch {batches} failed (hypothesis seed {batch_seed}); replay it "
+                f"with QWEN4EXP_FUZZ_SEED={batch_seed} QWEN4EXP_FUZZ_SECONDS=0 "
+                f"python -m pytest tests/test_fuzz.py -k '{label}'"
+            ) from exc
+        if batches == 0:
+            first_batch = set(drawn)
+        seen |= drawn
+        batches += 1
+        if time.monotonic() - started >= budget:
+            break
+    elapsed = time.monotonic() - started
+    examples = calls[0]
+    stats = {"examples": examples, "distinct": len(seen), "batches": batches, "seconds": elapsed}
+    print(
+        f"fuzz {label}: {examples} examples ({len(seen)} distinct) in {batches} batches of "
+        f"{EXAMPLES_PER_BATCH}, {elapsed:.1f} s (base seed {base})"
+    )
+    if record is not None:
+        record("fuzz", stats)
+    if batches > 1:
+        # Guards against a hypothesis profile that makes every batch replay the same examples.
+        assert len(seen) > len(first_batch), f"fuzz {label}: later batches drew nothing new"
+    return stats
+
+
+# --- laying tensors out in memory -----------------------------------------------------------------
+
+
+@dataclass
+class Laid:
+    """A tensor's values placed inside a larger `base` buffer through `view_fn` (a strided view);
+    every base byte outside the view holds SENTINEL_BYTE."""
+
+    base: torch.Tensor
+    view_fn: Callable[[torch.Tensor], torch.Tensor]
+    kind: str
+
+    def on(self, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fresh copy of the base on `device`, and the view into it."""
+        base = self.base.clone().to(device)
+        return base, self.view_fn(base)
+
+    def outside(self) -> torch.Tensor:
+        """Mask of the base elements outside the view."""
+        mask = torch.ones(self.base.shape, dtype=torch.bool)
+        self.view_fn(mask).fill_(False)
+        return mask
+
+
+def place(values: torch.Tensor, base_shape, view_fn, kind: str) -> Laid:
+    base = torch.empty(base_shape, dtype=values.dtype)
+    if base.dtype == torch.bool:
+        base.fill_(True)
+    else:
+        base.view(torch.uint8).fill_(SENTINEL_BYTE)
+    view = view_fn(base)
+    assert view.shape == values.shape, (kind, view.shape, values.shape)
+    view.copy_(values)
+    return Laid(base, view_fn, kind)
+
+
+def draw_layout_2d(draw, values: torch.Tensor, name: str, *, any_strides: bool) -> Laid:
+    """[rows, cols] as: contiguous, a column slice of a wider buffer (row stride > cols, storage
+    offset), every 2nd/3rd row of a taller one, and (when the op takes any strides) transposed
+    storage, possibly with a column step too."""
+    rows, cols = values.shape
+    kinds = ["contiguous", "column_slice", "row_step"]
+    if any_strides:
+        kinds += ["transposed", "transposed_step"]
+    kind = draw(st.sampled_from(kinds), label=f"{name} layout")
+    if kind == "contiguous":
+        return place(values, (rows, cols), lambda b: b, kind)
+    if kind == "column_slice":
+        pad = draw(st.integers(1, 5), label=f"{name} pad")
+        off = draw(st.integers(0, pad), label=f"{name} offset")
+        return place(values, (rows, cols + pad), lambda b: b[:, off : off + cols], kind)
+    if kind == "row_step":
+        step = draw(st.integers(2, 3), label=f"{name} row step")
+        off = draw(st.integers(0, step - 1), label=f"{name} offset")
+        return place(values, (rows * step, cols), lambda b: b[off::step][:rows], kind)
+    if kind == "transposed":
+        return place(values, (cols, rows), lambda b: b.t(), kind)
+    return place(values, (cols, 2 * rows), lambda b: b[:, 1::2].t(), kind)
+
+
+def draw_layout_1d(draw, values: torch.Tensor, name: str, *, column_2d: bool = False) -> Laid:
+    """[n] as: contiguous, every 2nd/3rd element, a column of a 2-D buffer, or (index vectors of
+    ple_conv, which take a block-table column) an [n, 1] tensor."""
+    (n,) = values.shape
+    kinds = ["contiguous", "step", "column"] + (["n_by_1"] if column_2d else [])
+    kind = draw(st.sampled_from(kinds), label=f"{name} layout")
+    if kind == "contiguous":
+        return place(values, (n,), lambda b: b, kind)
+    if kind == "step":
+        step = draw(st.integers(2, 3), label=f"{name} step")
+        return place(values, (n * step + 1,), lambda b: b[1::step][:n], kind)
+    if kind == "column":
+        width = draw(st.integers(2, 4), label=f"{name} block width")
+        col = draw(st.integers(0, width - 1), label=f"{name} column")
+        return place(values, (n, width), lambda b: b[:, col], kind)
+    return Laid(values.clone().reshape(n, 1), lambda b: b, kind)
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """Bit patterns of a float tensor (so -0/+0 and every rounding count); other dtypes as is."""
+    if x.dtype.is_floating_point:
+        return x.view(
+            {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[x.element_size()]
+        )
+    return x
+
+
+def assert_bits_equal(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    got, expected = got.cpu(), expected.cpu()
+    assert got.dtype == expected.dtype and got.shape == expected.shape, (
+        f"{what}: {got.dtype}{list(got.shape)} vs {expected.dtype}{list(expected.shape)}"
+    )
+    same = bits(got) == bits(expected)
+    if not bool(same.all()):
+        first = tuple((~same).nonzero()[0].tolist())
+        raise AssertionError(
+            f"{what}: {int((~same).sum())} of {got.numel()} elements differ, first at {first}: "
+            f"got {got[first].item()}, expected {expected[first].item()}"
+        )
+
+
+def assert_untouched(laid: Laid, base_after: torch.Tensor, what: str) -> None:
+    """Every base element outside the view still holds its original bytes."""
+    mask = laid.outside()
+    assert_bits_equal(base_after.cpu()[mask], laid.base[mask], f"{what} (outside the view)")
+
+
+def assert_unchanged(laid: Laid, base_after: torch.Tensor, what: str) -> None:
+    assert_bits_equal(base_after.cpu(), laid.base, f"{what} was mutated")
+
+
+def sizes(small: list[int], low: int, high: int):
+    """Sizes: hand-picked edge values (0, 1, odd, prime) or anything in [low, high]."""
+    return st.one_of(st.sampled_from(small), st.integers(low, high))
+
+
+def generator(draw) -> torch.Generator:
+    return torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1), label="data seed"))
+
+
+def random_ints(gen, shape, low: int, high: int, dtype) -> torch.Tensor:
+    """Uniform in [low, high] (inclusive), the full int64 range included."""
+    if low == INT64_MIN and high == INT64_MAX:
+        raw = torch.randint(0, 256, (*shape, 8), dtype=torch.uint8, generator=gen)
+        return raw.view(torch.int64).reshape(shape).to(dtype)
+    return torch.randint(low, high + 1, shape, dtype=torch.int64, generator=gen).to(dtype)
+
+
+def dtype_range(dtype) -> tuple[int, int]:
+    return (INT32_MIN, INT32_MAX) if dtype == torch.int32 else (INT64_MIN, INT64_MAX)
+
+
+# --- ngram_ids (SPEC §3): bit-exact, as tests/test_ngram_ids.py -----------------------------------
+
+
+def draw_request_lengths(draw, *, longest: int, many: int) -> list[int]:
+    """A varlen batch's chunk lengths: mixed (empty, single-token and longer requests), many
+    single-token requests (a decode batch), one long chunk, or only empty requests."""
+    kind = draw(st.sampled_from(["mixed", "many_single", "one_long", "all_empty"]), label="batch")
+    if kind == "mixed":
+        lengths = draw(
+            st.lists(sizes([0, 1, 1, 2, 3], 0, longest // 3), max_size=8), label="lengths"
+        )
+    elif kind == "many_single":
+        lengths = [1] * draw(st.integers(1, many), label="requests")
+    elif kind == "one_long":
+        lengths = [draw(st.integers(0, longest), label="length")]
+    else:
+        lengths = [0] * draw(st.integers(0, 4), label="requests")
+    return lengths
+
+
+def ngram_body(device: str, draw: Recorder) -> None:
+    ngram_size = draw(st.integers(2, 8), label="ngram_size")
+    per = draw(sizes([1, 2, 8], 1, 5), label="heads_per_ngram")
+    ctx_len, nh = ngram_size - 1, (ngram_size - 1) * per
+    out_kind = draw(st.sampled_from(["none", "int64", "int32"]), label="output")
+    cap = INT32_MAX // nh if out_kind == "int32" else 2**62 // nh  # offsets' prefix sums fit
+    multipliers = draw(
+        st.lists(st.integers(INT64_MIN, INT64_MAX), min_size=ngram_size, max_size=ngram_size),
+        label="multipliers",
+    )
+    head_sizes = draw(
+        st.lists(
+            sizes([1, 2, 3, 1009, 2**31 - 1, 2**32 + 15, 2**62], 1, 2**40),
+            min_size=nh,
+            max_size=nh,
+        ),
+        label="head sizes",
+    )
+    head_sizes = [min(s, cap) for s in head_sizes]
+    offsets, total = [], 0
+    for s in head_sizes:
+        offsets.append(total)
+        total += s
+    eos = draw(sizes([0, 7, 248044, INT32_MAX], 0, 20), label="eos")
+    id_dtype = draw(st.sampled_from([torch.int32, torch.int64]), label="input_ids dtype")
+    ctx_dtype = draw(st.sampled_from([torch.int32, torch.int64]), label="context dtype")
+    qsl_dtype = draw(st.sampled_from([torch.int32, torch.int64]), label="qsl dtype")
+    lengths = draw_request_lengths(draw, longest=96, many=64)
+    tail = draw(st.sampled_from([0, 0, 1, 3]), label="tokens past qsl[R]")
+    vocab = draw(st.sampled_from([12, 1000, 248320, INT32_MAX, None]), label="vocab (None: any)")
+    eos_rate = draw(st.sampled_from([0.0, 0.05, 0.2, 0.6]), label="eos rate")
+    gen = generator(draw)
+
+    qsl = [0]
+    for n in lengths:
+        qsl.append(qsl[-1] + n)
+    num_tokens, num_reqs = qsl[-1] + tail, len(lengths)
+
+    def tokens(shape, dtype):
+        low, high = (0, vocab - 1) if vocab is not None else dtype_range(dtype)
+        values = random_ints(gen, shape, low, high, torch.int64)
+        values = torch.where(torch.rand(shape, generator=gen) < eos_rate, eos, values)
+        return values.to(dtype)
+
+    input_ids = tokens((num_tokens,), id_dtype)
+    context = tokens((num_reqs, ctx_len), ctx_dtype)
+    qsl_t = torch.tensor(qsl, dtype=qsl_dtype)
+    consts = (
+        torch.tensor(multipliers, dtype=torch.int64),
+        torch.tensor(head_sizes, dtype=torch.int64),
+        torch.tensor(offsets, dtype=torch.int64),
+    )
+    expected = reference.ngram_ids(input_ids, qsl_t, context, *consts, eos, per)
+
+    ids_laid = draw_layout_1d(draw, input_ids, "input_ids")
+    qsl_laid = draw_layout_1d(draw, qsl_t, "query_start_loc")
+    ctx_laid = draw_layout_2d(draw, context, "ngram_context", any_strides=True)
+    as_row = draw(st.booleans(), label="input_ids as [1, T]") and ids_laid.kind == "contiguous"
+    ids_base, ids_dev = ids_laid.on(device)
+    qsl_base, qsl_dev = qsl_laid.on(device)
+    ctx_base, ctx_dev = ctx_laid.on(device)
+    out_laid = out_base = out_dev = None
+    if out_kind != "none":
+        out_dtype = torch.int32 if out_kind == "int32" else torch.int64
+        out_laid = draw_layout_2d(
+            draw, torch.full((num_tokens, nh), -7, dtype=out_dtype), "output", any_strides=True
+        )
+        out_base, out_dev = out_laid.on(device)
+    got = ops.ngram_ids(
+        ids_dev.reshape(1, -1) if as_row else ids_dev,
+        qsl_dev,
+        ctx_dev,
+        *(c.to(device) for c in consts),
+        eos,
+        per,
+        output=out_dev,
+    )
+    if out_laid is None:
+        assert got.dtype == torch.int64
+        assert_bits_equal(got, expected, "ngram_ids")
+    else:
+        assert got.data_ptr() == out_dev.data_ptr()
+        assert_bits_equal(got, expected.to(out_dev.dtype), "ngram_ids")
+        assert_untouched(out_laid, out_base, "ngram_ids output buffer")
+    for laid, base, name in (
+        (ids_laid, ids_base, "input_ids"),
+        (qsl_laid, qsl_base, "query_start_loc"),
+        (ctx_laid, ctx_base, "ngram_context"),
+    ):
+        assert_unchanged(laid, base, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fuzz_ngram_ids(device, record_property):
+    fuzz(f"ngram_ids and {device}", lambda draw: ngram_body(device, draw), record_property)
+
+
+# --- gather_rows (SPEC §4): bit-exact, as tests/test_gather_rows.py -------------------------------
+
+
+def make_table(gen, rows: int, width: int, dtype) -> torch.Tensor:
+    """Every finite bit pattern for fp8; wide-range values (subnormals, overflow in a narrowing
+    conversion) otherwise — as test_gather_rows.make_table."""
+    if dtype in FP8:
+        raw = torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=gen)
+        for nan in FP8_NAN_BYTES[dtype]:
+            raw[raw == nan] = 0x11
+        return raw.view(dtype)
+    values = torch.randn(rows, width, generator=gen) * torch.exp2(
+        torch.randint(-30, 20, (rows, width), generator=gen).float()
+    )
+    return values.to(dtype)
+
+
+def gather_body(device: str, draw: Recorder) -> None:
+    table_dtype = draw(st.sampled_from([*FLOATS, *FP8]), label="table dtype")
+    rows = draw(sizes([0, 1, 2, 3, 5, 7, 31, 97], 0, 300), label="rows")
+    width = draw(sizes([0, 1, 2, 3, 7, 16, 24, 31, 160], 1, 48), label="d")
+    num_tokens = draw(sizes([0, 1, 2, 3, 5, 13], 0, 40), label="T")
+    num_heads = draw(sizes([0, 1, 2, 3, 16], 1, 12), label="NH")
+    id_dtype = draw(st.sampled_from([torch.int32, torch.int64]), label="ids dtype")
+    lead = draw(st.sampled_from(["[T, NH]", "[NH]", "[a, T, NH]"]), label="ids shape")
+    shard = draw(st.sampled_from(["none", "start", "range", "empty"]), label="shard")
+    start = 0
+    if shard != "none":
+        start = draw(sizes([0, 1, rows, 2**31 - 5, 2**40], 0, 500), label="vocab_start")
+    end = None
+    if shard == "range":
+        end = start + draw(st.integers(0, rows), label="shard rows")
+    elif shard == "empty":
+        end = start
+    out_dtype = draw(st.sampled_from([None, *FLOATS]), label="out_dtype")
+    special_rate = draw(st.sampled_from([0.0, 0.1, 0.5]), label="out-of-range id rate")
+    gen = generator(draw)
+
+    table = make_table(gen, rows, width, table_dtype)
+    scale = scale_arg = None
+    if table_dtype in FP8:
+        value = draw(
+            st.one_of(
+                st.sampled_from([1.0, -0.5, 3.0e-5, 700.0, 1.0e30, 0.0, -0.0, 2.0**-24, 6.0e-8]),
+                st.floats(-1.0e4, 1.0e4, allow_nan=False, width=32),
+            ),
+            label="scale",
+        )
+        scale_kind = draw(st.sampled_from(["[1]", "[]", "float"]), label="scale as")
+        scale = torch.tensor([value], dtype=torch.float32)
+        scale_arg = {"[1]": scale, "[]": scale.reshape(()), "float": value}[scale_kind]
+
+    # Ids around this shard's range, plus values just outside it and far away.
+    span = (end if end is not None else start + rows) - start
+    low, high = dtype_range(id_dtype)
+    ids = start + torch.randint(-2, span + 3, (num_tokens, num_heads), generator=gen)
+    specials = [-1, start - 1, start, start + span - 1, start + span, start + span + 1]
+    specials += [INT32_MIN, INT32_MAX, 0, rows, 2**40, INT64_MIN, INT64_MAX]
+    picks = torch.tensor(specials)[
+        torch.randint(0, len(specials), (num_tokens, num_heads), generator=gen)
+    ]
+    ids = torch.where(torch.rand(num_tokens, num_heads, generator=gen) < special_rate, picks, ids)
+    ids = ids.clamp(low, high).to(id_dtype)
+    expected = reference.gather_rows(
+        table, ids, scale=scale, vocab_start=start, vocab_end=end, out_dtype=out_dtype
+    )
+
+    table_laid = draw_layout_2d(draw, table, "table", any_strides=False)
+    ids_laid = draw_layout_2d(draw, ids, "ids", any_strides=True)
+    table_base, table_dev = table_laid.on(device)
+    ids_base, ids_dev = ids_laid.on(device)
+    call_ids = ids_dev
+    if lead == "[NH]" and num_tokens == 1:
+        call_ids = ids_dev[0]
+    elif lead == "[a, T, NH]" and num_tokens % 2 == 0:
+        call_ids = ids_dev.reshape(2, num_tokens // 2, num_heads)
+    resolved = out_dtype or (torch.bfloat16 if table_dtype in FP8 else table_dtype)
+    out_laid = out_base = out_dev = None
+    if call_ids.dim() == 2 and draw(st.booleans(), label="output= given"):
+        out_laid = draw_layout_2d(
+            draw,
+            torch.zeros(num_tokens, num_heads * width, dtype=resolved),
+            "output",
+            any_strides=False,
+        )
+        out_base, out_dev = out_laid.on(device)
+    got = ops.gather_rows(
+        table_dev,
+        call_ids,
+        scale=scale_arg.to(device) if isinstance(scale_arg, torch.Tensor) else scale_arg,
+        vocab_start=start,
+        vocab_end=end,
+        out_dtype=out_dtype,
+        output=out_dev,
+    )
+    assert got.shape == (*call_ids.shape[:-1], num_heads * width)
+    assert_bits_equal(got.reshape(expected.shape), expected, "gather_rows")
+    if out_laid is not None:
+        assert got.data_ptr() == out_dev.data_ptr()
+        assert_untouched(out_laid, out_base, "gather_rows output buffer")
+    assert_unchanged(table_laid, table_base, "table")
+    assert_unchanged(ids_laid, ids_base, "ids")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fuzz_gather_rows(device, record_property):
+    fuzz(f"gather_rows and {device}", lambda draw: gather_body(device, draw), record_property)
+
+
+@pytest.mark.parametrize("ids_shape,width", [((2, 3, 0), 4), ((0,), 4), ((3,), 0), ((2, 3, 1), 0)])
+def test_gather_rows_door_empty_rows(ids_shape, width):
+    table = torch.zeros(5, width)
+    ids = torch.zeros(ids_shape, dtype=torch.int64)
+    expected = reference.gather_rows(table, ids)
+    assert_bits_equal(ops.gather_rows(table, ids), expected, "gather_rows")
+
+
+def test_reference_gather_rows_empty_table():
+    expected = torch.zeros(1, 4)
+    assert_bits_equal(ops.gather_rows(torch.empty(0, 4), torch.tensor([[2]])), expected, "ops")
+    assert_bits_equal(
+        reference.gather_rows(torch.empty(0, 4), torch.tensor([[2]])), expected, "reference"
+    )
+
+
+# --- ple_gate (SPEC §5): the tolerances of tests/test_ple_gate.py ---------------------------------
+
+# dtype -> (atol, rtol), copied from test_ple_gate.TOLERANCE: "vllm" rounding within two units in
+# the last place (fp32: 1e-5 relative), the fast "fp32" pass within one.
+ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2e-5}
+GATE_TOLERANCE = {
+    "vllm": {dt: (1e-5, 1e-5 if dt == torch.float32 else 2 * ULP[dt]) for dt in FLOATS},
+    "fp32": {dt: (1e-5, ULP[dt]) for dt in FLOATS},
+}
+
+
+GATE_STREAMS = {"streams": 0, "ill-conditioned": 0}  # counted over a test, for its summary
+
+
+def gate_sensitivity(key, value, hidden, weights, eps, rounding, flips: float) -> torch.Tensor:
+    """[T, M] float64: how far g = sigmoid(sign(d)·sqrt(max(|d|, 1e-6))) moves when a stream's
+    dot moves by `flips` units in the last place of its largest product (plus fp32 summation
+    noise). The kernel and the reference may round one normalised element differently (1/sqrt
+    vs rsqrt, another summation order), which moves one product, and so the dot, by a unit; where
+    the dot nearly cancels, sqrt(|d|) and sign(d) amplify that into several units of g."""
+    tokens, channels = hidden.shape
+    width = value.shape[1]
+    streams = channels // width
+    dtype = hidden.dtype
+    vllm = rounding == "vllm"
+
+    def rnd(x):
+        return x.to(dtype).float() if vllm else x
+
+    def norm(x, w):
+        x = x.float().reshape(tokens, streams, width)
+        w = w.float().reshape(streams, width)
+        return x * torch.rsqrt((x * x).sum(-1, keepdim=True) / width + eps) * (1.0 + w)
+
+    products = rnd(rnd(norm(key, weights[0])) * rnd(norm(hidden, weights[1]))).double()
+    dot = products.sum(-1)
+    mantissa = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}[dtype] if vllm else 23
+    largest = products.abs().amax(-1) if width else torch.zeros(tokens, streams)
+    ulp = torch.exp2(torch.floor(torch.log2(largest.clamp(min=1e-30))) - mantissa)
+    delta = flips * ulp + 2.0**-22 * math.sqrt(width) * largest  # + fp32 summation noise
+    delta = torch.where(largest > 0, delta, 0.0)  # an all-zero stream has d = 0 exactly
+
+    def gate(x):
+        d = x / math.sqrt(width)
+        return torch.sigmoid(torch.sign(d) * torch.sqrt(d.abs().clamp(min=1e-6)))
+
+    g = gate(dot)
+    return torch.maximum((gate(dot + delta) - g).abs(), (gate(dot - delta) - g).abs())
+
+
+def assert_gate_close(got, expected, key, value, hidden, weights, eps, rounding) -> None:
+    """The tolerance of tests/test_ple_gate.py on every stream whose gate is well-conditioned
+    (two units more or less in the dot move g by less than a quarter of that tolerance), which
+    is nearly all of them. On the others (the dot nearly cancels: see
+    test_ple_gate_tolerance_where_the_dot_nearly_cancels, a finding) gated may differ by how far
+    g can move, times |value|; conv_input = GN(gated) hardly depends on g and keeps the tolerance.
+    """
+    dtype = hidden.dtype
+    atol, rtol = GATE_TOLERANCE[rounding][dtype]
+    tokens, channels = hidden.shape
+    width = value.shape[1]
+    ill = gate_sensitivity(key, value, hidden, weights, eps, rounding, 2) > rtol / 4
+    GATE_STREAMS["streams"] += ill.numel()
+    GATE_STREAMS["ill-conditioned"] += int(ill.sum())
+    ill_columns = ill.repeat_interleave(width, dim=1)  # [T, C]
+    for g, e, name in zip(got, expected, ("gated", "conv_input"), strict=True):
+        assert g.shape == e.shape and g.dtype == dtype, name
+        g, e = g.cpu().double(), e.double()
+        well = ~ill_columns if name == "gated" else torch.ones_like(ill_columns)
+        torch.testing.assert_close(
+            g[well],
+            e[well],
+            atol=atol,
+            rtol=rtol,
+            msg=lambda m, name=name: f"ple_gate {name} ({rounding}, {dtype}): {m}",
+        )
+    if bool(ill.any()):
+        moves = gate_sensitivity(key, value, hidden, weights, eps, rounding, 8 + width / 256)
+        moves = moves.repeat_interleave(width, dim=1)
+        allowed = (moves + 2 * rtol) * value.double().repeat(1, channels // width).abs() + atol
+        err = (got[0].cpu().double() - expected[0].double()).abs()
+        bad = ill_columns & (err > allowed)
+        assert not bool(bad.any()), (
+            f"ple_gate gated ({rounding}, {dtype}), ill-conditioned stream: {int(bad.sum())} "
+            f"elements beyond the bound, first at {tuple(bad.nonzero()[0].tolist())}"
+        )
+
+
+def gate_body(device: str, draw: Recorder) -> None:
+    dtype = draw(st.sampled_from(FLOATS), label="dtype")
+    weight_dtype = draw(st.sampled_from([dtype, torch.float32]), label="weight dtype")
+    rounding = draw(st.sampled_from(["vllm", "fp32"]), label="rounding")
+    tokens = draw(sizes([0, 1, 2, 3, 17], 0, 48), label="T")
+    width = draw(sizes([1, 2, 3, 5, 7, 16, 31, 64, 100, 127, 160, 256], 1, 300), label="H")
+    streams = draw(st.integers(1, 5), label="M")
+    eps = draw(st.sampled_from([1e-6, 1e-5, 1e-3]), label="eps")
+    scale = draw(st.sampled_from([1e-3, 1.0, 30.0]), label="hidden scale")
+    zero_rows = draw(st.booleans(), label="some all-zero key rows (d = 0)")
+    channels = width * streams
+    gen = generator(draw)
+
+    key = torch.randn(tokens, channels, generator=gen).to(dtype)
+    value = torch.randn(tokens, width, generator=gen).to(dtype)
+    hidden = (torch.randn(tokens, channels, generator=gen) * scale).to(dtype)
+    if zero_rows and tokens:
+        key[torch.rand(tokens, generator=gen) < 0.3] = 0
+    weights = [(torch.randn(channels, generator=gen) * 0.2).to(weight_dtype) for _ in range(3)]
+    expected = reference.ple_gate(key, value, hidden, *weights, eps, rounding=rounding)
+
+    kv_kind = draw(
+        st.sampled_from(["key|value", "value|key", "separate", "row_step key|value"]),
+        label="key/value layout",
+    )
+    laids = {}
+    if kv_kind == "separate":
+        laids["key"] = draw_layout_2d(draw, key, "key", any_strides=False)
+        laids["value"] = draw_layout_2d(draw, value, "value", any_strides=False)
+        key_base, key_dev = laids["key"].on(device)
+        value_base, value_dev = laids["value"].on(device)
+        kv_bases = [(laids["key"], key_base, "key"), (laids["value"], value_base, "value")]
+    else:
+        # One [T, C+H] projection (padded, or every 2nd row of a taller one), split by columns.
+        key_first = kv_kind != "value|key"
+        kv = torch.cat([key, value] if key_first else [value, key], dim=1)
+        if kv_kind.startswith("row_step"):
+            laid = place(kv, (2 * tokens, channels + width), lambda b: b[::2], "row_step")
+        else:
+            pad = draw(st.integers(0, 3), label="projection pad")
+            laid = place(kv, (tokens, channels + width + pad), lambda b: b[:, : kv.shape[1]], "kv")
+        kv_base, kv_dev = laid.on(device)
+        if key_first:
+            key_dev, value_dev = kv_dev[:, :channels], kv_dev[:, channels:]
+        else:
+            value_dev, key_dev = kv_dev[:, :width], kv_dev[:, width:]
+        kv_bases = [(laid, kv_base, "kv projection")]
+    hidden_laid = draw_layout_2d(draw, hidden, "hidden", any_strides=False)
+    hidden_base, hidden_dev = hidden_laid.on(device)
+    out_kind = draw(st.sampled_from(["returned", "out="]), label="outputs")
+    out = outs = None
+    if out_kind == "out=":
+        outs = [
+            draw_layout_2d(
+                draw, torch.zeros(tokens, channels, dtype=dtype), name, any_strides=False
+            )
+            for name in ("gated", "conv_input")
+        ]
+        outs = [(laid, *laid.on(device)) for laid in outs]
+        out = (outs[0][2], outs[1][2])
+    got = ops.ple_gate(
+        key_dev,
+        value_dev,
+        hidden_dev,
+        *(w.to(device) for w in weights),
+        eps,
+        rounding=rounding,
+        out=out,
+    )
+    assert_gate_close(got, expected, key, value, hidden, weights, eps, rounding)
+    if outs is not None:
+        for (laid, base, view), g, name in zip(outs, got, ("gated", "conv_input"), strict=True):
+            assert g.data_ptr() == view.data_ptr(), name
+            assert_untouched(laid, base, f"ple_gate {name} buffer")
+    for laid, base, name in [*kv_bases, (hidden_laid, hidden_base, "hidden")]:
+        assert_unchanged(laid, base, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fuzz_ple_gate(device, record_property):
+    GATE_STREAMS.update(streams=0, **{"ill-conditioned": 0})
+    fuzz(f"ple_gate and {device}", lambda draw: gate_body(device, draw), record_property)
+    print(f"  ple_gate streams compared: {GATE_STREAMS}")
+
+
+def _gate_h240_case():
+    """Token 1, stream 2 of the fuzz case (fp16, T=35, H=240, M=5, generator seed 61): its dot
+    0.00094 flips sign in the kernel (a product rounds one fp16 unit differently)."""
+    gen = torch.Generator().manual_seed(61)
+    key = torch.randn(35, 1200, generator=gen).to(torch.float16)
+    torch.randn(35, 240, generator=gen)  # value (not needed: value = 1 below)
+    hidden = (torch.randn(35, 1200, generator=gen) * 30).to(torch.float16)
+    key[torch.rand(35, generator=gen) < 0.3] = 0
+    weights = [(torch.randn(1200, generator=gen) * 0.2).to(torch.float16) for _ in range(3)]
+    cols = slice(480, 720)
+    return key[1:2, cols], hidden[1:2, cols], [w[cols] for w in weights]
+
+
+def _gate_h8_case():
+    """One token, one stream of H=8 (found by a random search of 4.2 million tokens)."""
+    f16 = torch.float16
+    key = torch.tensor(
+        [[-0.066650390625, 0.73876953125, -0.83984375, -2.365234375, 0.190673828125,
+          -0.03582763671875, -0.744140625, -0.66943359375]], dtype=f16)  # fmt: skip
+    hidden = torch.tensor(
+        [[37.78125, 38.0625, -21.859375, 19.421875, -14.8671875, -16.03125, -3.630859375,
+          -16.421875]], dtype=f16)  # fmt: skip
+    w_k = torch.tensor(
+        [-0.24951171875, 0.054351806640625, 0.1903076171875, 0.238525390625, -0.30908203125,
+         0.256591796875, -0.08197021484375, -0.1329345703125], dtype=f16)  # fmt: skip
+    w_q = torch.tensor(
+        [-0.25, 0.2362060546875, 0.1990966796875, 0.29931640625, -0.26318359375,
+         -0.04583740234375, -0.3583984375, -0.07745361328125], dtype=f16)  # fmt: skip
+    return key, hidden, [w_k, w_q, torch.zeros(8, dtype=f16)]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="finding of test_fuzz_ple_gate: with rounding='vllm' in fp16, where a stream's dot "
+    "nearly cancels, one normalised element rounding one unit differently (the kernel's 1/sqrt "
+    "vs the reference's rsqrt) moves g by more than test_ple_gate's stated 2 units: H=8 case "
+    "g = 0.448975 (kernel) vs 0.447998 (reference), 4 units; H=240 case: the dot 0.00094 flips "
+    "sign, g = 0.499756 vs 0.501953, 9 units",
+)
+@pytest.mark.parametrize("case", [_gate_h8_case, _gate_h240_case], ids=["H=8", "H=240"])
+def test_ple_gate_tolerance_where_the_dot_nearly_cancels(case):
+    key, hidden, weights = case()
+    value = torch.ones(1, key.shape[1], dtype=torch.float16)  # gated = g
+    got = ops.ple_gate(key, value, hidden, *weights, 1e-6)[0]
+    expected = reference.ple_gate(key, value, hidden, *weights, 1e-6)[0]
+    atol, rtol = GATE_TOLERANCE["vllm"][torch.float16]
+    torch.testing.assert_close(got.double(), expected.double(), atol=atol, rtol=rtol)
+
+
+# --- ple_conv (SPEC §6): tolerance of tests/test_ple_conv.py --------------------------------------
+
+
+def draw_state(draw, state: torch.Tensor) -> Laid:
+    """conv_state [slots, C, W] in any strides: dim-first, vLLM's window-first, either inside a
+    padded buffer, every 2nd slot of a bigger one, or fully permuted storage."""
+    slots, channels, width = state.shape
+    kind = draw(
+        st.sampled_from(
+            [
+                "dim_first",
+                "window_first",
+                "dim_first_padded",
+                "window_first_padded",
+                "slot_step",
+                "permuted",
+            ]
+        ),
+        label="conv_state layout",
+    )
+    if kind == "dim_first":
+        return place(state, state.shape, lambda b: b, kind)
+    if kind == "window_first":
+        return place(state, (slots, width, channels), lambda b: b.transpose(1, 2), kind)
+    if kind in ("dim_first_padded", "window_first_padded"):
+        pc = draw(st.integers(0, 3), label="channel pad")
+        pw = draw(st.integers(0, 3), label="window pad")
+        off = draw(st.integers(0, pc), label="channel offset")
+        if kind == "dim_first_padded":
+            return place(
+                state,
+                (slots, channels + pc, width + pw),
+                lambda b: b[:, off : off + channels, :width],
+                kind,
+            )
+        return place(
+            state,
+            (slots, width + pw, channels + pc),
+            lambda b: b[:, :width, off : off + channels].transpose(1, 2),
+            kind,
+        )
+    if kind == "slot_step":
+        return place(state, (2 * slots, channels, width), lambda b: b[1::2], kind)
+    return place(state, (width, channels, slots), lambda b: b.permute(2, 1, 0), kind)
+
+
+def conv_body(device: str, draw: Recorder) -> None:
+    mode = draw(st.sampled_from(["decode", "prefill", "spec"]), label="mode")
+    dtype = draw(st.sampled_from(FLOATS), label="dtype")
+    weight_dtype = draw(st.sampled_from([dtype, torch.float32]), label="weight dtype")
+    kernel = draw(st.integers(1, 8), label="K")
+    dilation = draw(st.integers(1, 8), label="dilation")
+    channels = draw(sizes([1, 2, 3, 7, 16, 33, 64], 1, 80), label="C")
+    query_len = draw(st.integers(1, 5), label="spec_query_len") if mode == "spec" else 1
+    outer = draw(st.booleans(), label="outer_residual")
+    state_len = (kernel - 1) * dilation
+
+    # query_start_loc[0] is always 0: the kernels reject anything else (the reference would take
+    # rows before it, as rows without output).
+    tail = pad_reqs = qsl_extra = decode_pad = 0
+    if mode == "decode":
+        lengths = [1] * draw(sizes([0, 1, 2, 3], 0, 32), label="tokens")
+        decode_pad = draw(st.integers(0, 3), label="state_indices padding")
+    else:
+        if mode == "prefill":
+            lengths = draw_request_lengths(draw, longest=64, many=32)
+        else:
+            lengths = draw(st.lists(st.integers(0, query_len), max_size=12), label="lengths")
+        pad_reqs = draw(st.integers(0, 3), label="padding requests (null slot, empty)")
+        tail = draw(st.sampled_from([0, 0, 1, 3]), label="rows past qsl[R]")
+        qsl_extra = draw(st.integers(0, 2), label="extra query_start_loc entries")
+    null_rate = draw(st.sampled_from([0.0, 0.3, 1.0]), label="null slot rate")
+    spare_slots = draw(st.integers(0, 3), label="unreferenced slots")
+    extra_width = draw(st.integers(0, 2), label="extra state window")
+    token_map = draw(st.booleans(), label="token_indices")
+    gen = generator(draw)
+    rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
+
+    num_reqs = len(lengths)
+    is_null = [rng.random() < null_rate for _ in range(num_reqs)]
+    num_live = num_reqs - sum(is_null)
+    num_slots = 1 + num_live + spare_slots
+    live = rng.sample(range(1, num_slots), num_live)
+    slots = [0 if null else live.pop() for null in is_null]
+    if mode == "decode":
+        num_rows = num_reqs
+        padding = [rng.choice([0, -1, *slots[:1], num_slots + 5]) for _ in range(decode_pad)]
+        slots_all = slots + padding
+    else:
+        slots_all = slots + [0] * pad_reqs
+        qsl = [0]
+        for n in lengths + [0] * pad_reqs:
+            qsl.append(qsl[-1] + n)
+        num_rows = qsl[-1] + tail
+        qsl += sorted(qsl[-1] + rng.randint(0, tail) for _ in range(qsl_extra))
+    all_reqs = len(slots_all)
+    physical = num_rows + (draw(st.integers(0, 3), label="unmapped rows") if token_map else 0)
+    width = state_len + query_len - 1 + extra_width
+
+    inputs = torch.randn(physical, channels, generator=gen).to(dtype)
+    residual = torch.randn(physical, channels, generator=gen).to(dtype)
+    outer_residual = torch.randn(physical, channels, generator=gen).to(dtype) if outer else None
+    weights = (torch.randn(channels, kernel, generator=gen) * 0.5).to(weight_dtype)
+    state = torch.randn(num_slots, channels, width, generator=gen).to(dtype)
+    index_dtype = draw(st.sampled_from([torch.int32, torch.int64]), label="index dtype")
+    index = {"state_indices": torch.tensor(slots_all, dtype=index_dtype)}
+    kwargs = {"mode": mode, "dilation": dilation}
+    if mode != "decode":
+        index["query_start_loc"] = torch.tensor(qsl, dtype=index_dtype)
+    if mode == "spec":
+        kwargs["spec_query_len"] = query_len
+        accepted = [rng.randint(0, query_len + 1) for _ in range(all_reqs)]
+        index["num_accepted_tokens"] = torch.tensor(accepted, dtype=index_dtype)
+    init_dtype = draw(
+        st.sampled_from([torch.bool, torch.uint8, torch.int32, torch.int64]),
+        label="has_initial_states dtype",
+    )
+    if mode == "prefill" or draw(st.booleans(), label="has_initial_states given"):
+        flags = [rng.random() < 0.7 for _ in range(all_reqs + rng.randint(0, 2))]
+        index["has_initial_states"] = torch.tensor(flags).to(init_dtype)
+    if token_map:
+        index["token_indices"] = torch.tensor(
+            rng.sample(range(physical), num_rows),
+            dtype=draw(st.sampled_from([torch.int32, torch.int64]), label="token_indices dtype"),
+        )
+
+    # The reference, on contiguous copies.
+    ref_residual, ref_state = residual.clone(), state.clone()
+    reference.ple_conv(
+        inputs,
+        ref_residual,
+        ref_state,
+        weights,
+        index["state_indices"],
+        outer_residual,
+        **kwargs,
+        **{k: v for k, v in index.items() if k != "state_indices"},
+    )
+
+    # Ours, on strided layouts of the same values.
+    laid = {
+        "inputs": draw_layout_2d(draw, inputs, "inputs", any_strides=False),
+        "residual": draw_layout_2d(draw, residual, "residual", any_strides=False),
+        "conv_weights": draw_layout_2d(draw, weights, "conv_weights", any_strides=True),
+        "conv_state": draw_state(draw, state),
+    }
+    if outer_residual is not None:
+        laid["outer_residual"] = draw_layout_2d(
+            draw, outer_residual, "outer_residual", any_strides=False
+        )
+    for name, values in index.items():
+        laid[name] = draw_layout_1d(draw, values, name, column_2d=True)
+    on_device = {name: x.on(device) for name, x in laid.items()}
+    args = {name: view for name, (_, view) in on_device.items()}
+    ops.ple_conv(
+        args.pop("inputs"),
+        args.pop("residual"),
+        args.pop("conv_state"),
+        args.pop("conv_weights"),
+        args.pop("state_indices"),
+        args.pop("outer_residual", None),
+        **kwargs,
+        **args,
+    )
+
+    got_residual = on_device["residual"][1].cpu()
+    if dtype == torch.float32:
+        torch.testing.assert_close(
+            got_residual, ref_residual, atol=1e-6, rtol=1e-6, msg=lambda m: f"residual: {m}"
+        )
+    else:
+        assert_bits_equal(got_residual, ref_residual, "residual")
+    got_state = on_device["conv_state"][1].cpu()
+    assert torch.equal(got_state, ref_state), (
+        f"conv_state: {int((got_state != ref_state).sum())} elements differ"
+    )
+    # Nothing is written outside the views, nor to slots no request (of the first R) refers to,
+    # nor to a live slot whose prefill chunk is empty, nor to rows token_indices does not map.
+    referenced = {s for s in slots if s != 0}
+    if mode == "prefill":
+        referenced -= {s for s, n in zip(slots, lengths, strict=True) if n == 0}
+    for slot in range(num_slots):
+        if slot not in referenced:
+            assert_bits_equal(got_state[slot], state[slot], f"conv_state slot {slot} (unused)")
+    if token_map:
+        unmapped = sorted(set(range(physical)) - set(index["token_indices"].tolist()))
+        assert_bits_equal(got_residual[unmapped], residual[unmapped], "unmapped residual rows")
+    for name in ("residual", "conv_state"):
+        assert_untouched(laid[name], on_device[name][0], name)
+    for name, x in laid.items():
+        if name not in ("residual", "conv_state"):
+            assert_unchanged(x, on_device[name][0], name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fuzz_ple_conv(device, record_property):
+    fuzz(f"ple_conv and {device}", lambda draw: conv_body(device, draw), record_property)
