@@ -123,12 +123,32 @@ def build_extension():
     sources = [rel(os.path.join(CSRC, "bindings.cpp"))] + [rel(s) for s in cpu_sources]
 
     debug = os.environ.get("QWEN4EXP_DEBUG", "0") == "1"
-    opt = ["-O0", "-g"] if debug else ["-O3"]
+    # QWEN4EXP_SANITIZE=address,undefined (any -fsanitize= list) instruments the host C++ code
+    # (the CPU kernels and the glue; not nvcc/hipcc device code). Every report is fatal
+    # (-fno-sanitize-recover), and -O1 -g keeps the build quick and the reports' lines exact.
+    # -fno-wrapv undoes the -fwrapv of Python's CFLAGS, which makes signed overflow defined and so
+    # hides it from UBSan; nvcc and hipcc do not wrap, so the shared code must not overflow.
+    # tools/check-sanitizers.sh builds and tests this way; it shows how to load the result.
+    sanitize = os.environ.get("QWEN4EXP_SANITIZE", "").strip()
+    sanitize_flags = [f"-fsanitize={sanitize}"] if sanitize else []
+    if debug:
+        opt = ["-O0", "-g"]
+    elif sanitize:
+        opt = ["-O1", "-g"]
+    else:
+        opt = ["-O3"]
     # torch adds -DPy_LIMITED_API itself for py_limited_api=True extensions.
     cxx_flags = [*opt, "-fopenmp"]
-    if os.environ.get("QWEN4EXP_SANITIZE"):  # e.g. address,undefined
-        cxx_flags += [f"-fsanitize={os.environ['QWEN4EXP_SANITIZE']}", "-fno-omit-frame-pointer"]
+    if sanitize:
+        cxx_flags += [
+            *sanitize_flags,
+            "-fno-sanitize-recover=all",
+            "-fno-omit-frame-pointer",
+            "-fno-wrapv",
+        ]
     info = {"target": target, "backends": ["cpu"], "torch": torch.__version__, "gpu_archs": []}
+    if sanitize:
+        info["sanitize"] = sanitize
 
     if target == "cpu":
         extension_cls = cpp_extension.CppExtension
@@ -159,12 +179,7 @@ def build_extension():
         sources,
         include_dirs=[CSRC],
         extra_compile_args=extra,
-        extra_link_args=["-fopenmp"]
-        + (
-            [f"-fsanitize={os.environ['QWEN4EXP_SANITIZE']}"]
-            if os.environ.get("QWEN4EXP_SANITIZE")
-            else []
-        ),
+        extra_link_args=["-fopenmp", *sanitize_flags],
         py_limited_api=True,
     )
     return ext, cpp_extension.BuildExtension
