@@ -30,11 +30,15 @@ constexpr int64_t kCacheLine = 64;
 // always_inline is load-bearing: GCC's IPA treats __builtin_prefetch as free of side effects,
 // so a helper that only prefetches is classified "const" and every call to it is deleted as dead
 // code (GCC 12 -O3 drops them all). Inlined, the prefetches stay in the loop.
+// Locality 2 (prefetcht1: into L2 and below) rather than 0 (prefetchnta): on the 2-core Zen 4
+// CI host, T = 8192 x 16 bf16 rows from a 4M-row table took 3.4 ms instead of 4.0 ms on a
+// huge-page table and ~5.1 ms either way on 4 KiB pages (medians of 21, same run); distances
+// 8-32 were within noise of 16.
 __attribute__((always_inline)) inline void prefetch_bytes(const char* begin, int64_t bytes) {
   const uintptr_t first = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t(kCacheLine - 1);
   const uintptr_t last = reinterpret_cast<uintptr_t>(begin + bytes - 1);
   for (uintptr_t line = first; line <= last; line += kCacheLine) {
-    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 0);
+    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
   }
 }
 
@@ -65,9 +69,12 @@ struct RowConverter {
 
 // Items per unit of work. Workers take blocks from a shared counter instead of one fixed half
 // each: on a shared host a worker whose core is busy with something else simply takes fewer
-// blocks, where a static split would wait for it. 1024 rows (320 KiB of bf16 output) per block
-// keep the counter traffic and the prefetch ramp-up at each block start negligible.
+// blocks, where a static split would wait for it. Up to 1024 rows (320 KiB of bf16 output) per
+// block keep the counter traffic and the prefetch ramp-up at each block start negligible; a
+// small (decode) batch is cut into at least two blocks per thread, down to kMinBlockItems, so it
+// still spreads over the cores.
 constexpr int64_t kBlockItems = 1024;
+constexpr int64_t kMinBlockItems = 128;
 
 template <GatherDtype In, GatherDtype Out>
 void gather_rows_cpu_impl(const GatherRowsParams& p) {
@@ -84,11 +91,15 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
   const int64_t table_row_bytes = p.table_row_stride * static_cast<int64_t>(sizeof(InT));
   const int64_t out_row_stride = p.output_row_stride;
   const int64_t items = p.num_tokens * nh;
-  const int64_t blocks = (items + kBlockItems - 1) / kBlockItems;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t block_items =
+      std::clamp<int64_t>(items / (2 * threads), kMinBlockItems, kBlockItems);
+  const int64_t blocks = (items + block_items - 1) / block_items;
   const GatherRowsParams q = p;
 
   std::atomic<int64_t> next_block{0};
-  // Decode gathers 16 rows: below a couple of blocks a second thread costs more than it saves.
+  // One decode token is 16 rows: below a couple of blocks a second thread costs more than it
+  // saves.
   at::parallel_for(0, blocks, 2, [&](int64_t, int64_t) {
     // Pass 1 resolves a block's ids into row addresses (nullptr: not owned, a zero row); pass 2
     // copies row i while prefetching row i + kPrefetchDistance. Keeping the id decoding and
@@ -97,8 +108,8 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
     const char* rows[kBlockItems];
     for (int64_t block = next_block.fetch_add(1, std::memory_order_relaxed); block < blocks;
          block = next_block.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t begin = block * kBlockItems;
-      const int64_t count = std::min(items - begin, kBlockItems);
+      const int64_t begin = block * block_items;
+      const int64_t count = std::min(items - begin, block_items);
       int64_t t = begin / nh, h = begin - t * nh;
       for (int64_t i = 0; i < count; ++i) {
         const int64_t row = q.local_row(q.id_at(t, h));
