@@ -241,9 +241,11 @@ def ple_conv(
     strides (vLLM's window-first or dim-first storage), conv_weights [C, K] (fp32 or the
     inputs' dtype), K <= 8, dilation <= 8, mode "decode" | "prefill" | "spec". Slot 0 is the
     null slot (never read or written). With ``outer_residual``: residual <- round(round(residual
-    + round(y)) + outer_residual); without: residual <- y. On CPU, out-of-range slots, token
-    indices or query starts raise before anything is written; on a GPU (where the host cannot see
-    the data) such rows are skipped: their state is left alone and nothing is read out of bounds.
+    + round(y)) + outer_residual); without: residual <- y. ``query_start_loc`` starts at 0 and
+    never decreases. On CPU, out-of-range slots, token indices or query starts raise before
+    anything is written; on a GPU (where the host cannot see the data) such rows are skipped:
+    their state is left alone and nothing is read out of bounds (with
+    :func:`qwen4exp_ext.debug_checks` the GPU raises the CPU's error instead).
     """
     _ple_conv_op(
         inputs,

@@ -307,6 +307,7 @@ def ple_conv(
     sum is rounded to residual's dtype before SiLU. Output: with outer_residual,
     residual ← round(round(residual + round(y)) + outer_residual), else residual ← round(y).
     Rows with no output (null slot in decode/prefill, tokens outside [qsl[0], qsl[R])) use y = 0.
+    (The kernels take only qsl[0] = 0, as vLLM passes; the oracle stays defined beyond that.)
 
     - decode: row t is request t; reads window [0, S) (zeros if has_initial_states[t] is
       False), then the window becomes old[1:S] ++ x_t (zeros ++ x_t without initial state).
