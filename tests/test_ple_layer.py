@@ -352,6 +352,21 @@ def test_load_vllm_layout_and_safetensors(tmp_path):
     with pytest.raises(ValueError, match="Shape mismatch"):
         from_vllm.load_weights([("key_proj.weight", torch.zeros(3, 3))])
 
+    # A list is checked in full first: good tensors before a bad one are not written either.
+    before = {k: v.clone() for k, v in from_vllm.state_dict().items()}
+    bad_lists = [
+        [(k, torch.zeros_like(v)) for k, v in sd.items()] + [("bogus.weight", torch.zeros(1))],
+        [
+            ("kv_proj.weight", torch.zeros_like(sd["kv_proj.weight"])),
+            ("conv1d.weight", sd["kv_proj.weight"]),
+        ],
+    ]
+    for bad in bad_lists:
+        with pytest.raises(ValueError):
+            from_vllm.load_weights(bad)
+        for name, value in before.items():
+            assert torch.equal(from_vllm.state_dict()[name], value), name
+
 
 def test_bf16_layer_runs_and_tracks_fp32():
     cfg = tiny_config()

@@ -217,39 +217,67 @@ class PLELayer(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads tensors named relative to the layer, transformers or vLLM/seed layout (module
         docstring). Returns the names of this module's state that were written; an unknown name
-        is an error (``hashstats_*`` and ``token_lookup`` are skipped)."""
+        is an error (``hashstats_*`` and ``token_lookup`` are skipped).
+
+        A list, tuple or dict is checked in full (names, shapes, dtypes) before anything is
+        written, so a bad tensor leaves the layer untouched; any other iterable is loaded one
+        tensor at a time (see :meth:`NGramEmbedding.load_weights` for a stream that fails after
+        writing table rows)."""
+        if isinstance(weights, Mapping):
+            weights = list(weights.items())
         loaded: set[str] = set()
+        if isinstance(weights, (list, tuple)):
+            steps = [self._plan_load(name, tensor) for name, tensor in weights]
+            for apply, name in steps:
+                apply()
+                if name is not None:
+                    loaded.add(name)
+            return loaded
         for name, tensor in weights:
-            if name.startswith(EMBEDDING_PREFIX):
-                sub = name[len(EMBEDDING_PREFIX) :]
-                if sub == TABLE_NAME:
-                    self._load_table(tensor)
-                    loaded.add("ple_embedding.weight")
-                else:
-                    for got in self.ple_embedding.load_weights([(sub, tensor)]):
-                        loaded.add(EMBEDDING_PREFIX + got.removeprefix("ngram_embedding."))
-                continue
-            if name == "kv_proj.weight":
-                self._copy(self.kv_proj.weight, tensor, name)
-            elif name == "key_proj.weight":
-                self._copy(self.kv_proj.weight[: self.hc_hidden_size], tensor, name)
-            elif name == "value_proj.weight":
-                self._copy(self.kv_proj.weight[self.hc_hidden_size :], tensor, name)
-            elif name in ("norm_key.weight", "norm_query.weight", "norm_conv.weight"):
-                self._copy(getattr(self, name.split(".")[0]).weight, tensor, name)
-            elif name == "conv1d.weight":
-                if tensor.dim() == 2:
-                    tensor = tensor.unsqueeze(1)
-                self._copy(self.conv1d.weight, tensor, name)
-            else:
-                leaf = name.rsplit(".", 1)[-1]
-                if leaf.startswith("hashstats_") or leaf == "token_lookup":
-                    continue
-                raise ValueError(f"PLELayer.load_weights: unexpected checkpoint tensor {name!r}")
-            loaded.add(
-                "kv_proj.weight" if name in ("key_proj.weight", "value_proj.weight") else name
-            )
+            apply, got = self._plan_load(name, tensor)
+            apply()
+            if got is not None:
+                loaded.add(got)
         return loaded
+
+    def _plan_load(self, name: str, tensor: torch.Tensor):
+        """Checks one checkpoint tensor and returns (write it, the state name it loads or None)
+        without writing anything."""
+        emb = self.ple_embedding
+        if tensor.device.type == "meta":
+            raise ValueError(f"checkpoint tensor {name!r} has no data (it is on the meta device)")
+        if name.startswith(EMBEDDING_PREFIX):
+            sub = name[len(EMBEDDING_PREFIX) :]
+            if sub == TABLE_NAME:
+                self._check_table(tensor)
+                return (lambda: self._load_table(tensor)), "ple_embedding.weight"
+            plan = emb._plan(sub, tensor.shape, tensor.dtype, tensor.device)
+            if plan[0] == "skip":
+                return (lambda: None), None
+            state = EMBEDDING_PREFIX + (
+                "weight" if plan[0] == "rows" else sub.removeprefix("ngram_embedding.")
+            )
+            return (lambda: emb._run_load([(sub, plan, tensor)])), state
+        if name == "kv_proj.weight":
+            target = self.kv_proj.weight
+        elif name == "key_proj.weight":
+            target = self.kv_proj.weight[: self.hc_hidden_size]
+        elif name == "value_proj.weight":
+            target = self.kv_proj.weight[self.hc_hidden_size :]
+        elif name in ("norm_key.weight", "norm_query.weight", "norm_conv.weight"):
+            target = getattr(self, name.split(".")[0]).weight
+        elif name == "conv1d.weight":
+            target = self.conv1d.weight
+            if tensor.dim() == 2:
+                tensor = tensor.unsqueeze(1)
+        else:
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf.startswith("hashstats_") or leaf == "token_lookup":
+                return (lambda: None), None
+            raise ValueError(f"PLELayer.load_weights: unexpected checkpoint tensor {name!r}")
+        self._check_copy(target, tensor, name)
+        state = "kv_proj.weight" if name in ("key_proj.weight", "value_proj.weight") else name
+        return (lambda: self._copy(target, tensor, name)), state
 
     def load_state_dict_transformers(
         self, state_dict: Mapping[str, torch.Tensor], prefix: str = ""
@@ -299,7 +327,7 @@ class PLELayer(nn.Module):
                     loaded.add("ple_embedding.weight")
         return loaded
 
-    def _load_table(self, tensor: torch.Tensor) -> None:
+    def _check_table(self, tensor: torch.Tensor) -> None:
         emb = self.ple_embedding
         if tensor.dim() != 2 or tensor.shape[1] != emb.head_dim or tensor.shape[0] > emb.num_rows:
             raise ValueError(
@@ -307,17 +335,29 @@ class PLELayer(nn.Module):
                 f"{emb.head_dim}], got {tuple(tensor.shape)}"
             )
         emb._check_rows(EMBEDDING_PREFIX + TABLE_NAME, tensor.dtype)
+
+    def _load_table(self, tensor: torch.Tensor) -> None:
+        emb = self.ple_embedding
+        self._check_table(tensor)
         if emb.table_dtype not in FP8_DTYPES:
             tensor = tensor.to(emb.table_dtype)
         emb._copy_rows(0, tensor)
 
     @staticmethod
-    def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    def _check_copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
         if tuple(param.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"Shape mismatch for {name}: expected {tuple(param.shape)}, "
                 f"got {tuple(tensor.shape)}"
             )
+        if not (tensor.dtype.is_floating_point or tensor.dtype.is_complex) and (
+            param.dtype.is_floating_point
+        ):
+            raise ValueError(f"{name} must be floating point, got {tensor.dtype}")
+
+    @classmethod
+    def _copy(cls, param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+        cls._check_copy(param, tensor, name)
         with torch.no_grad():
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
 
