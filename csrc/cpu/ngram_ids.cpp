@@ -42,7 +42,6 @@ void check_ngram_ids_values(const NgramIdsParams& p, bool output_int32) {
 
 namespace {
 
-
 template <typename OutT, int kMaxContext>
 void ngram_ids_cpu_impl(const NgramIdsParams& p) {
   std::vector<FastDivmodU64> head_mod(p.num_heads);

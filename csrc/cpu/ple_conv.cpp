@@ -73,7 +73,6 @@ void check_ple_conv_values(const PleConvParams& p) {
 
 namespace {
 
-
 constexpr int kChunk = 512;
 
 // ---- SiLU -------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ With ``shard=(rank, world_size)`` this rank holds only its block of rows
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -211,11 +212,15 @@ class NGramEmbedding(nn.Module):
         text = name[len(SHARD_PREFIX) : -len(".weight")]
         return int(text) if text.isdigit() else None
 
+    def _owned_rows(self, global_start: int, count: int) -> tuple[int, int]:
+        """The global rows [lo, hi) of checkpoint rows [global_start, global_start + count) that
+        this rank owns (lo >= hi: none)."""
+        return max(global_start, self.vocab_start), min(global_start + count, self.vocab_end)
+
     def _copy_rows(self, global_start: int, rows: torch.Tensor) -> None:
         """Copies checkpoint rows [global_start, global_start + len) that this rank owns (rows
         already checked by :meth:`_check_rows`)."""
-        lo = max(global_start, self.vocab_start)
-        hi = min(global_start + rows.shape[0], self.vocab_end)
+        lo, hi = self._owned_rows(global_start, rows.shape[0])
         if lo >= hi:
             return
         with torch.no_grad():
@@ -275,10 +280,7 @@ class NGramEmbedding(nn.Module):
                 raise ValueError(
                     f"{SCALE_NAME} given, but the table is {self.table_dtype}, not fp8"
                 )
-            numel = 1
-            for s in shape:
-                numel *= s
-            if numel != 1 or not dtype.is_floating_point:
+            if math.prod(shape) != 1 or not dtype.is_floating_point:
                 raise ValueError(f"{SCALE_NAME} must be one float element, got {dtype} {shape}")
             return ("scale",)
         raise ValueError(f"NGramEmbedding.load_weights: unexpected checkpoint tensor {name!r}")
@@ -349,10 +351,10 @@ class NGramEmbedding(nn.Module):
         """
         if isinstance(weights, Mapping):
             weights = list(weights.items())
+        steps = ((n, self._plan(n, t.shape, t.dtype, t.device), t) for n, t in weights)
         if isinstance(weights, Sequence):
-            steps = [(n, self._plan(n, t.shape, t.dtype, t.device), t) for n, t in weights]
-            return self._run_load(steps)
-        return self._run_load((n, self._plan(n, t.shape, t.dtype, t.device), t) for n, t in weights)
+            steps = list(steps)  # every tensor checked before the first write
+        return self._run_load(steps)
 
     def load_safetensors(self, files: Iterable[str | Path], prefix: str = "") -> set[str]:
         """Loads from safetensors files, reading only the rows this rank owns (memory-mapped
@@ -386,8 +388,7 @@ class NGramEmbedding(nn.Module):
 
             with safe_open(path, framework="pt", device="cpu") as f:
                 piece = f.get_slice(key)
-                lo = max(start, self.vocab_start)
-                hi = min(start + piece.get_shape()[0], self.vocab_end)
+                lo, hi = self._owned_rows(start, piece.get_shape()[0])
                 if lo < hi:
                     self._copy_rows(lo, piece[lo - start : hi - start])
 

@@ -225,16 +225,11 @@ class PLELayer(nn.Module):
         writing table rows)."""
         if isinstance(weights, Mapping):
             weights = list(weights.items())
-        loaded: set[str] = set()
+        steps = (self._plan_load(name, tensor) for name, tensor in weights)
         if isinstance(weights, (list, tuple)):
-            steps = [self._plan_load(name, tensor) for name, tensor in weights]
-            for apply, name in steps:
-                apply()
-                if name is not None:
-                    loaded.add(name)
-            return loaded
-        for name, tensor in weights:
-            apply, got = self._plan_load(name, tensor)
+            steps = list(steps)  # every tensor checked before the first write
+        loaded: set[str] = set()
+        for apply, got in steps:
             apply()
             if got is not None:
                 loaded.add(got)
@@ -277,7 +272,7 @@ class PLELayer(nn.Module):
             raise ValueError(f"PLELayer.load_weights: unexpected checkpoint tensor {name!r}")
         self._check_copy(target, tensor, name)
         state = "kv_proj.weight" if name in ("key_proj.weight", "value_proj.weight") else name
-        return (lambda: self._copy(target, tensor, name)), state
+        return (lambda: self._copy(target, tensor)), state
 
     def load_state_dict_transformers(
         self, state_dict: Mapping[str, torch.Tensor], prefix: str = ""
@@ -316,8 +311,7 @@ class PLELayer(nn.Module):
                         loaded |= self.load_weights([(key[len(prefix) :], f.get_tensor(key))])
                         continue
                     # Table rows: read only this rank's rows, as memory-mapped slices.
-                    lo = max(start, emb.vocab_start)
-                    hi = min(start + shape[0], emb.vocab_end)
+                    lo, hi = emb._owned_rows(start, shape[0])
                     if lo < hi:
                         rows = f.get_slice(key)[lo - start : hi - start]
                         emb._check_rows(key, rows.dtype)
@@ -337,8 +331,8 @@ class PLELayer(nn.Module):
         emb._check_rows(EMBEDDING_PREFIX + TABLE_NAME, tensor.dtype)
 
     def _load_table(self, tensor: torch.Tensor) -> None:
+        """Writes a whole-table tensor already checked by :meth:`_check_table`."""
         emb = self.ple_embedding
-        self._check_table(tensor)
         if emb.table_dtype not in FP8_DTYPES:
             tensor = tensor.to(emb.table_dtype)
         emb._copy_rows(0, tensor)
@@ -355,9 +349,9 @@ class PLELayer(nn.Module):
         ):
             raise ValueError(f"{name} must be floating point, got {tensor.dtype}")
 
-    @classmethod
-    def _copy(cls, param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-        cls._check_copy(param, tensor, name)
+    @staticmethod
+    def _copy(param: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Writes a tensor already checked by :meth:`_check_copy`."""
         with torch.no_grad():
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
 
