@@ -44,6 +44,7 @@ from hypothesis import strategies as st
 
 from conftest import devices
 from qwen4exp_ext import ops, reference
+from test_gather_rows import make_table  # every finite fp8 byte; wide-range other values
 
 DEVICES = devices()
 FUZZ_SECONDS = float(os.environ.get("QWEN4EXP_FUZZ_SECONDS", "8"))
@@ -53,7 +54,6 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 FP8 = reference.FP8_DTYPES
 # The NaN bytes of each fp8 format (NaN != NaN, so tables leave them out, as test_gather_rows does).
-FP8_NAN_BYTES = {torch.float8_e4m3fn: (0x7F, 0xFF), torch.float8_e4m3fnuz: (0x80,)}
 SENTINEL_BYTE = 0x5A  # fills every buffer byte outside a view: finite in every float format
 
 
@@ -396,20 +396,6 @@ def test_fuzz_ngram_ids(device, record_property):
 # --- gather_rows (SPEC §4): bit-exact, as tests/test_gather_rows.py -------------------------------
 
 
-def make_table(gen, rows: int, width: int, dtype) -> torch.Tensor:
-    """Every finite bit pattern for fp8; wide-range values (subnormals, overflow in a narrowing
-    conversion) otherwise — as test_gather_rows.make_table."""
-    if dtype in FP8:
-        raw = torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=gen)
-        for nan in FP8_NAN_BYTES[dtype]:
-            raw[raw == nan] = 0x11
-        return raw.view(dtype)
-    values = torch.randn(rows, width, generator=gen) * torch.exp2(
-        torch.randint(-30, 20, (rows, width), generator=gen).float()
-    )
-    return values.to(dtype)
-
-
 def gather_body(device: str, draw: Recorder) -> None:
     table_dtype = draw(st.sampled_from([*FLOATS, *FP8]), label="table dtype")
     rows = draw(sizes([0, 1, 2, 3, 5, 7, 31, 97], 0, 300), label="rows")
@@ -431,7 +417,7 @@ def gather_body(device: str, draw: Recorder) -> None:
     special_rate = draw(st.sampled_from([0.0, 0.1, 0.5]), label="out-of-range id rate")
     gen = generator(draw)
 
-    table = make_table(gen, rows, width, table_dtype)
+    table = make_table(rows, width, table_dtype, gen=gen)
     scale = scale_arg = None
     if table_dtype in FP8:
         value = draw(
