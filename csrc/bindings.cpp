@@ -8,6 +8,10 @@
 
 #include <string>
 
+namespace qwen4exp {
+int64_t cpu_gather_stream_bytes();  // csrc/cpu/gather_rows.cpp
+}  // namespace qwen4exp
+
 #ifndef QWEN4EXP_BUILD_INFO_JSON
 #error "setup.py defines QWEN4EXP_BUILD_INFO_JSON (what this binary was built with)"
 #endif
@@ -27,6 +31,9 @@ TORCH_LIBRARY(qwen4exp, m) {
   // SPEC §4, pinned host tables: pins (or host-registers) a CPU tensor's memory once and returns
   // a view of it on `device` (hip/cudaHostGetDevicePointer) that kernels read over PCIe. GPU
   // builds only (csrc/gpu/host_table.cpp).
+  // The output size (bytes) from which the CPU gather takes its streaming path (sorted reads,
+  // non-temporal stores; csrc/cpu/gather_rows.cpp), -1 where this CPU or build has none.
+  m.def("cpu_gather_stream_bytes() -> int", &qwen4exp::cpu_gather_stream_bytes);
   m.def("host_table_device_view(Tensor host_table, Device device) -> Tensor");
   // SPEC §5. Returns (gated, conv_input), [T, C] in hidden's dtype. rounding "vllm" reproduces
   // vLLM 0.33.0's rounding points; "fp32" is the fast single pass (fp32 intermediates).

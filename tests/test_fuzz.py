@@ -44,7 +44,9 @@ from hypothesis import strategies as st
 
 from conftest import devices
 from qwen4exp_ext import ops, reference
-from test_gather_rows import make_table  # every finite fp8 byte; wide-range other values
+
+# make_table: every finite fp8 byte, wide-range other values; cpu_paths: cached and streaming.
+from test_gather_rows import cpu_gather_path, cpu_paths, make_table
 
 DEVICES = devices()
 FUZZ_SECONDS = float(os.environ.get("QWEN4EXP_FUZZ_SECONDS", "8"))
@@ -399,7 +401,7 @@ def test_fuzz_ngram_ids(device, record_property):
 def gather_body(device: str, draw: Recorder) -> None:
     table_dtype = draw(st.sampled_from([*FLOATS, *FP8]), label="table dtype")
     rows = draw(sizes([0, 1, 2, 3, 5, 7, 31, 97], 0, 300), label="rows")
-    width = draw(sizes([0, 1, 2, 3, 7, 16, 24, 31, 160], 1, 48), label="d")
+    width = draw(sizes([0, 1, 2, 3, 7, 16, 24, 31, 160, 700], 1, 48), label="d")
     num_tokens = draw(sizes([0, 1, 2, 3, 5, 13], 0, 40), label="T")
     num_heads = draw(sizes([0, 1, 2, 3, 16], 1, 12), label="NH")
     id_dtype = draw(st.sampled_from([torch.int32, torch.int64]), label="ids dtype")
@@ -465,15 +467,17 @@ def gather_body(device: str, draw: Recorder) -> None:
             any_strides=False,
         )
         out_base, out_dev = out_laid.on(device)
-    got = ops.gather_rows(
-        table_dev,
-        call_ids,
-        scale=scale_arg.to(device) if isinstance(scale_arg, torch.Tensor) else scale_arg,
-        vocab_start=start,
-        vocab_end=end,
-        out_dtype=out_dtype,
-        output=out_dev,
-    )
+    cpu_path = draw(st.sampled_from(cpu_paths()), label="CPU gather path")
+    with cpu_gather_path(cpu_path):
+        got = ops.gather_rows(
+            table_dev,
+            call_ids,
+            scale=scale_arg.to(device) if isinstance(scale_arg, torch.Tensor) else scale_arg,
+            vocab_start=start,
+            vocab_end=end,
+            out_dtype=out_dtype,
+            output=out_dev,
+        )
     assert got.shape == (*call_ids.shape[:-1], num_heads * width)
     assert_bits_equal(got.reshape(expected.shape), expected, "gather_rows")
     if out_laid is not None:

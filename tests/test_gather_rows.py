@@ -1,9 +1,15 @@
 """gather_rows (SPEC.md §4): every (table dtype × id dtype × out dtype × shard) case bit-equal to
 the reference, out-of-range ids as zero rows, strided views, rows beyond element 2^31, the
-shard-sum property, opcheck, errors and a torch.compile smoke test — on every backend here."""
+shard-sum property, opcheck, errors and a torch.compile smoke test — on every backend here.
+
+The CPU kernel has two paths: the cached one, and the streaming one that large outputs take
+(sorted reads, non-temporal stores; csrc/cpu/gather_rows.cpp). Every CPU test here runs on both:
+the ``cpu_path`` fixture sets the output size from which the CPU streams to "never" or "always".
+"""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 
@@ -23,6 +29,32 @@ ID_DTYPES = (torch.int32, torch.int64)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # The NaN bytes of each fp8 format: NaN != NaN, so tables leave them out (SPEC fixes no payload).
 FP8_NAN_BYTES = {torch.float8_e4m3fn: (0x7F, 0xFF), torch.float8_e4m3fnuz: (0x80,)}
+
+
+@contextlib.contextmanager
+def cpu_gather_path(path: str):
+    """Within the block the CPU gather takes ``path``: "cached" or "streaming" (where the CPU
+    has one: ops.cpu_gather_stream_bytes() != -1)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(ops.CPU_GATHER_STREAM_BYTES_ENV, {"cached": str(2**62), "streaming": "0"}[path])
+        yield
+
+
+def cpu_paths() -> list[str]:
+    """The CPU gather paths this CPU has."""
+    with cpu_gather_path("streaming"):
+        return ["cached", "streaming"] if ops.cpu_gather_stream_bytes() == 0 else ["cached"]
+
+
+@pytest.fixture(autouse=True, params=cpu_paths())
+def cpu_path(request):
+    """Every test here once per CPU gather path (GPU cases once: the switch is CPU-only)."""
+    callspec = getattr(request.node, "callspec", None)
+    device = callspec.params.get("device", "cpu") if callspec else "cpu"
+    if device != "cpu" and request.param != "cached":
+        pytest.skip("the CPU gather path does not apply to a GPU call")
+    with cpu_gather_path(request.param):
+        yield request.param
 
 
 def make_table(rows: int, width: int, dtype: torch.dtype, *, gen=None) -> torch.Tensor:
@@ -189,6 +221,60 @@ def test_batched_ids_and_edges(device):
     empty = table[:0]
     zeros = ops.gather_rows(empty, torch.tensor([[0, 1, -1]], device=device))
     assert zeros.shape == (1, 48) and torch.all(bits(zeros.cpu()) == 0)
+
+
+@pytest.mark.parametrize("table_dtype", TABLE_DTYPES, ids=str)
+def test_many_blocks_wide_rows_and_zero_rows(table_dtype, cpu_path):
+    """Beyond one unit of work: 16000 items (16 blocks on the cached path, one sorted block per
+    worker on the streaming one), ids out of range and repeated, 3-element heads (rows
+    not whole cache lines) and 700-element heads (a converted fp32 row is 2800 bytes, more than
+    one staging buffer), a shard, a strided output."""
+    gen = torch.Generator().manual_seed(11)
+    for rows, width, tokens, heads, shard in [
+        (50_000, 3, 1000, 16, "none"),
+        (20_000, 24, 1000, 16, "middle"),
+        (600, 700, 20, 16, "tail"),
+    ]:
+        table = make_table(rows, width, table_dtype, gen=gen)
+        scale = torch.tensor([0.0371]) if table_dtype in FP8 else None
+        start, end = shard_bounds(shard, rows)
+        ids = random_ids(tokens, heads, end if end is not None else rows, torch.int32, gen)
+        ids[::7] = ids[0]  # repeated rows
+        for out_dtype in (None, torch.float32):
+            expected = reference.gather_rows(
+                table, ids, scale=scale, vocab_start=start, vocab_end=end, out_dtype=out_dtype
+            )
+            buffer = torch.full((tokens, heads * width + 5), 3.0, dtype=expected.dtype)
+            out = buffer[:, 1 : 1 + heads * width]
+            ops.gather_rows(
+                table,
+                ids,
+                scale=scale,
+                vocab_start=start,
+                vocab_end=end,
+                output=out,
+            )
+            assert_same(out, expected)
+            assert torch.all(buffer[:, :1] == 3) and torch.all(buffer[:, 1 + heads * width :] == 3)
+
+
+def test_cpu_gather_stream_bytes_switch(monkeypatch):
+    """The threshold reads the environment on every call; a bad value is a clear error."""
+    name = ops.CPU_GATHER_STREAM_BYTES_ENV
+    if "streaming" not in cpu_paths():
+        monkeypatch.setenv(name, "0")
+        assert ops.cpu_gather_stream_bytes() == -1
+        return
+    monkeypatch.delenv(name, raising=False)
+    assert ops.cpu_gather_stream_bytes() >= 1 << 20  # the last-level cache
+    monkeypatch.setenv(name, "12345")
+    assert ops.cpu_gather_stream_bytes() == 12345
+    for bad in ("-1", "1e6", "12 MB", "x"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            ops.cpu_gather_stream_bytes()
+        with pytest.raises(ValueError, match=name):
+            ops.gather_rows(torch.zeros(4, 2), torch.tensor([[1]]))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -313,7 +313,7 @@ def _ple_conv_fake(
 
 # ---- gather_rows (SPEC §4) -------------------------------------------------------------------
 
-__all__ += ["gather_rows"]
+__all__ += ["cpu_gather_stream_bytes", "gather_rows"]
 
 _gather_rows_op = torch.ops.qwen4exp.gather_rows.default
 _FP8_TABLE_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -339,6 +339,10 @@ def gather_rows(
     vocab_start + rows) and reads table[id - vocab_start] for them; every other id gives a zero
     row, so no id value ever reads out of bounds. A CUDA/ROCm ``table`` may be the GPU view of
     pinned host memory (:func:`qwen4exp_ext.host_table.device_view`): read zero-copy over PCIe.
+
+    On the CPU an output of at least :func:`cpu_gather_stream_bytes` bytes (a prefill) is written
+    with streaming stores, rows read in table order: it bypasses the cache, which it would not
+    fit in anyway. Same values either way.
     """
     if table.dim() != 2:
         raise ValueError(
@@ -372,6 +376,17 @@ def gather_rows(
     out2 = output if output.dim() == 2 else output.view(num_tokens, num_heads * width)
     _gather_rows_op(table, ids2, scale, int(vocab_start), int(vocab_end), out2)
     return output
+
+
+CPU_GATHER_STREAM_BYTES_ENV = "QWEN4EXP_CPU_GATHER_STREAM_BYTES"
+
+
+def cpu_gather_stream_bytes() -> int:
+    """The output size in bytes from which the CPU ``gather_rows`` takes its streaming path
+    (rows read in table order, written with non-temporal stores); -1 where this CPU has none
+    (it needs AVX-512). Default: the last-level cache size; ``QWEN4EXP_CPU_GATHER_STREAM_BYTES``
+    in the environment overrides it (0: every call streams), read on every call."""
+    return int(torch.ops.qwen4exp.cpu_gather_stream_bytes())
 
 
 @torch.library.register_fake("qwen4exp::gather_rows")

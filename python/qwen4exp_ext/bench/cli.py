@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 import qwen4exp_ext
+from qwen4exp_ext import ops
 from qwen4exp_ext.bench.registry import OP_MODULES, Case, load_cases
 from qwen4exp_ext.bench.timing import roofline_copy, time_interleaved
 
@@ -215,6 +216,8 @@ def _environment(device: torch.device) -> dict[str, Any]:
         "torch_gpu_runtime": torch.version.hip or torch.version.cuda,
         "threads": torch.get_num_threads(),
         "build_info": build_info() if callable(build_info) else None,
+        # Outputs of at least this many bytes take the CPU gather's streaming path (-1: none).
+        "cpu_gather_stream_bytes": ops.cpu_gather_stream_bytes(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
