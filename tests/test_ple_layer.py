@@ -368,6 +368,40 @@ def test_load_vllm_layout_and_safetensors(tmp_path):
             assert torch.equal(from_vllm.state_dict()[name], value), name
 
 
+@pytest.mark.parametrize("layout", ["vllm", "transformers"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ("norm_key.weight", torch.zeros(3)),
+        ("ple_embedding.ngram_embedding.shard_1.weight", torch.zeros(2, 2)),
+        ("ple_embedding.ngram_embedding.weight", torch.zeros(2, 5)),
+        ("ple_embedding.layer_multipliers", torch.zeros(3)),
+        ("bogus.weight", torch.zeros(1)),
+    ],
+    ids=lambda bad: bad[0],
+)
+def test_load_safetensors_checks_every_file_first(tmp_path, layout, bad):
+    """A bad tensor in the second file: nothing of the first file (table rows included) is
+    written either."""
+    from safetensors.torch import save_file
+
+    cfg = tiny_config(split_ngram_parts=5)
+    hf = hf_layer(cfg, 0, seed=61)
+    good = vllm_layout(hf, 5) if layout == "vllm" else dict(hf.state_dict())
+    save_file({k: v.contiguous() for k, v in good.items()}, tmp_path / "a.safetensors")
+    save_file({bad[0]: bad[1]}, tmp_path / "b.safetensors")
+    layer = PLELayer.from_config(cfg, 0, dtype=torch.float32)
+    with torch.no_grad():
+        for value in layer.state_dict().values():
+            if value.is_floating_point():
+                value.fill_(7.0)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(ValueError):
+        layer.load_safetensors([tmp_path / "a.safetensors", tmp_path / "b.safetensors"])
+    for name, value in before.items():
+        assert torch.equal(layer.state_dict()[name], value), name
+
+
 def test_bf16_layer_runs_and_tracks_fp32():
     cfg = tiny_config()
     hf = hf_layer(cfg, 0, seed=70)

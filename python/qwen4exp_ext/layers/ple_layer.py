@@ -23,7 +23,7 @@ from torch import nn
 
 from qwen4exp_ext import ops
 
-from .ngram_embedding import FP8_DTYPES, NGramEmbedding, Placement
+from .ngram_embedding import FP8_DTYPES, NGramEmbedding, Placement, safetensors_dtype
 from .state import PLEBatch, _text_config, ple_conv_state_len
 
 __all__ = ["PLELayer"]
@@ -244,8 +244,8 @@ class PLELayer(nn.Module):
         if name.startswith(EMBEDDING_PREFIX):
             sub = name[len(EMBEDDING_PREFIX) :]
             if sub == TABLE_NAME:
-                self._check_table(tensor)
-                return (lambda: self._load_table(tensor)), "ple_embedding.weight"
+                self._check_table(tensor.shape, tensor.dtype)
+                return (lambda: self._load_table_rows(0, tensor)), "ple_embedding.weight"
             plan = emb._plan(sub, tensor.shape, tensor.dtype, tensor.device)
             if plan[0] == "skip":
                 return (lambda: None), None
@@ -287,55 +287,76 @@ class PLELayer(nn.Module):
 
     def load_safetensors(self, files: Iterable[str | Path], prefix: str = "") -> set[str]:
         """Loads from safetensors files (transformers or vLLM layout) the tensors under ``prefix``;
-        checkpoint-split table shards are read as memory-mapped slices of this rank's rows."""
+        table rows (whole-table or checkpoint-split) are read as memory-mapped slices of this
+        rank's rows. Every tensor of every file is checked (names, shapes, dtypes from the
+        headers) before anything is written, so a bad file leaves the layer untouched."""
         from safetensors import safe_open
 
-        loaded: set[str] = set()
         emb = self.ple_embedding
-        emb_prefix = prefix + EMBEDDING_PREFIX
-        for path in files:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
+        steps = []  # (write it, the state name it loads or None), all checked
+        for path in [str(path) for path in files]:
+            with safe_open(path, framework="pt", device="cpu") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
                     if not key.startswith(prefix):
                         continue
-                    sub = key[len(emb_prefix) :] if key.startswith(emb_prefix) else None
-                    shard_index = emb._shard_index(sub) if sub is not None else None
+                    name = key[len(prefix) :]
+                    sub = (
+                        name[len(EMBEDDING_PREFIX) :] if name.startswith(EMBEDDING_PREFIX) else None
+                    )
+                    piece = f.get_slice(key)
+                    shape, dtype = piece.get_shape(), safetensors_dtype(piece.get_dtype(), key)
                     if sub == TABLE_NAME:
-                        start, shape = 0, f.get_slice(key).get_shape()
-                        if len(shape) != 2 or shape[1] != emb.head_dim or shape[0] > emb.num_rows:
-                            raise ValueError(f"{key}: bad table shape {tuple(shape)}")
-                    elif shard_index is not None:
-                        shape = f.get_slice(key).get_shape()
-                        start = emb._check_shard(sub, shard_index, shape)
-                    else:
-                        loaded |= self.load_weights([(key[len(prefix) :], f.get_tensor(key))])
+                        self._check_table(shape, dtype)
+                        steps.append((self._table_reader(path, key), "ple_embedding.weight"))
                         continue
-                    # Table rows: read only this rank's rows, as memory-mapped slices.
-                    lo, hi = emb._owned_rows(start, shape[0])
-                    if lo < hi:
-                        rows = f.get_slice(key)[lo - start : hi - start]
-                        emb._check_rows(key, rows.dtype)
-                        if emb.table_dtype not in FP8_DTYPES:
-                            rows = rows.to(emb.table_dtype)
-                        emb._copy_rows(lo, rows)
-                    loaded.add("ple_embedding.weight")
+                    plan = emb._plan(sub, shape, dtype, torch.device("cpu")) if sub else None
+                    if plan is not None and plan[0] == "skip":
+                        continue
+                    if plan is not None and plan[0] == "rows":
+                        reader = emb._slice_reader(path, key)
+                        step = [(sub, plan, reader)]
+                        steps.append(
+                            ((lambda step=step: emb._run_load(step)), "ple_embedding.weight")
+                        )
+                    else:  # small (norms, projections, conv, hash buffers): read now
+                        steps.append(self._plan_load(name, f.get_tensor(key)))
+        loaded: set[str] = set()
+        for apply, got in steps:
+            apply()
+            if got is not None:
+                loaded.add(got)
         return loaded
 
-    def _check_table(self, tensor: torch.Tensor) -> None:
+    def _table_reader(self, path: str, key: str):
+        """Copies this rank's rows of a whole-table checkpoint tensor, as a memory-mapped slice."""
+
+        def read() -> None:
+            from safetensors import safe_open
+
+            with safe_open(path, framework="pt", device="cpu") as f:
+                piece = f.get_slice(key)
+                lo, hi = self.ple_embedding._owned_rows(0, piece.get_shape()[0])
+                if lo < hi:
+                    self._load_table_rows(lo, piece[lo:hi])
+
+        return read
+
+    def _check_table(self, shape, dtype: torch.dtype) -> None:
         emb = self.ple_embedding
-        if tensor.dim() != 2 or tensor.shape[1] != emb.head_dim or tensor.shape[0] > emb.num_rows:
+        if len(shape) != 2 or shape[1] != emb.head_dim or shape[0] > emb.num_rows:
             raise ValueError(
                 f"ple_embedding.ngram_embedding.weight must be [<= {emb.num_rows}, "
-                f"{emb.head_dim}], got {tuple(tensor.shape)}"
+                f"{emb.head_dim}], got {tuple(shape)}"
             )
-        emb._check_rows(EMBEDDING_PREFIX + TABLE_NAME, tensor.dtype)
+        emb._check_rows(EMBEDDING_PREFIX + TABLE_NAME, dtype)
 
-    def _load_table(self, tensor: torch.Tensor) -> None:
-        """Writes a whole-table tensor already checked by :meth:`_check_table`."""
+    def _load_table_rows(self, first_row: int, rows: torch.Tensor) -> None:
+        """Writes table rows (of a whole-table tensor already checked by :meth:`_check_table`)
+        from global row ``first_row`` on."""
         emb = self.ple_embedding
         if emb.table_dtype not in FP8_DTYPES:
-            tensor = tensor.to(emb.table_dtype)
-        emb._copy_rows(0, tensor)
+            rows = rows.to(emb.table_dtype)
+        emb._copy_rows(first_row, rows)
 
     @staticmethod
     def _check_copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
