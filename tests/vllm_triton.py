@@ -8,6 +8,8 @@ stub without PDL (programmatic dependent launch, a Hopper-only launch option) an
 id 0, and executes the source as a private module under Triton's CPU interpreter
 (``TRITON_INTERPRET=1``, set only while the kernels are defined and run: see ``interpreter()``,
 so that other Triton users in the same process, e.g. torch.compile on a GPU, are unaffected).
+Triton's standard library is fixed when ``triton.language`` is first imported: on a machine with
+no GPU, tests/conftest.py imports it under the interpreter before any test can.
 
 ``load()`` returns None when vllm (``pip install --no-deps vllm==0.33.0``) or triton is not
 installed, so tests skip cleanly.

@@ -378,7 +378,7 @@ void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out
 
 // The last-level cache of one core, from sysfs ("32768K"); 32 MiB where it cannot be read.
 // (sysconf(_SC_LEVEL3_CACHE_SIZE) is no substitute: on EPYC it reports every CCD's L3 together.)
-int64_t last_level_cache_bytes() {
+[[maybe_unused]] int64_t last_level_cache_bytes() {
   static const int64_t bytes = [] {
     int64_t best = 0;
     for (int index = 0; index < 8; ++index) {
