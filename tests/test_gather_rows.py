@@ -225,8 +225,8 @@ def test_batched_ids_and_edges(device):
 
 @pytest.mark.parametrize("table_dtype", TABLE_DTYPES, ids=str)
 def test_many_blocks_wide_rows_and_zero_rows(table_dtype, cpu_path):
-    """Beyond one unit of work: 16000 items (16 blocks on the cached path, one sorted block per
-    worker on the streaming one), ids out of range and repeated, 3-element heads (rows
+    """Beyond one unit of work: 16000 items (16 blocks on the cached path, 4 sorted blocks on
+    the streaming one with 2 threads), ids out of range and repeated, 3-element heads (rows
     not whole cache lines) and 700-element heads (a converted fp32 row is 2800 bytes, more than
     one staging buffer), a shard, a strided output."""
     gen = torch.Generator().manual_seed(11)

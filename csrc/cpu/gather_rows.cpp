@@ -253,9 +253,11 @@ struct RowConverter {
 #if QWEN4EXP_X86_AVX512
 
 // Items per sorted block: 32768 rows of 320 bytes (10 MiB) spread over a 4M-row table put a
-// row every ~40 KiB; bigger blocks sort better but start the copy later and balance worse.
+// row every ~40 KiB; bigger blocks sort better but start the copy later and balance worse. At
+// least two blocks per thread (as on the cached path: a thread whose core is busy takes fewer),
+// down to 1024 items, so that a many-core host still puts every core to work.
 constexpr int64_t kStreamBlockItems = 32768;
-constexpr int64_t kStreamMinBlockItems = 4096;
+constexpr int64_t kStreamMinBlockItems = 1024;
 // Conversions are staged through an L1-resident buffer of this many bytes, then streamed out.
 constexpr int64_t kStageBytes = 2048;
 
@@ -403,7 +405,7 @@ template <GatherDtype In, GatherDtype Out>
 void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out>& convert) {
   const int64_t items = p.num_tokens * p.num_heads;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t block_items = std::clamp<int64_t>((items + threads - 1) / threads,
+  const int64_t block_items = std::clamp<int64_t>((items + 2 * threads - 1) / (2 * threads),
                                                   kStreamMinBlockItems, kStreamBlockItems);
   // Buckets of 2^shift rows, about as many buckets as items in a block: finer buys nothing (a
   // bucket then holds ~1 item), coarser leaves rows unsorted within a bucket.
