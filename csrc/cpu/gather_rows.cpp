@@ -266,43 +266,44 @@ constexpr int64_t kStreamMinBlockItems = 1024;
 // Conversions are staged through an L1-resident buffer of this many bytes, then streamed out.
 constexpr int64_t kStageBytes = 2048;
 
-// Copies `bytes` to `dst`: whole 64-byte lines of `dst` with streaming stores, the unaligned
-// head and tail (if any) with ordinary ones. `src` may be unaligned. The common case (a row of
-// whole, aligned lines: d = 160 bf16) has its own plain loop: going through the head/tail
-// arithmetic made the whole gather ~20% slower on the CI host (3.9-4.4 ms against 3.1-3.4).
-QWEN4EXP_AVX512 __attribute__((always_inline)) inline void stream_bytes(char* dst, const char* src,
-                                                                       int64_t bytes) {
+// Writes `bytes` at `dst`, copied from `src` (or zeros, with kZeros; `src` is then unused):
+// whole 64-byte lines of `dst` with streaming stores, the unaligned head and tail (if any) with
+// ordinary ones. `src` may be unaligned. The common case (a row of whole, aligned lines: d = 160
+// bf16) has its own plain loop: going through the head/tail arithmetic made the whole gather
+// ~20% slower on the CI host (3.9-4.4 ms against 3.1-3.4).
+template <bool kZeros>
+QWEN4EXP_AVX512 __attribute__((always_inline)) inline void stream_out(char* dst, const char* src,
+                                                                     int64_t bytes) {
+  // The 64 bytes at offset `at`, and the plain copy of `n` bytes at `at` (src untouched when
+  // kZeros: it may be null).
+  const auto line = [src](int64_t at) QWEN4EXP_AVX512 __attribute__((always_inline)) {
+    if constexpr (kZeros) {
+      return _mm512_setzero_si512();
+    } else {
+      return _mm512_loadu_si512(src + at);
+    }
+  };
+  const auto plain = [dst, src](int64_t at, int64_t n) __attribute__((always_inline)) {
+    if constexpr (kZeros) {
+      std::memset(dst + at, 0, static_cast<size_t>(n));
+    } else {
+      std::memcpy(dst + at, src + at, static_cast<size_t>(n));
+    }
+  };
   if (((reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes)) & 63) == 0) {
     for (int64_t i = 0; i < bytes; i += 64) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), line(i));
     }
     return;
   }
   const int64_t head =
       std::min<int64_t>(bytes, static_cast<int64_t>(-reinterpret_cast<uintptr_t>(dst) & 63));
-  std::memcpy(dst, src, static_cast<size_t>(head));
-  dst += head, src += head, bytes -= head;
-  for (; bytes >= 64; bytes -= 64, dst += 64, src += 64) {
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), _mm512_loadu_si512(src));
+  plain(0, head);
+  int64_t i = head;
+  for (; i + 64 <= bytes; i += 64) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), line(i));
   }
-  std::memcpy(dst, src, static_cast<size_t>(bytes));
-}
-
-QWEN4EXP_AVX512 __attribute__((always_inline)) inline void stream_zeros(char* dst, int64_t bytes) {
-  if (((reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes)) & 63) == 0) {
-    for (int64_t i = 0; i < bytes; i += 64) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_setzero_si512());
-    }
-    return;
-  }
-  const int64_t head =
-      std::min<int64_t>(bytes, static_cast<int64_t>(-reinterpret_cast<uintptr_t>(dst) & 63));
-  std::memset(dst, 0, static_cast<size_t>(head));
-  dst += head, bytes -= head;
-  for (; bytes >= 64; bytes -= 64, dst += 64) {
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), _mm512_setzero_si512());
-  }
-  std::memset(dst, 0, static_cast<size_t>(bytes));
+  plain(i, bytes - i);
 }
 
 // A worker's sort buffers, kept across calls (no page faults on 0.5 MiB per block).
@@ -368,7 +369,7 @@ QWEN4EXP_AVX512 void stream_worker(const StreamJob<In, Out>& job) {
       if (row >= 0) {
         ++bucket_next[(row >> shift) + 1];
       } else {
-        stream_zeros(output + t * out_token_bytes + h * out_row_bytes, out_row_bytes);
+        stream_out<true>(output + t * out_token_bytes + h * out_row_bytes, nullptr, out_row_bytes);
       }
       if (++h == nh) h = 0, ++t;
     }
@@ -389,7 +390,7 @@ QWEN4EXP_AVX512 void stream_worker(const StreamJob<In, Out>& job) {
       const char* src = table + row_of[i] * table_row_bytes;
       char* dst = item_output(begin + i);
       if constexpr (In == Out) {
-        stream_bytes(dst, src, row_bytes);
+        stream_out<false>(dst, src, row_bytes);
       } else {
         constexpr int64_t kStage = kStageBytes / static_cast<int64_t>(sizeof(OutT));
         alignas(64) OutT stage[kStage];
@@ -397,7 +398,7 @@ QWEN4EXP_AVX512 void stream_worker(const StreamJob<In, Out>& job) {
           const int64_t n = std::min(kStage, width - c);
           (*job.convert)(reinterpret_cast<const InT*>(src) + c, stage, n);
           constexpr int64_t kOut = sizeof(OutT);
-          stream_bytes(dst + c * kOut, reinterpret_cast<const char*>(stage), n * kOut);
+          stream_out<false>(dst + c * kOut, reinterpret_cast<const char*>(stage), n * kOut);
         }
       }
     }
@@ -414,8 +415,9 @@ void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out
                                                   kStreamMinBlockItems, kStreamBlockItems);
   // Buckets of 2^shift rows, about as many buckets as items in a block: finer buys nothing (a
   // bucket then holds ~1 item), coarser leaves rows unsorted within a bucket.
+  const int64_t last_row = std::max<int64_t>(p.rows, 1) - 1;
   int64_t shift = 0;
-  while (((std::max<int64_t>(p.rows, 1) - 1) >> shift) >= block_items) ++shift;
+  while ((last_row >> shift) >= block_items) ++shift;
   std::atomic<int64_t> next_block{0};
   const StreamJob<In, Out> job{p,
                                &convert,
@@ -423,7 +425,7 @@ void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out
                                block_items,
                                (items + block_items - 1) / block_items,
                                shift,
-                               ((std::max<int64_t>(p.rows, 1) - 1) >> shift) + 1,
+                               (last_row >> shift) + 1,
                                &next_block};
   at::parallel_for(0, job.blocks, 1, [&](int64_t, int64_t) { stream_worker(job); });
 }
