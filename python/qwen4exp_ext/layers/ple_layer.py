@@ -13,7 +13,7 @@ shard_<i>.weight`` split in ``split_ngram_parts`` blocks, a merged ``kv_proj.wei
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +228,11 @@ class PLELayer(nn.Module):
         steps = (self._plan_load(name, tensor) for name, tensor in weights)
         if isinstance(weights, (list, tuple)):
             steps = list(steps)  # every tensor checked before the first write
+        return self._apply(steps)
+
+    @staticmethod
+    def _apply(steps: Iterable[tuple[Callable[[], None], str | None]]) -> set[str]:
+        """Runs checked (write it, state name or None) steps; returns the state names written."""
         loaded: set[str] = set()
         for apply, got in steps:
             apply()
@@ -320,12 +325,7 @@ class PLELayer(nn.Module):
                         )
                     else:  # small (norms, projections, conv, hash buffers): read now
                         steps.append(self._plan_load(name, f.get_tensor(key)))
-        loaded: set[str] = set()
-        for apply, got in steps:
-            apply()
-            if got is not None:
-                loaded.add(got)
-        return loaded
+        return self._apply(steps)
 
     def _table_reader(self, path: str, key: str):
         """Copies this rank's rows of a whole-table checkpoint tensor, as a memory-mapped slice."""
