@@ -9,13 +9,12 @@ Each case starts from one valid baseline per op and overrides one argument.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from qwen4exp_ext import layout, ops
 from qwen4exp_ext.layers import NGramEmbedding
+from test_ngram_embedding import CONFIG  # the toy n-gram config the layer tests share
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -562,17 +561,6 @@ def test_baselines_are_valid(op):
 
 # ---- NGramEmbedding.load_weights: mismatched checkpoint shards --------------------------------
 
-CONFIG = SimpleNamespace(
-    vocab_size=97,
-    ngram_size=3,
-    heads_per_ngram=2,
-    ple_embed_dim=24,
-    ngram_vocab_size_base=50,
-    make_ngram_vocab_size_divisible_by=16,
-    eos_token_id=5,
-    seed=7,
-    split_ngram_parts=7,
-)
 ROWS = NGRAM_HEADS.padded_rows
 HEAD_DIM = 6
 SHARD_ROWS = -(-ROWS // 7)

@@ -45,8 +45,8 @@ from hypothesis import strategies as st
 from conftest import devices
 from qwen4exp_ext import ops, reference
 
-# make_table: every finite fp8 byte, wide-range other values; cpu_paths: cached and streaming.
-from test_gather_rows import cpu_gather_path, cpu_paths, make_table
+# make_table: every finite fp8 byte, wide-range other values; CPU_PATHS: cached and streaming.
+from test_gather_rows import CPU_PATHS, cpu_gather_path, make_table
 
 DEVICES = devices()
 FUZZ_SECONDS = float(os.environ.get("QWEN4EXP_FUZZ_SECONDS", "8"))
@@ -467,7 +467,7 @@ def gather_body(device: str, draw: Recorder) -> None:
             any_strides=False,
         )
         out_base, out_dev = out_laid.on(device)
-    cpu_path = draw(st.sampled_from(cpu_paths()), label="CPU gather path")
+    cpu_path = draw(st.sampled_from(CPU_PATHS), label="CPU gather path")
     with cpu_gather_path(cpu_path):
         got = ops.gather_rows(
             table_dev,

@@ -40,13 +40,15 @@ def cpu_gather_path(path: str):
         yield
 
 
-def cpu_paths() -> list[str]:
-    """The CPU gather paths this CPU has."""
+def _cpu_paths() -> list[str]:
     with cpu_gather_path("streaming"):
         return ["cached", "streaming"] if ops.cpu_gather_stream_bytes() == 0 else ["cached"]
 
 
-@pytest.fixture(autouse=True, params=cpu_paths())
+CPU_PATHS = _cpu_paths()  # the CPU gather paths this CPU has
+
+
+@pytest.fixture(autouse=True, params=CPU_PATHS)
 def cpu_path(request):
     """Every test here once per CPU gather path (GPU cases once: the switch is CPU-only)."""
     callspec = getattr(request.node, "callspec", None)
@@ -261,7 +263,7 @@ def test_many_blocks_wide_rows_and_zero_rows(table_dtype, cpu_path):
 def test_cpu_gather_stream_bytes_switch(monkeypatch):
     """The threshold reads the environment on every call; a bad value is a clear error."""
     name = ops.CPU_GATHER_STREAM_BYTES_ENV
-    if "streaming" not in cpu_paths():
+    if "streaming" not in CPU_PATHS:
         monkeypatch.setenv(name, "0")
         assert ops.cpu_gather_stream_bytes() == -1
         return

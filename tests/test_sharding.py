@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import os
 import tempfile
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,18 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from qwen4exp_ext import sharding
+from test_ngram_embedding import CONFIG  # the toy n-gram config the layer tests share
 
-CONFIG = SimpleNamespace(
-    vocab_size=97,
-    ngram_size=3,
-    heads_per_ngram=2,
-    ple_embed_dim=24,
-    ngram_vocab_size_base=50,
-    make_ngram_vocab_size_divisible_by=16,
-    eos_token_id=5,
-    seed=7,
-    split_ngram_parts=7,
-)
 WORLD = 2
 
 

@@ -275,6 +275,16 @@ def probe():
 """
 
 
+# Collects the plugin's log records in `records`.
+_CAPTURE_PLUGIN_LOG = """
+import logging
+records = []
+class H(logging.Handler):
+    def emit(self, r): records.append(r)
+logging.getLogger("vllm.qwen4exp_ext").addHandler(H())
+"""
+
+
 def test_plugin_filtered_out_leaves_vllm_untouched():
     out = run_python(
         _PROBE
@@ -324,12 +334,8 @@ print(json.dumps({**probe(), "swapped": plugin.swapped()}))
 def test_unknown_vllm_version_warns_once_and_swaps_nothing():
     out = run_python(
         _PROBE
+        + _CAPTURE_PLUGIN_LOG
         + """
-import logging
-records = []
-class H(logging.Handler):
-    def emit(self, r): records.append(r)
-logging.getLogger("vllm.qwen4exp_ext").addHandler(H())
 import qwen4exp_ext.vllm as plugin
 plugin.version = lambda name: "0.34.1"  # what importlib.metadata would say after an upgrade
 for _ in range(3):
@@ -350,12 +356,8 @@ print(json.dumps({**probe(), "warnings": warnings, "swapped": plugin.swapped()})
 def test_changed_vllm_signature_warns_once_naming_it_and_swaps_nothing():
     out = run_python(
         _PROBE
+        + _CAPTURE_PLUGIN_LOG
         + """
-import logging
-records = []
-class H(logging.Handler):
-    def emit(self, r): records.append(r)
-logging.getLogger("vllm.qwen4exp_ext").addHandler(H())
 ple = importlib.import_module("vllm.models.qwen4_exp.common.ops.ple")
 vllm_fn = ple.ple_ngram_ids
 def ple_ngram_ids(input_ids, query_start_loc, ngram_context, layer_multipliers,
