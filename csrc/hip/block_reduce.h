@@ -11,7 +11,7 @@ namespace qwen4exp {
 // a placeholder of 1, which keeps them well-formed (no modulo by zero).
 constexpr int kWaveSize = QWEN4EXP_WAVE_SIZE > 0 ? QWEN4EXP_WAVE_SIZE : 1;
 
-#if defined(__HIPCC__) || defined(__CUDACC__)
+#if defined(QWEN4EXP_KERNEL_COMPILE)
 
 QWEN4EXP_DEVICE float shuffle_xor(float v, int mask) {
 #if defined(QWEN4EXP_CUDA)
@@ -88,7 +88,7 @@ QWEN4EXP_DEVICE void store_floats(T* p, const float (&in)[VEC]) {
   }
 }
 
-#endif  // __HIPCC__ || __CUDACC__
+#endif  // QWEN4EXP_KERNEL_COMPILE
 
 // True when `bytes` (an address or a byte stride) is a multiple of 16.
 QWEN4EXP_HD bool aligned16(uint64_t bytes) { return (bytes & 15u) == 0; }

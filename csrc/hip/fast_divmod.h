@@ -53,7 +53,7 @@ QWEN4EXP_HD uint64_t div_128_by_64_high_bitwise(uint64_t hi, uint64_t d) {
 }
 
 QWEN4EXP_HD uint64_t div_128_by_64_high(uint64_t hi, uint64_t d) {
-#if defined(__HIP_DEVICE_COMPILE__) || defined(__CUDA_ARCH__)
+#if defined(QWEN4EXP_DEVICE_PASS)
   return div_128_by_64_high_bitwise(hi, d);
 #else
   // Host: the compiler's 128-bit division is exact and far faster than the bit loop, which

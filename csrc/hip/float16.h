@@ -15,7 +15,7 @@
 namespace qwen4exp {
 
 QWEN4EXP_HD uint32_t float_to_bits(float x) {
-#if defined(__HIP_DEVICE_COMPILE__) || defined(__CUDA_ARCH__)
+#if defined(QWEN4EXP_DEVICE_PASS)
   return __float_as_uint(x);
 #else
   uint32_t u;
@@ -25,7 +25,7 @@ QWEN4EXP_HD uint32_t float_to_bits(float x) {
 }
 
 QWEN4EXP_HD float bits_to_float(uint32_t u) {
-#if defined(__HIP_DEVICE_COMPILE__) || defined(__CUDA_ARCH__)
+#if defined(QWEN4EXP_DEVICE_PASS)
   return __uint_as_float(u);
 #else
   float x;

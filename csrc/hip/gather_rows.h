@@ -46,7 +46,7 @@ struct GatherRowsParams {
   }
 };
 
-#if defined(QWEN4EXP_HIP) || defined(QWEN4EXP_CUDA)  // the CPU build sees only the params
+#if defined(QWEN4EXP_HAS_LAUNCHERS)  // the CPU build sees only the params
 // Enqueues the gather on `stream`; returns the launch status. Expects T·NH·d > 0.
 hipError_t launch_gather_rows(const GatherRowsParams& p, hipStream_t stream);
 #endif

@@ -24,11 +24,7 @@ namespace {
 constexpr int kThreadsPerBlock = 256;
 
 // The one error code the launcher returns itself (an unknown dtype enum: unreachable from the glue).
-#if defined(QWEN4EXP_CUDA)
-constexpr hipError_t kInvalidValue = cudaErrorInvalidValue;
-#else
 constexpr hipError_t kInvalidValue = hipErrorInvalidValue;
-#endif
 constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread
 constexpr int kVecBytes = 16;
 
@@ -76,7 +72,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   using OutT = typename Traits::OutT;
   constexpr int kElems = Traits::kElems;
 
-  __shared__ DequantTable<Out> lut;
+  QWEN4EXP_SHARED(DequantTable<Out>, lut);
   if constexpr (is_fp8(In)) {
     const float scale_out = round_scale<Out>(*p.scale);
     for (int b = threadIdx.x; b < 256; b += blockDim.x) {
@@ -197,19 +193,16 @@ hipError_t launch_typed(const GatherRowsParams& p, hipStream_t stream) {
     const int64_t total = p.num_tokens * p.num_heads * pieces_per_row;
     const unsigned blocks = grid_for(total, int64_t{kThreadsPerBlock} * kUnroll);
     if (total < (int64_t{1} << 31) - int64_t{kThreadsPerBlock} * kUnroll * (int64_t{1} << 20)) {
-      gather_rows_vec_kernel<uint32_t, In, Out><<<blocks, kThreadsPerBlock, 0, stream>>>(
-          p, static_cast<uint32_t>(pieces_per_row), static_cast<uint32_t>(p.num_heads),
-          static_cast<uint32_t>(total));
-    } else {
-      gather_rows_vec_kernel<int64_t, In, Out><<<blocks, kThreadsPerBlock, 0, stream>>>(
-          p, pieces_per_row, p.num_heads, total);
+      return launch_kernel(gather_rows_vec_kernel<uint32_t, In, Out>, blocks, kThreadsPerBlock, 0,
+                           stream, p, static_cast<uint32_t>(pieces_per_row),
+                           static_cast<uint32_t>(p.num_heads), static_cast<uint32_t>(total));
     }
-  } else {
-    const int64_t total = p.num_tokens * p.num_heads * p.width;
-    gather_rows_scalar_kernel<In, Out>
-        <<<grid_for(total, kThreadsPerBlock), kThreadsPerBlock, 0, stream>>>(p);
+    return launch_kernel(gather_rows_vec_kernel<int64_t, In, Out>, blocks, kThreadsPerBlock, 0,
+                         stream, p, pieces_per_row, p.num_heads, total);
   }
-  return hipGetLastError();
+  const int64_t total = p.num_tokens * p.num_heads * p.width;
+  return launch_kernel(gather_rows_scalar_kernel<In, Out>, grid_for(total, kThreadsPerBlock),
+                       kThreadsPerBlock, 0, stream, p);
 }
 
 template <GatherDtype In>

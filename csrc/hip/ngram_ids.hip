@@ -18,8 +18,7 @@ constexpr int kThreadsPerBlock = 256;
 // supported context for the rest.
 template <typename OutT, int kMaxContext>
 __global__ void __launch_bounds__(kThreadsPerBlock) ngram_ids_kernel(NgramIdsParams p) {
-  extern __shared__ unsigned char shared_bytes[];
-  FastDivmodU64* head_mod = reinterpret_cast<FastDivmodU64*>(shared_bytes);
+  QWEN4EXP_DYNAMIC_SHARED(FastDivmodU64, head_mod);
   for (int h = threadIdx.x; h < p.num_heads; h += blockDim.x) {
     const int64_t size = p.sizes[h];
     // A non-positive size cannot come from a valid layout; the CPU path rejects it. Here the
@@ -52,24 +51,20 @@ hipError_t launch_ngram_ids(const NgramIdsParams& p, bool output_int64, hipStrea
   const unsigned blocks = static_cast<unsigned>((elements + kThreadsPerBlock - 1) / kThreadsPerBlock);
   const size_t shared = sizeof(FastDivmodU64) * static_cast<size_t>(p.num_heads);
   const auto launch = [&](auto kernel) {
-    kernel<<<blocks, kThreadsPerBlock, shared, stream>>>(p);
+    return launch_kernel(kernel, blocks, kThreadsPerBlock, shared, stream, p);
   };
   const bool i64 = output_int64;
   switch (p.context_len) {
     case 1:
-      i64 ? launch(ngram_ids_kernel<int64_t, 1>) : launch(ngram_ids_kernel<int32_t, 1>);
-      break;
+      return i64 ? launch(ngram_ids_kernel<int64_t, 1>) : launch(ngram_ids_kernel<int32_t, 1>);
     case 2:  // the released model (N = 3)
-      i64 ? launch(ngram_ids_kernel<int64_t, 2>) : launch(ngram_ids_kernel<int32_t, 2>);
-      break;
+      return i64 ? launch(ngram_ids_kernel<int64_t, 2>) : launch(ngram_ids_kernel<int32_t, 2>);
     case 3:
-      i64 ? launch(ngram_ids_kernel<int64_t, 3>) : launch(ngram_ids_kernel<int32_t, 3>);
-      break;
+      return i64 ? launch(ngram_ids_kernel<int64_t, 3>) : launch(ngram_ids_kernel<int32_t, 3>);
     default:
-      i64 ? launch(ngram_ids_kernel<int64_t, kMaxNgramSize - 1>)
-          : launch(ngram_ids_kernel<int32_t, kMaxNgramSize - 1>);
+      return i64 ? launch(ngram_ids_kernel<int64_t, kMaxNgramSize - 1>)
+                 : launch(ngram_ids_kernel<int32_t, kMaxNgramSize - 1>);
   }
-  return hipGetLastError();
 }
 
 }  // namespace qwen4exp

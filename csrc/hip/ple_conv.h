@@ -100,7 +100,7 @@ QWEN4EXP_HD int64_t conv_spec_offset(const PleConvParams& p, int64_t r) {
   return offset > p.query_len - 1 ? p.query_len - 1 : offset;
 }
 
-#if defined(QWEN4EXP_HIP) || defined(QWEN4EXP_CUDA)  // the CPU build sees only the params
+#if defined(QWEN4EXP_HAS_LAUNCHERS)  // the CPU build sees only the params
 // Enqueues the conv (outputs, then the state write-back for prefill/spec) on `stream`; returns the
 // launch status. Expects T > 0 or, for prefill/spec, R > 0.
 hipError_t launch_ple_conv(const PleConvParams& p, hipStream_t stream);

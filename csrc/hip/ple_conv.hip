@@ -186,15 +186,15 @@ hipError_t launch_vec(const PleConvParams& p, hipStream_t stream) {
   const unsigned channel_blocks = static_cast<unsigned>((p.channels + per_block - 1) / per_block);
   if (p.num_rows > 0) {
     const dim3 grid(static_cast<unsigned>(p.num_rows), channel_blocks);
-    ple_conv_outputs_kernel<T, W, VEC><<<grid, kThreads, 0, stream>>>(p);
-    const hipError_t status = hipGetLastError();
+    const hipError_t status =
+        launch_kernel(ple_conv_outputs_kernel<T, W, VEC>, grid, kThreads, 0, stream, p);
     if (status != hipSuccess) return status;
   }
   if (p.mode != ConvMode::kDecode && p.num_requests > 0) {
     const dim3 grid(static_cast<unsigned>(p.num_requests), channel_blocks);
-    ple_conv_write_back_kernel<T, VEC><<<grid, kThreads, 0, stream>>>(p);
+    return launch_kernel(ple_conv_write_back_kernel<T, VEC>, grid, kThreads, 0, stream, p);
   }
-  return hipGetLastError();
+  return hipSuccess;
 }
 
 template <typename T, typename W>

@@ -39,7 +39,7 @@ struct PleGateParams {
   GateRounding rounding;
 };
 
-#if defined(QWEN4EXP_HIP) || defined(QWEN4EXP_CUDA)  // the CPU build sees only the params
+#if defined(QWEN4EXP_HAS_LAUNCHERS)  // the CPU build sees only the params
 // Enqueues the gate on `stream`; returns the launch status. Expects T > 0 and H > 0.
 hipError_t launch_ple_gate(const PleGateParams& p, hipStream_t stream);
 #endif

@@ -31,7 +31,7 @@ QWEN4EXP_DEVICE float gate_of(float d, float magnitude) {
 template <typename T, typename W, int VEC, bool kVllm>
 __global__ void __launch_bounds__(kThreads) ple_gate_kernel(PleGateParams p) {
   constexpr int kWaves = kThreads / kWaveSize;
-  __shared__ float scratch[3 * kWaves];
+  QWEN4EXP_SHARED(float[3 * kWaves], scratch);
   const int64_t t = blockIdx.x;
   const int H = p.width;
   const float h_f = static_cast<float>(H);
@@ -163,19 +163,15 @@ hipError_t launch_typed(const PleGateParams& p, hipStream_t stream) {
                    aligned16(p.gated_row_stride * sizeof(T)) &&
                    aligned16(p.conv_input_row_stride * sizeof(T));
   const dim3 grid(static_cast<unsigned>(p.num_tokens));
+  const auto launch = [&](auto kernel) {
+    return launch_kernel(kernel, grid, kThreads, 0, stream, p);
+  };
   const bool vllm = p.rounding == GateRounding::kVllm;
   if (vec) {
-    if (vllm) {
-      ple_gate_kernel<T, W, kVec, true><<<grid, kThreads, 0, stream>>>(p);
-    } else {
-      ple_gate_kernel<T, W, kVec, false><<<grid, kThreads, 0, stream>>>(p);
-    }
-  } else if (vllm) {
-    ple_gate_kernel<T, W, 1, true><<<grid, kThreads, 0, stream>>>(p);
-  } else {
-    ple_gate_kernel<T, W, 1, false><<<grid, kThreads, 0, stream>>>(p);
+    return vllm ? launch(ple_gate_kernel<T, W, kVec, true>)
+                : launch(ple_gate_kernel<T, W, kVec, false>);
   }
-  return hipGetLastError();
+  return vllm ? launch(ple_gate_kernel<T, W, 1, true>) : launch(ple_gate_kernel<T, W, 1, false>);
 }
 
 template <typename T>
