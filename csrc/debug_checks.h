@@ -1,4 +1,4 @@
-// Opt-in debug checks for the GPU path (host glue only).
+// Opt-in debug checks for the GPU path (host glue only, also as the SIMT emulator runs it).
 //
 // The GPU kernels never read index data on the host: that would sync the stream on every call
 // and break CUDA-graph capture. So values that only the data shows (query_start_loc layout,
@@ -11,16 +11,13 @@
 // hold a host copy), so they run again on the next eager call.
 #pragma once
 
-#ifndef QWEN4EXP_GPU_HOST_GLUE
-#error "debug_checks.h is for the GPU host glue (csrc/gpu/*_gpu.cpp)"
-#endif
-
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <torch/all.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include "gpu/glue.h"
 
 namespace qwen4exp {
 
@@ -29,7 +26,7 @@ namespace qwen4exp {
 inline bool debug_checks_enabled() {
   const char* value = std::getenv("QWEN4EXP_DEBUG_CHECKS");
   if (value == nullptr || *value == '\0' || std::strcmp(value, "0") == 0) return false;
-  return c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None;
+  return !glue::capturing();
 }
 
 // Host copies of index tensors, kept alive for the duration of one check.

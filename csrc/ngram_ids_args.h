@@ -5,6 +5,8 @@
 
 #include <torch/all.h>
 
+#include <limits>
+
 #include "hip/ngram_hash.h"
 
 namespace qwen4exp {
@@ -106,7 +108,29 @@ inline NgramIdsParams check_ngram_ids_args(const at::Tensor& input_ids,
 
 // Value checks (query_start_loc layout, head sizes and offsets) that need the index data on the
 // host: always on the CPU path; on the GPU path only as opt-in debug checks (csrc/debug_checks.h).
-// Defined in csrc/cpu/ngram_ids.cpp.
-void check_ngram_ids_values(const NgramIdsParams& p, bool output_int32);
+// The CPU can read the data for free, so it rejects layouts that the GPU kernel can only survive.
+inline void check_ngram_ids_values(const NgramIdsParams& p, bool output_int32) {
+  const IntView& qsl = p.query_start_loc;
+  TORCH_CHECK(qsl[0] == 0, "ngram_ids: query_start_loc[0] must be 0, got ", qsl[0]);
+  for (int64_t r = 0; r < p.num_requests; ++r) {
+    TORCH_CHECK(qsl[r + 1] >= qsl[r], "ngram_ids: query_start_loc must be non-decreasing, got ",
+                qsl[r], " then ", qsl[r + 1], " at index ", r);
+  }
+  TORCH_CHECK(qsl[p.num_requests] <= p.num_tokens, "ngram_ids: query_start_loc[R] = ",
+              qsl[p.num_requests], " is past the ", p.num_tokens, " tokens of input_ids");
+  for (int h = 0; h < p.num_heads; ++h) {
+    TORCH_CHECK(p.sizes[h] > 0, "ngram_ids: ngram_heads_vocab_sizes[", h, "] must be positive, got ",
+                p.sizes[h]);
+    TORCH_CHECK(p.offsets[h] >= 0, "ngram_ids: ngram_heads_offsets[", h,
+                "] must be non-negative, got ", p.offsets[h]);
+    TORCH_CHECK(p.offsets[h] <= std::numeric_limits<int64_t>::max() - p.sizes[h],
+                "ngram_ids: ngram_heads_offsets[", h, "] + size overflows int64");
+    if (output_int32) {
+      TORCH_CHECK(p.offsets[h] + p.sizes[h] - 1 <= std::numeric_limits<int32_t>::max(),
+                  "ngram_ids: an int32 output cannot hold head ", h, "'s ids (offset ",
+                  p.offsets[h], " + size ", p.sizes[h], "); use an int64 output");
+    }
+  }
+}
 
 }  // namespace qwen4exp

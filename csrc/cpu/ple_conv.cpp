@@ -35,42 +35,6 @@
 #include "simd.h"
 
 namespace qwen4exp {
-
-// The CPU reads the index data for free, so it rejects what the GPU kernels can only skip (the
-// GPU glue runs this too, on host copies, when debug checks are on: csrc/debug_checks.h).
-void check_ple_conv_values(const PleConvParams& p) {
-  if (p.token_indices.present()) {
-    for (int64_t t = 0; t < p.num_rows; ++t) {
-      const int64_t row = p.token_indices[t];
-      TORCH_CHECK(row >= 0 && row < p.num_physical_rows, "ple_conv: token_indices[", t, "] = ",
-                  row, " is outside the ", p.num_physical_rows, " rows of inputs");
-    }
-  }
-  std::vector<bool> used(p.num_slots, false);
-  for (int64_t r = 0; r < p.num_requests; ++r) {
-    const int64_t slot = p.state_indices[r];
-    TORCH_CHECK(slot >= 0 && slot < p.num_slots, "ple_conv: state_indices[", r, "] = ", slot,
-                " is outside conv_state's ", p.num_slots, " slots");
-    if (slot == kNullSlot) continue;
-    TORCH_CHECK(!used[slot], "ple_conv: state_indices holds slot ", slot,
-                " twice; every live request needs its own slot");
-    used[slot] = true;
-  }
-  if (p.mode == ConvMode::kDecode) return;
-  const IndexView& qsl = p.query_start_loc;
-  TORCH_CHECK(qsl[0] == 0, "ple_conv: query_start_loc[0] must be 0, got ", qsl[0]);
-  for (int64_t r = 0; r < p.num_requests; ++r) {
-    TORCH_CHECK(qsl[r + 1] >= qsl[r], "ple_conv: query_start_loc must be non-decreasing, got ",
-                qsl[r], " then ", qsl[r + 1], " at index ", r);
-    if (p.mode == ConvMode::kSpec) {
-      TORCH_CHECK(qsl[r + 1] - qsl[r] <= p.query_len, "ple_conv: spec request ", r, " has ",
-                  qsl[r + 1] - qsl[r], " tokens, more than spec_query_len = ", p.query_len);
-    }
-  }
-  TORCH_CHECK(qsl[p.num_requests] <= p.num_rows, "ple_conv: query_start_loc[R] = ",
-              qsl[p.num_requests], " is past the ", p.num_rows, " tokens");
-}
-
 namespace {
 
 constexpr int kChunk = 512;

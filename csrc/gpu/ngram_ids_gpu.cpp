@@ -1,13 +1,8 @@
 // Host glue for the HIP ngram_ids kernel: checks -> params -> device guard -> current stream ->
 // launch -> launch check. Compiled by the host compiler against the CUDA runtime headers (and
-// hipified with the rest of the extension on ROCm, where the dispatch key is still CUDA).
-#define QWEN4EXP_GPU_HOST_GLUE 1
-
-// c10's stream and guard headers need only the runtime (ATen/cuda/CUDAContext.h would pull in
-// cuBLAS/cuSPARSE headers that a minimal toolkit lacks).
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/all.h>
+// hipified with the rest of the extension on ROCm, where the dispatch key is still CUDA), and
+// for the SIMT emulator (glue.h).
+#include "glue.h"
 
 #include "../debug_checks.h"
 #include "../hip/ngram_ids.h"
@@ -24,8 +19,8 @@ void ngram_ids_gpu(const at::Tensor& input_ids, const at::Tensor& query_start_lo
   const NgramIdsParams p = check_ngram_ids_args(
       input_ids, query_start_loc, ngram_context, layer_multipliers, ngram_heads_vocab_sizes,
       ngram_heads_offsets, eos_token_id, heads_per_ngram, output);
-  TORCH_CHECK(input_ids.is_cuda(), "ngram_ids: GPU kernel called with ", input_ids.device(),
-              " tensors");
+  TORCH_CHECK(glue::on_kernel_device(input_ids), "ngram_ids: GPU kernel called with ",
+              input_ids.device(), " tensors");
   if (debug_checks_enabled()) {
     NgramIdsParams host = p;
     HostIndexCopies copies;
@@ -37,15 +32,15 @@ void ngram_ids_gpu(const at::Tensor& input_ids, const at::Tensor& query_start_lo
     check_ngram_ids_values(host, output.scalar_type() == at::kInt);
   }
   if (p.num_tokens == 0) return;
-  const c10::cuda::CUDAGuard device_guard(input_ids.device());
-  const hipError_t status = launch_ngram_ids(p, output.scalar_type() == at::kLong,
-                                             c10::cuda::getCurrentCUDAStream());
+  const glue::DeviceGuard device_guard(input_ids.device());
+  const hipError_t status =
+      launch_ngram_ids(p, output.scalar_type() == at::kLong, glue::current_stream());
   TORCH_CHECK(status == hipSuccess, "ngram_ids: kernel launch failed: ", hipGetErrorString(status));
 }
 
 }  // namespace
 }  // namespace qwen4exp
 
-TORCH_LIBRARY_IMPL(qwen4exp, CUDA, m) {
+QWEN4EXP_GLUE_IMPL(m) {
   m.impl("ngram_ids", &qwen4exp::ngram_ids_gpu);
 }

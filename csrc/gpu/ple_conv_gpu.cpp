@@ -1,11 +1,7 @@
 // Host glue for the HIP ple_conv kernels: checks -> params -> device guard -> current stream ->
 // launch -> launch check. The index data stays on the device (reading it would sync the
 // stream); the kernels skip rows whose indices are out of range (csrc/hip/ple_conv.hip).
-#define QWEN4EXP_GPU_HOST_GLUE 1
-
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/all.h>
+#include "glue.h"
 
 #include "../debug_checks.h"
 #include "../hip/ple_conv.h"
@@ -26,7 +22,8 @@ void ple_conv_gpu(const at::Tensor& inputs, const at::Tensor& residual,
       inputs, residual, conv_state, conv_weights, state_indices, outer_residual, std::string(mode),
       dilation, query_start_loc, num_accepted_tokens, has_initial_states, spec_query_len,
       token_indices);
-  TORCH_CHECK(inputs.is_cuda(), "ple_conv: GPU kernel called with ", inputs.device(), " tensors");
+  TORCH_CHECK(glue::on_kernel_device(inputs), "ple_conv: GPU kernel called with ",
+              inputs.device(), " tensors");
   if (debug_checks_enabled()) {
     PleConvParams host = p;
     HostIndexCopies copies;
@@ -45,14 +42,14 @@ void ple_conv_gpu(const at::Tensor& inputs, const at::Tensor& residual,
   if (p.num_rows == 0 && !writes_back) return;
   TORCH_CHECK(p.num_rows <= 0x7fffffff && p.num_requests <= 0x7fffffff,
               "ple_conv: at most 2^31-1 tokens and requests per call");
-  const c10::cuda::CUDAGuard device_guard(inputs.device());
-  const hipError_t status = launch_ple_conv(p, c10::cuda::getCurrentCUDAStream());
+  const glue::DeviceGuard device_guard(inputs.device());
+  const hipError_t status = launch_ple_conv(p, glue::current_stream());
   TORCH_CHECK(status == hipSuccess, "ple_conv: kernel launch failed: ", hipGetErrorString(status));
 }
 
 }  // namespace
 }  // namespace qwen4exp
 
-TORCH_LIBRARY_IMPL(qwen4exp, CUDA, m) {
+QWEN4EXP_GLUE_IMPL(m) {
   m.impl("ple_conv", &qwen4exp::ple_conv_gpu);
 }

@@ -1,11 +1,8 @@
 // Host glue for the HIP ple_gate kernel: checks -> params -> device guard -> current stream ->
 // launch -> launch check. Compiled by the host compiler against the CUDA runtime headers (and
-// hipified with the rest of the extension on ROCm, where the dispatch key is still CUDA).
-#define QWEN4EXP_GPU_HOST_GLUE 1
-
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/all.h>
+// hipified with the rest of the extension on ROCm, where the dispatch key is still CUDA), and
+// for the SIMT emulator (glue.h).
+#include "glue.h"
 
 #include "../hip/ple_gate.h"
 #include "../ple_gate_args.h"
@@ -17,8 +14,8 @@ void run_ple_gate_gpu(const PleGateParams& p, const at::Tensor& hidden) {
   if (p.num_tokens == 0) return;
   TORCH_CHECK(p.num_tokens <= 0x7fffffff, "ple_gate: at most 2^31-1 tokens per call, got ",
               p.num_tokens);
-  const c10::cuda::CUDAGuard device_guard(hidden.device());
-  const hipError_t status = launch_ple_gate(p, c10::cuda::getCurrentCUDAStream());
+  const glue::DeviceGuard device_guard(hidden.device());
+  const hipError_t status = launch_ple_gate(p, glue::current_stream());
   TORCH_CHECK(status == hipSuccess, "ple_gate: kernel launch failed: ", hipGetErrorString(status));
 }
 
@@ -30,7 +27,8 @@ std::tuple<at::Tensor, at::Tensor> ple_gate_gpu(const at::Tensor& key, const at:
                                                 c10::string_view rounding) {
   PleGateParams p = check_ple_gate_args(key, value, hidden, norm_key_w, norm_query_w, norm_conv_w,
                                         eps, std::string(rounding));
-  TORCH_CHECK(hidden.is_cuda(), "ple_gate: GPU kernel called with ", hidden.device(), " tensors");
+  TORCH_CHECK(glue::on_kernel_device(hidden), "ple_gate: GPU kernel called with ",
+              hidden.device(), " tensors");
   auto outputs = allocate_ple_gate_outputs(hidden, p);
   run_ple_gate_gpu(p, hidden);
   return outputs;
@@ -42,7 +40,8 @@ void ple_gate_out_gpu(const at::Tensor& key, const at::Tensor& value, const at::
                       const at::Tensor& gated, const at::Tensor& conv_input) {
   PleGateParams p = check_ple_gate_args(key, value, hidden, norm_key_w, norm_query_w, norm_conv_w,
                                         eps, std::string(rounding));
-  TORCH_CHECK(hidden.is_cuda(), "ple_gate: GPU kernel called with ", hidden.device(), " tensors");
+  TORCH_CHECK(glue::on_kernel_device(hidden), "ple_gate: GPU kernel called with ",
+              hidden.device(), " tensors");
   check_ple_gate_outputs(hidden, gated, conv_input, p);
   run_ple_gate_gpu(p, hidden);
 }
@@ -50,7 +49,7 @@ void ple_gate_out_gpu(const at::Tensor& key, const at::Tensor& value, const at::
 }  // namespace
 }  // namespace qwen4exp
 
-TORCH_LIBRARY_IMPL(qwen4exp, CUDA, m) {
+QWEN4EXP_GLUE_IMPL(m) {
   m.impl("ple_gate", &qwen4exp::ple_gate_gpu);
   m.impl("ple_gate_out", &qwen4exp::ple_gate_out_gpu);
 }

@@ -1,0 +1,45 @@
+// The schemas of the kernel ops, in one place: torch.ops.qwen4exp (csrc/bindings.cpp) and each
+// SIMT emulator library, torch.ops.qwen4exp_simt32/64 (csrc/simt/glue.cpp), define them from here,
+// so the emulated ops cannot differ from the real ones in signature. Backends register their
+// kernels in their own files (TORCH_LIBRARY_IMPL at the end of csrc/cpu/*.cpp and
+// csrc/gpu/*.cpp); the Python door with the fake (meta) implementations is
+// python/qwen4exp_ext/ops.py.
+#pragma once
+
+#include <torch/library.h>
+
+namespace qwen4exp {
+
+inline void define_kernel_ops(torch::Library& m) {
+  // SPEC §3. Writes [T, NH] row ids into `output` (int64, or int32 when every id fits).
+  m.def(
+      "ngram_ids(Tensor input_ids, Tensor query_start_loc, Tensor ngram_context, "
+      "Tensor layer_multipliers, Tensor ngram_heads_vocab_sizes, Tensor ngram_heads_offsets, "
+      "int eos_token_id, int heads_per_ngram, Tensor(a!) output) -> ()");
+  // SPEC §4. Writes [T, NH·d] = the table rows of ids [T, NH] into `output` (fp32/bf16/fp16; an
+  // fp8 table is dequantised with its per-tensor fp32 `scale`). Ids outside [vocab_start,
+  // vocab_end) give zero rows: ids are data, never errors, and never read out of bounds.
+  m.def(
+      "gather_rows(Tensor table, Tensor ids, Tensor? scale, int vocab_start, int vocab_end, "
+      "Tensor(a!) output) -> ()");
+  // SPEC §5. Returns (gated, conv_input), [T, C] in hidden's dtype. rounding "vllm" reproduces
+  // vLLM 0.33.0's rounding points; "fp32" is the fast single pass (fp32 intermediates).
+  m.def(
+      "ple_gate(Tensor key, Tensor value, Tensor hidden, Tensor norm_key_w, Tensor norm_query_w, "
+      "Tensor norm_conv_w, float eps, str rounding=\"vllm\") -> (Tensor, Tensor)");
+  // The same into preallocated [T, C] outputs (row-major views), as vLLM's callers reuse buffers.
+  m.def(
+      "ple_gate_out(Tensor key, Tensor value, Tensor hidden, Tensor norm_key_w, "
+      "Tensor norm_query_w, Tensor norm_conv_w, float eps, str rounding=\"vllm\", *, "
+      "Tensor(a!) gated, Tensor(b!) conv_input) -> ()");
+  // SPEC §6. Writes the activated conv (plus the fused residuals) into `residual` and advances
+  // `conv_state`; conv_mode is "decode", "prefill" or "spec" (vLLM's `mode`: the schema cannot
+  // name an argument `mode`, which torch's functionalization wrappers take for themselves).
+  m.def(
+      "ple_conv(Tensor inputs, Tensor(a!) residual, Tensor(b!) conv_state, Tensor conv_weights, "
+      "Tensor state_indices, Tensor? outer_residual, *, str conv_mode, int dilation, "
+      "Tensor? query_start_loc=None, Tensor? num_accepted_tokens=None, "
+      "Tensor? has_initial_states=None, int spec_query_len=1, Tensor? token_indices=None) -> ()");
+}
+
+}  // namespace qwen4exp

@@ -1,0 +1,32 @@
+// The Python extension module of the SIMT emulator for one wave size (qwen4exp_ext._simt32 or
+// _simt64; setup.py compiles this file once per wave size with QWEN4EXP_SIMT_WAVE_SIZE): the op
+// library torch.ops.qwen4exp_simt<wave size> with the kernel ops' own schemas, implemented for
+// CPU tensors by the GPU build's own host glue, which launches the HIP kernels on the emulator.
+//
+// The four glue files are compiled here in one translation unit rather than four: each includes
+// torch, which is most of a file's compile time. They share no names (each keeps its helpers in
+// an anonymous namespace under a distinct name).
+#include <Python.h>
+
+#include "../gpu/gather_rows_gpu.cpp"
+#include "../gpu/ngram_ids_gpu.cpp"
+#include "../gpu/ple_conv_gpu.cpp"
+#include "../gpu/ple_gate_gpu.cpp"
+#include "../schemas.h"
+
+#define QWEN4EXP_SIMT_LIBRARY_EXPANDED(library, m) TORCH_LIBRARY(library, m)
+QWEN4EXP_SIMT_LIBRARY_EXPANDED(QWEN4EXP_GLUE_LIBRARY, m) { qwen4exp::define_kernel_ops(m); }
+
+#define QWEN4EXP_SIMT_CAT(a, b) a##b
+#define QWEN4EXP_SIMT_PYINIT(wave) QWEN4EXP_SIMT_CAT(PyInit__simt, wave)
+#define QWEN4EXP_SIMT_MODULE_NAME(wave) "_simt" QWEN4EXP_SIMT_STRINGIZE(wave)
+#define QWEN4EXP_SIMT_STRINGIZE(x) QWEN4EXP_SIMT_STRINGIZE2(x)
+#define QWEN4EXP_SIMT_STRINGIZE2(x) #x
+
+// Loading the module registers the ops; it exposes nothing itself (as csrc/bindings.cpp).
+PyMODINIT_FUNC QWEN4EXP_SIMT_PYINIT(QWEN4EXP_SIMT_WAVE_SIZE)(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT,
+                               QWEN4EXP_SIMT_MODULE_NAME(QWEN4EXP_SIMT_WAVE_SIZE), nullptr, -1,
+                               nullptr};
+  return PyModule_Create(&module);
+}
