@@ -7,6 +7,9 @@ One extension module, `qwen4exp_ext._kernels`, whose loading registers torch.ops
 - on a CUDA build of torch with nvcc available, the same HIP sources are compiled by nvcc through
   csrc/hip/platform.h, for TORCH_CUDA_ARCH_LIST (torch's default when unset).
 QWEN4EXP_BUILD_TARGET=auto|cpu|cuda|rocm overrides the choice (auto is the default).
+QWEN4EXP_BUILD_SIMT=1 also builds the SIMT emulator's modules, qwen4exp_ext._simt32 and _simt64:
+the same HIP kernels and GPU host glue, compiled by the host C++ compiler against csrc/simt/ for
+32- and 64-wide waves, run on CPU tensors (tests and debugging; default 0).
 
 Install with `pip install --no-build-isolation .` (or `-e .`) so that the kernels build against
 the torch already installed, not a fresh download.
@@ -92,24 +95,68 @@ def cuda_archs() -> list[str]:
     return sorted({f.split("code=")[-1] for f in flags if "code=" in f})
 
 
-def nvcc_shims(hip_sources: list[str]) -> list[str]:
-    """One-line .cu files that #include each HIP kernel, so nvcc compiles the HIP source as is.
-
-    torch's build dispatches to nvcc by file extension (.cu); the shims live in build/ and carry no
-    code of their own.
+def shims(sources: list[str], folder: str, suffix: str) -> list[str]:
+    """One-line files that #include each source, so that a compiler chosen by file extension
+    (nvcc for .cu, the C++ compiler for .cpp) builds the source as it is, and so that one source
+    can go into two extensions with objects of their own. They live in build/ and carry no code.
     """
-    shim_dir = os.path.join(ROOT, "build", "nvcc_shims")
+    shim_dir = os.path.join(ROOT, "build", folder)
     os.makedirs(shim_dir, exist_ok=True)
-    shims = []
-    for src in hip_sources:
+    made = []
+    for src in sources:
         name = os.path.splitext(os.path.basename(src))[0]
-        shim = os.path.join(shim_dir, f"{name}.cu")
+        shim = os.path.join(shim_dir, f"{name}{suffix}")
         text = f'#include "{os.path.abspath(src)}"\n'
         if not os.path.exists(shim) or open(shim).read() != text:
             with open(shim, "w") as f:
                 f.write(text)
-        shims.append(rel(shim))
-    return shims
+        made.append(rel(shim))
+    return made
+
+
+SIMT_WAVE_SIZES = (32, 64)
+
+
+def build_simt() -> bool:
+    value = os.environ.get("QWEN4EXP_BUILD_SIMT", "0").strip()
+    if value not in ("0", "1"):
+        sys.exit(f"QWEN4EXP_BUILD_SIMT must be 0 or 1; got {value!r}")
+    return value == "1"
+
+
+def simt_extensions(
+    cpp_extension, hip_sources: list[str], opt: list[str], sanitize: list[str], link: list[str]
+):
+    """qwen4exp_ext._simt32 and _simt64: the HIP kernels, the SIMT runtime and the GPU host glue
+    (csrc/simt/glue.cpp), built by the host C++ compiler for one wave size each.
+
+    -fvisibility=hidden keeps each module's helpers to itself: the kernels' shared helpers take
+    their device branch here, and must never bind to the CPU kernels' host versions (or to the
+    other wave size's) of the same inline functions. No a·b+c is contracted into an FMA, as on the
+    GPUs (setup.py's device flags). `#pragma unroll` is the GPU compilers' and means nothing here.
+    """
+    simt_sources = [os.path.join(CSRC, "simt", f) for f in ("runtime.cpp", "glue.cpp")]
+    extensions = []
+    for wave in SIMT_WAVE_SIZES:
+        flags = [
+            *opt,
+            *sanitize,
+            "-fvisibility=hidden",
+            "-ffp-contract=off",
+            "-Wno-unknown-pragmas",
+            f"-DQWEN4EXP_SIMT_WAVE_SIZE={wave}",
+        ]
+        extensions.append(
+            cpp_extension.CppExtension(
+                f"qwen4exp_ext._simt{wave}",
+                shims(hip_sources + simt_sources, f"simt_shims/wave{wave}", ".cpp"),
+                include_dirs=[CSRC],
+                extra_compile_args={"cxx": flags},
+                extra_link_args=link,
+                py_limited_api=True,
+            )
+        )
+    return extensions
 
 
 def build_extension():
@@ -137,16 +184,24 @@ def build_extension():
         opt = ["-O1", "-g"]
     else:
         opt = ["-O3"]
-    # torch adds -DPy_LIMITED_API itself for py_limited_api=True extensions.
-    cxx_flags = [*opt, "-fopenmp"]
+    sanitize_cxx = []
     if sanitize:
-        cxx_flags += [
+        sanitize_cxx = [
             *sanitize_flags,
             "-fno-sanitize-recover=all",
             "-fno-omit-frame-pointer",
             "-fno-wrapv",
         ]
-    info = {"target": target, "backends": ["cpu"], "torch": torch.__version__, "gpu_archs": []}
+    # torch adds -DPy_LIMITED_API itself for py_limited_api=True extensions.
+    cxx_flags = [*opt, "-fopenmp", *sanitize_cxx]
+    simt = build_simt()
+    info = {
+        "target": target,
+        "backends": ["cpu"],
+        "torch": torch.__version__,
+        "gpu_archs": [],
+        "simt_wave_sizes": list(SIMT_WAVE_SIZES) if simt else [],
+    }
     if sanitize:
         info["sanitize"] = sanitize
 
@@ -165,10 +220,10 @@ def build_extension():
             info["gpu_archs"] = cuda_archs()
             info["backends"].append("cuda")
             info["cuda"] = torch.version.cuda
-            sources += nvcc_shims(hip_sources) + [rel(s) for s in gpu_glue]
+            sources += shims(hip_sources, "nvcc_shims", ".cu") + [rel(s) for s in gpu_glue]
             extra = {
                 "cxx": cxx_flags,
-                "nvcc": opt + ["--expt-relaxed-constexpr", "-lineinfo"],
+                "nvcc": [*opt, "--expt-relaxed-constexpr", "-lineinfo"],
             }
     info_json = json.dumps(info, sort_keys=True)
     define = f"-DQWEN4EXP_BUILD_INFO_JSON={json.dumps(info_json)}"
@@ -182,13 +237,16 @@ def build_extension():
         extra_link_args=["-fopenmp", *sanitize_flags],
         py_limited_api=True,
     )
-    return ext, cpp_extension.BuildExtension
+    extensions = [ext]
+    if simt:
+        extensions += simt_extensions(cpp_extension, hip_sources, opt, sanitize_cxx, sanitize_flags)
+    return extensions, cpp_extension.BuildExtension
 
 
 def main() -> None:
-    ext, build_ext = build_extension()
+    extensions, build_ext = build_extension()
     setup(
-        ext_modules=[ext],
+        ext_modules=extensions,
         cmdclass={"build_ext": build_ext},
         options={"bdist_wheel": {"py_limited_api": "cp310"}},
     )

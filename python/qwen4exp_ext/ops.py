@@ -2,6 +2,11 @@
 
 Each public function here has the signature users (and vLLM) call; each op also has a fake
 implementation, so the ops trace under torch.compile and capture in CUDA graphs.
+
+The doors are the methods of :class:`KernelOps`, bound here to the kernels' own library
+``torch.ops.qwen4exp``; :func:`qwen4exp_ext.simt.ops` binds the same doors to the SIMT emulator's
+libraries (the HIP kernels run on the CPU), so both take the same arguments and raise the same
+errors.
 """
 
 from __future__ import annotations
@@ -10,11 +15,18 @@ import math
 
 import torch
 
-__all__ = ["ngram_ids"]
+__all__ = [
+    "KernelOps",
+    "cpu_gather_stream_bytes",
+    "gather_rows",
+    "ngram_ids",
+    "ple_conv",
+    "ple_gate",
+]
 
-# Resolved once: looking an overload up through torch.ops costs a few microseconds per call, which
-# is a visible share of a decode step's hashing.
-_ngram_ids_op = torch.ops.qwen4exp.ngram_ids.default
+_FP8_TABLE_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+_GATHER_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_same_device(op: str, **tensors: torch.Tensor) -> None:
@@ -26,47 +38,225 @@ def _check_same_device(op: str, **tensors: torch.Tensor) -> None:
             )
 
 
-def ngram_ids(
-    input_ids: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    ngram_context: torch.Tensor,
-    layer_multipliers: torch.Tensor,
-    ngram_heads_vocab_sizes: torch.Tensor,
-    ngram_heads_offsets: torch.Tensor,
-    eos_token_id: int,
-    heads_per_ngram: int,
-    output: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Hashed n-gram row ids, SPEC.md §3 (same signature and result as vLLM's ``ple_ngram_ids``).
+class KernelOps:
+    """The typed doors to one library of the kernel ops (the schemas of csrc/schemas.h).
 
-    input_ids [T] (int32/int64, any shape is flattened), query_start_loc [R+1], ngram_context
-    [R, N-1] (the N-1 tokens before each request's chunk, oldest first), layer_multipliers [N],
-    ngram_heads_vocab_sizes and ngram_heads_offsets [NH] int64 with NH = (N-1)·heads_per_ngram.
-    Returns ``output`` ([T, NH], int64 unless an int32 ``output`` is passed).
+    ``KernelOps("qwen4exp")`` is this module's ``ngram_ids``, ``gather_rows``, ``ple_gate`` and
+    ``ple_conv``; the SIMT emulator's libraries are ``qwen4exp_simt32`` and ``qwen4exp_simt64``.
     """
-    if input_ids.dim() != 1:
-        input_ids = input_ids.reshape(-1)
-    if output is None:
-        output = torch.empty(
-            (input_ids.numel(), ngram_context.shape[-1] * heads_per_ngram),
-            dtype=torch.int64,
-            device=input_ids.device,
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        library = getattr(torch.ops, namespace)
+        # Resolved once: looking an overload up through torch.ops costs a few microseconds per
+        # call, which is a visible share of a decode step's hashing.
+        self._ngram_ids_op = library.ngram_ids.default
+        self._gather_rows_op = library.gather_rows.default
+        self._ple_gate_op = library.ple_gate.default
+        self._ple_gate_out_op = library.ple_gate_out.default
+        self._ple_conv_op = library.ple_conv.default
+        _register_fakes(namespace)
+
+    def __repr__(self) -> str:
+        return f"KernelOps({self.namespace!r})"
+
+    def ngram_ids(
+        self,
+        input_ids: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        ngram_context: torch.Tensor,
+        layer_multipliers: torch.Tensor,
+        ngram_heads_vocab_sizes: torch.Tensor,
+        ngram_heads_offsets: torch.Tensor,
+        eos_token_id: int,
+        heads_per_ngram: int,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hashed n-gram row ids, SPEC.md §3 (vLLM's ``ple_ngram_ids``: same signature, result).
+
+        input_ids [T] (int32/int64, any shape is flattened), query_start_loc [R+1], ngram_context
+        [R, N-1] (the N-1 tokens before each request's chunk, oldest first), layer_multipliers [N],
+        ngram_heads_vocab_sizes and ngram_heads_offsets [NH] int64 with NH = (N-1)·heads_per_ngram.
+        Returns ``output`` ([T, NH], int64 unless an int32 ``output`` is passed).
+        """
+        if input_ids.dim() != 1:
+            input_ids = input_ids.reshape(-1)
+        if output is None:
+            output = torch.empty(
+                (input_ids.numel(), ngram_context.shape[-1] * heads_per_ngram),
+                dtype=torch.int64,
+                device=input_ids.device,
+            )
+        self._ngram_ids_op(
+            input_ids,
+            query_start_loc,
+            ngram_context,
+            layer_multipliers,
+            ngram_heads_vocab_sizes,
+            ngram_heads_offsets,
+            int(eos_token_id),
+            int(heads_per_ngram),
+            output,
         )
-    _ngram_ids_op(
-        input_ids,
-        query_start_loc,
-        ngram_context,
-        layer_multipliers,
-        ngram_heads_vocab_sizes,
-        ngram_heads_offsets,
-        int(eos_token_id),
-        int(heads_per_ngram),
-        output,
-    )
-    return output
+        return output
+
+    def gather_rows(
+        self,
+        table: torch.Tensor,
+        ids: torch.Tensor,
+        *,
+        scale: torch.Tensor | float | None = None,
+        vocab_start: int = 0,
+        vocab_end: int | None = None,
+        out_dtype: torch.dtype | None = None,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Embedding rows of every head of every token, concatenated — SPEC.md §4.
+
+        ``table`` [rows, d] in fp32/bf16/fp16/float8_e4m3fn/float8_e4m3fnuz (rows contiguous;
+        fp8 needs the per-tensor fp32 ``scale``, best passed as a 1-element tensor on the table's
+        device), ``ids`` [..., NH] int32/int64 → [..., NH·d] in ``out_dtype`` (default: the
+        table's dtype, bf16 for fp8; or ``output``'s dtype). This table owns global ids
+        [vocab_start, vocab_end) (default vocab_start + rows) and reads table[id - vocab_start]
+        for them; every other id gives a zero row, so no id value ever reads out of bounds. A
+        CUDA/ROCm ``table`` may be the GPU view of pinned host memory
+        (:func:`qwen4exp_ext.host_table.device_view`): read zero-copy over PCIe.
+
+        On the CPU an output of at least :func:`cpu_gather_stream_bytes` bytes (a prefill) is
+        written with streaming stores, rows read in table order: it bypasses the cache, which it
+        would not fit in anyway. Same values either way.
+        """
+        if table.dim() != 2:
+            raise ValueError(
+                f"gather_rows: table must be 2-D [rows, d], got shape {tuple(table.shape)}"
+            )
+        if ids.dim() < 1:
+            raise ValueError("gather_rows: ids must be [..., NH], got a 0-d tensor")
+        rows, width = table.shape
+        num_heads = ids.shape[-1]
+        if out_dtype is None:
+            if output is not None:
+                out_dtype = output.dtype
+            else:
+                out_dtype = torch.bfloat16 if table.dtype in _FP8_TABLE_DTYPES else table.dtype
+        elif output is not None and output.dtype != out_dtype:
+            raise ValueError(f"gather_rows: output is {output.dtype} but out_dtype is {out_dtype}")
+        if vocab_end is None:
+            vocab_end = vocab_start + rows
+        if scale is not None and not isinstance(scale, torch.Tensor):
+            scale = torch.tensor([float(scale)], dtype=torch.float32, device=table.device)
+        # Explicit token counts, not -1: with NH·d == 0 a -1 in a reshape/view is ambiguous.
+        num_tokens = math.prod(ids.shape[:-1])
+        ids2 = ids if ids.dim() == 2 else ids.reshape(num_tokens, num_heads)
+        out_shape = (*ids.shape[:-1], num_heads * width)
+        if output is None:
+            output = torch.empty(out_shape, dtype=out_dtype, device=table.device)
+        elif tuple(output.shape) != out_shape:
+            raise ValueError(
+                f"gather_rows: output must be {list(out_shape)} = [..., NH·d], "
+                f"got {list(output.shape)}"
+            )
+        out2 = output if output.dim() == 2 else output.view(num_tokens, num_heads * width)
+        self._gather_rows_op(table, ids2, scale, int(vocab_start), int(vocab_end), out2)
+        return output
+
+    def ple_gate(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        hidden: torch.Tensor,
+        norm_key_w: torch.Tensor,
+        norm_query_w: torch.Tensor,
+        norm_conv_w: torch.Tensor,
+        eps: float,
+        *,
+        rounding: str = "vllm",
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context-aware gate of every hyper-connection stream, SPEC.md §5 (vLLM's ``ple_gate``).
+
+        key [T, C] and value [T, H] (row-major views, e.g. column slices of one [T, C+H]
+        projection), hidden [T, C], norm weights [C] (fp32 or the activations' dtype), activations
+        fp32/bf16/fp16. Returns (gated, conv_input), [T, C] contiguous in hidden's dtype.
+
+        ``rounding="vllm"`` (default) rounds to the storage dtype where vLLM 0.33.0's kernel does
+        (normed key and query, products, dot, d, |d|^½, g, gated): fp16 results equal vLLM's kernel
+        bit for bit (as run by Triton's interpreter). ``rounding="fp32"`` is the fast single pass:
+        fp32 intermediates, one fused weight (1+w_q)(1+w_k), one Σvalue² per token for all streams;
+        its tolerance against the fp32 reference is stated and tested in tests/test_ple_gate.py.
+
+        ``out=(gated, conv_input)`` writes into preallocated [T, C] row-major views instead of new
+        tensors (and returns them), as vLLM's callers reuse buffers.
+        """
+        if out is None:
+            return self._ple_gate_op(
+                key, value, hidden, norm_key_w, norm_query_w, norm_conv_w, float(eps), rounding
+            )
+        gated, conv_input = out
+        self._ple_gate_out_op(
+            key,
+            value,
+            hidden,
+            norm_key_w,
+            norm_query_w,
+            norm_conv_w,
+            float(eps),
+            rounding,
+            gated=gated,
+            conv_input=conv_input,
+        )
+        return gated, conv_input
+
+    def ple_conv(
+        self,
+        inputs: torch.Tensor,
+        residual: torch.Tensor,
+        conv_state: torch.Tensor,
+        conv_weights: torch.Tensor,
+        state_indices: torch.Tensor,
+        outer_residual: torch.Tensor | None,
+        *,
+        mode: str,
+        dilation: int,
+        query_start_loc: torch.Tensor | None = None,
+        num_accepted_tokens: torch.Tensor | None = None,
+        has_initial_states: torch.Tensor | None = None,
+        spec_query_len: int = 1,
+        token_indices: torch.Tensor | None = None,
+    ) -> None:
+        """Dilated causal depthwise conv + SiLU with per-request state, SPEC.md §6 (vLLM's
+        ``ple_conv``, same signature and results). Mutates ``residual`` and ``conv_state``.
+
+        inputs/residual/outer_residual [T, C] (row-major views), conv_state [slots, C, W] with any
+        strides (vLLM's window-first or dim-first storage), conv_weights [C, K] (fp32 or the
+        inputs' dtype), K <= 8, dilation <= 8, mode "decode" | "prefill" | "spec". Slot 0 is the
+        null slot (never read or written). With ``outer_residual``: residual <- round(round(residual
+        + round(y)) + outer_residual); without: residual <- y. ``query_start_loc`` starts at 0 and
+        never decreases. On CPU, out-of-range slots, token indices or query starts raise before
+        anything is written; on a GPU (where the host cannot see the data) such rows are skipped:
+        their state is left alone and nothing is read out of bounds (with
+        :func:`qwen4exp_ext.debug_checks` the GPU raises the CPU's error instead).
+        """
+        self._ple_conv_op(
+            inputs,
+            residual,
+            conv_state,
+            conv_weights,
+            state_indices,
+            outer_residual,
+            conv_mode=mode,
+            dilation=int(dilation),
+            query_start_loc=query_start_loc,
+            num_accepted_tokens=num_accepted_tokens,
+            has_initial_states=has_initial_states,
+            spec_query_len=int(spec_query_len),
+            token_indices=token_indices,
+        )
 
 
-@torch.library.register_fake("qwen4exp::ngram_ids")
+# ---- fake (meta) implementations: shape and device rules for tracing --------------------------
+
+
 def _ngram_ids_fake(
     input_ids: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -99,64 +289,42 @@ def _ngram_ids_fake(
     return None
 
 
-# ---- ple_gate (SPEC §5) and ple_conv (SPEC §6) -------------------------------------------------
-
-__all__ += ["ple_conv", "ple_gate"]
-
-_ple_gate_op = torch.ops.qwen4exp.ple_gate.default
-_ple_gate_out_op = torch.ops.qwen4exp.ple_gate_out.default
-_ple_conv_op = torch.ops.qwen4exp.ple_conv.default
-_PLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def ple_gate(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    hidden: torch.Tensor,
-    norm_key_w: torch.Tensor,
-    norm_query_w: torch.Tensor,
-    norm_conv_w: torch.Tensor,
-    eps: float,
-    *,
-    rounding: str = "vllm",
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Context-aware gate of every hyper-connection stream, SPEC.md §5 (vLLM's ``ple_gate``).
-
-    key [T, C] and value [T, H] (row-major views, e.g. column slices of one [T, C+H]
-    projection), hidden [T, C], norm weights [C] (fp32 or the activations' dtype), activations
-    fp32/bf16/fp16. Returns (gated, conv_input), [T, C] contiguous in hidden's dtype.
-
-    ``rounding="vllm"`` (default) rounds to the storage dtype where vLLM 0.33.0's kernel does
-    (normed key and query, products, dot, d, |d|^½, g, gated): fp16 results equal vLLM's kernel
-    bit for bit (as run by Triton's interpreter). ``rounding="fp32"`` is the fast single pass:
-    fp32 intermediates, one fused weight (1+w_q)(1+w_k), one Σvalue² per token for all streams;
-    its tolerance against the fp32 reference is stated and tested in tests/test_ple_gate.py.
-
-    ``out=(gated, conv_input)`` writes into preallocated [T, C] row-major views instead of new
-    tensors (and returns them), as vLLM's callers reuse buffers.
-    """
-    if out is None:
-        return _ple_gate_op(
-            key, value, hidden, norm_key_w, norm_query_w, norm_conv_w, float(eps), rounding
-        )
-    gated, conv_input = out
-    _ple_gate_out_op(
-        key,
-        value,
-        hidden,
-        norm_key_w,
-        norm_query_w,
-        norm_conv_w,
-        float(eps),
-        rounding,
-        gated=gated,
-        conv_input=conv_input,
+def _gather_rows_fake(
+    table: torch.Tensor,
+    ids: torch.Tensor,
+    scale: torch.Tensor | None,
+    vocab_start: int,
+    vocab_end: int,
+    output: torch.Tensor,
+) -> None:
+    tensors = {"table": table, "ids": ids, "output": output}
+    if scale is not None:
+        tensors["scale"] = scale
+    _check_same_device("gather_rows", **tensors)
+    torch._check(table.dim() == 2, lambda: "gather_rows: table must be 2-D [rows, d]")
+    torch._check(ids.dim() == 2, lambda: "gather_rows: ids must be 2-D [T, NH]")
+    torch._check(
+        ids.dtype in (torch.int32, torch.int64), lambda: "gather_rows: ids must be int32 or int64"
     )
-    return gated, conv_input
+    torch._check(
+        output.shape == (ids.shape[0], ids.shape[1] * table.shape[1]),
+        lambda: "gather_rows: output must be [T, NH·d]",
+    )
+    torch._check(
+        output.dtype in _GATHER_OUT_DTYPES,
+        lambda: "gather_rows: output must be float32, bfloat16 or float16",
+    )
+    torch._check(
+        (scale is not None) == (table.dtype in _FP8_TABLE_DTYPES),
+        lambda: "gather_rows: fp8 tables need a scale, other tables take none",
+    )
+    torch._check(
+        0 <= vocab_start <= vocab_end and vocab_end - vocab_start <= table.shape[0],
+        lambda: "gather_rows: shard [vocab_start, vocab_end) does not fit the table",
+    )
+    return None
 
 
-@torch.library.register_fake("qwen4exp::ple_gate")
 def _ple_gate_fake(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -194,7 +362,6 @@ def _ple_gate_fake(
     return hidden.new_empty(hidden.shape), hidden.new_empty(hidden.shape)
 
 
-@torch.library.register_fake("qwen4exp::ple_gate_out")
 def _ple_gate_out_fake(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -218,53 +385,6 @@ def _ple_gate_out_fake(
     return None
 
 
-def ple_conv(
-    inputs: torch.Tensor,
-    residual: torch.Tensor,
-    conv_state: torch.Tensor,
-    conv_weights: torch.Tensor,
-    state_indices: torch.Tensor,
-    outer_residual: torch.Tensor | None,
-    *,
-    mode: str,
-    dilation: int,
-    query_start_loc: torch.Tensor | None = None,
-    num_accepted_tokens: torch.Tensor | None = None,
-    has_initial_states: torch.Tensor | None = None,
-    spec_query_len: int = 1,
-    token_indices: torch.Tensor | None = None,
-) -> None:
-    """Dilated causal depthwise conv + SiLU with per-request state, SPEC.md §6 (vLLM's
-    ``ple_conv``, same signature and results). Mutates ``residual`` and ``conv_state``.
-
-    inputs/residual/outer_residual [T, C] (row-major views), conv_state [slots, C, W] with any
-    strides (vLLM's window-first or dim-first storage), conv_weights [C, K] (fp32 or the
-    inputs' dtype), K <= 8, dilation <= 8, mode "decode" | "prefill" | "spec". Slot 0 is the
-    null slot (never read or written). With ``outer_residual``: residual <- round(round(residual
-    + round(y)) + outer_residual); without: residual <- y. ``query_start_loc`` starts at 0 and
-    never decreases. On CPU, out-of-range slots, token indices or query starts raise before
-    anything is written; on a GPU (where the host cannot see the data) such rows are skipped:
-    their state is left alone and nothing is read out of bounds (with
-    :func:`qwen4exp_ext.debug_checks` the GPU raises the CPU's error instead).
-    """
-    _ple_conv_op(
-        inputs,
-        residual,
-        conv_state,
-        conv_weights,
-        state_indices,
-        outer_residual,
-        conv_mode=mode,
-        dilation=int(dilation),
-        query_start_loc=query_start_loc,
-        num_accepted_tokens=num_accepted_tokens,
-        has_initial_states=has_initial_states,
-        spec_query_len=int(spec_query_len),
-        token_indices=token_indices,
-    )
-
-
-@torch.library.register_fake("qwen4exp::ple_conv")
 def _ple_conv_fake(
     inputs: torch.Tensor,
     residual: torch.Tensor,
@@ -311,71 +431,30 @@ def _ple_conv_fake(
     return None
 
 
-# ---- gather_rows (SPEC §4) -------------------------------------------------------------------
+_FAKES = {
+    "ngram_ids": _ngram_ids_fake,
+    "gather_rows": _gather_rows_fake,
+    "ple_gate": _ple_gate_fake,
+    "ple_gate_out": _ple_gate_out_fake,
+    "ple_conv": _ple_conv_fake,
+}
+_faked: set[str] = set()
 
-__all__ += ["cpu_gather_stream_bytes", "gather_rows"]
 
-_gather_rows_op = torch.ops.qwen4exp.gather_rows.default
-_FP8_TABLE_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
-_GATHER_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+def _register_fakes(namespace: str) -> None:
+    """The same fakes for every library of the kernel ops, once per library."""
+    if namespace in _faked:
+        return
+    for name, fake in _FAKES.items():
+        torch.library.register_fake(f"{namespace}::{name}", fake)
+    _faked.add(namespace)
 
 
-def gather_rows(
-    table: torch.Tensor,
-    ids: torch.Tensor,
-    *,
-    scale: torch.Tensor | float | None = None,
-    vocab_start: int = 0,
-    vocab_end: int | None = None,
-    out_dtype: torch.dtype | None = None,
-    output: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Embedding rows of every head of every token, concatenated — SPEC.md §4.
-
-    ``table`` [rows, d] in fp32/bf16/fp16/float8_e4m3fn/float8_e4m3fnuz (rows contiguous; fp8
-    needs the per-tensor fp32 ``scale``, best passed as a 1-element tensor on the table's device),
-    ``ids`` [..., NH] int32/int64 → [..., NH·d] in ``out_dtype`` (default: the table's dtype, bf16
-    for fp8; or ``output``'s dtype). This table owns global ids [vocab_start, vocab_end) (default
-    vocab_start + rows) and reads table[id - vocab_start] for them; every other id gives a zero
-    row, so no id value ever reads out of bounds. A CUDA/ROCm ``table`` may be the GPU view of
-    pinned host memory (:func:`qwen4exp_ext.host_table.device_view`): read zero-copy over PCIe.
-
-    On the CPU an output of at least :func:`cpu_gather_stream_bytes` bytes (a prefill) is written
-    with streaming stores, rows read in table order: it bypasses the cache, which it would not
-    fit in anyway. Same values either way.
-    """
-    if table.dim() != 2:
-        raise ValueError(
-            f"gather_rows: table must be 2-D [rows, d], got shape {tuple(table.shape)}"
-        )
-    if ids.dim() < 1:
-        raise ValueError("gather_rows: ids must be [..., NH], got a 0-d tensor")
-    rows, width = table.shape
-    num_heads = ids.shape[-1]
-    if out_dtype is None:
-        if output is not None:
-            out_dtype = output.dtype
-        else:
-            out_dtype = torch.bfloat16 if table.dtype in _FP8_TABLE_DTYPES else table.dtype
-    elif output is not None and output.dtype != out_dtype:
-        raise ValueError(f"gather_rows: output is {output.dtype} but out_dtype is {out_dtype}")
-    if vocab_end is None:
-        vocab_end = vocab_start + rows
-    if scale is not None and not isinstance(scale, torch.Tensor):
-        scale = torch.tensor([float(scale)], dtype=torch.float32, device=table.device)
-    # Explicit token counts, not -1: with NH·d == 0 a -1 in a reshape/view is ambiguous.
-    num_tokens = math.prod(ids.shape[:-1])
-    ids2 = ids if ids.dim() == 2 else ids.reshape(num_tokens, num_heads)
-    out_shape = (*ids.shape[:-1], num_heads * width)
-    if output is None:
-        output = torch.empty(out_shape, dtype=out_dtype, device=table.device)
-    elif tuple(output.shape) != out_shape:
-        raise ValueError(
-            f"gather_rows: output must be {list(out_shape)} = [..., NH·d], got {list(output.shape)}"
-        )
-    out2 = output if output.dim() == 2 else output.view(num_tokens, num_heads * width)
-    _gather_rows_op(table, ids2, scale, int(vocab_start), int(vocab_end), out2)
-    return output
+_kernels = KernelOps("qwen4exp")
+ngram_ids = _kernels.ngram_ids
+gather_rows = _kernels.gather_rows
+ple_gate = _kernels.ple_gate
+ple_conv = _kernels.ple_conv
 
 
 CPU_GATHER_STREAM_BYTES_ENV = "QWEN4EXP_CPU_GATHER_STREAM_BYTES"
@@ -387,40 +466,3 @@ def cpu_gather_stream_bytes() -> int:
     (it needs AVX-512). Default: the last-level cache size; ``QWEN4EXP_CPU_GATHER_STREAM_BYTES``
     in the environment overrides it (0: every call streams), read on every call."""
     return int(torch.ops.qwen4exp.cpu_gather_stream_bytes())
-
-
-@torch.library.register_fake("qwen4exp::gather_rows")
-def _gather_rows_fake(
-    table: torch.Tensor,
-    ids: torch.Tensor,
-    scale: torch.Tensor | None,
-    vocab_start: int,
-    vocab_end: int,
-    output: torch.Tensor,
-) -> None:
-    tensors = {"table": table, "ids": ids, "output": output}
-    if scale is not None:
-        tensors["scale"] = scale
-    _check_same_device("gather_rows", **tensors)
-    torch._check(table.dim() == 2, lambda: "gather_rows: table must be 2-D [rows, d]")
-    torch._check(ids.dim() == 2, lambda: "gather_rows: ids must be 2-D [T, NH]")
-    torch._check(
-        ids.dtype in (torch.int32, torch.int64), lambda: "gather_rows: ids must be int32 or int64"
-    )
-    torch._check(
-        output.shape == (ids.shape[0], ids.shape[1] * table.shape[1]),
-        lambda: "gather_rows: output must be [T, NH·d]",
-    )
-    torch._check(
-        output.dtype in _GATHER_OUT_DTYPES,
-        lambda: "gather_rows: output must be float32, bfloat16 or float16",
-    )
-    torch._check(
-        (scale is not None) == (table.dtype in _FP8_TABLE_DTYPES),
-        lambda: "gather_rows: fp8 tables need a scale, other tables take none",
-    )
-    torch._check(
-        0 <= vocab_start <= vocab_end and vocab_end - vocab_start <= table.shape[0],
-        lambda: "gather_rows: shard [vocab_start, vocab_end) does not fit the table",
-    )
-    return None

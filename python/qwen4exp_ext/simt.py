@@ -1,0 +1,50 @@
+"""The GPU kernels run on the CPU: the SIMT emulator (csrc/simt), for tests and debugging.
+
+``simt.ops(64)`` (CDNA's 64-wide waves) and ``simt.ops(32)`` (RDNA's and NVIDIA's) return the
+four kernel ops with exactly :mod:`qwen4exp_ext.ops`' signatures, argument checks and errors, for
+CPU tensors; each call runs the HIP kernel of ``csrc/hip`` through the GPU build's own host glue
+and launcher, on an emulated GPU: the threads of a block are fibers that meet at
+``__syncthreads`` and wave shuffles, lanes run in a seeded shuffled order, and shared memory
+starts as 0xFF bytes. Like a GPU, it reads index data only on the device: bad
+``query_start_loc``/slot/token indices are skipped rather than rejected, unless
+:func:`qwen4exp_ext.debug_checks` is on. Its ops live in their own libraries,
+``torch.ops.qwen4exp_simt32`` and ``torch.ops.qwen4exp_simt64``.
+
+It is slow (every thread is a fiber) and proves indexing, barriers, shuffles, bounds and wave-size
+independence; not timing, the GPU memory model, or the device compiler's float code (README, "How
+the GPU kernels are tested without a GPU"). Built when ``QWEN4EXP_BUILD_SIMT=1``; the lane order
+seed is ``QWEN4EXP_SIMT_SEED`` (read at load, default 0).
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import cache
+
+from .ops import KernelOps
+
+__all__ = ["WAVE_SIZES", "available", "ops"]
+
+WAVE_SIZES = (32, 64)
+
+
+def available() -> tuple[int, ...]:
+    """The wave sizes this build has an emulator for (empty unless built with
+    ``QWEN4EXP_BUILD_SIMT=1``)."""
+    from . import build_info
+
+    return tuple(build_info().get("simt_wave_sizes", ()))
+
+
+@cache
+def ops(wave_size: int) -> KernelOps:
+    """The kernel ops of the HIP kernels emulated with ``wave_size``-wide waves (32 or 64)."""
+    if wave_size not in WAVE_SIZES:
+        raise ValueError(f"simt.ops: wave_size must be one of {WAVE_SIZES}, got {wave_size!r}")
+    if wave_size not in available():
+        raise RuntimeError(
+            "simt.ops: this qwen4exp_ext was built without the SIMT emulator; rebuild with "
+            "QWEN4EXP_BUILD_SIMT=1 (e.g. QWEN4EXP_BUILD_SIMT=1 pip install --no-build-isolation .)"
+        )
+    importlib.import_module(f"qwen4exp_ext._simt{wave_size}")  # registers its op library
+    return KernelOps(f"qwen4exp_simt{wave_size}")
