@@ -40,8 +40,6 @@ void ple_conv_gpu(const at::Tensor& inputs, const at::Tensor& residual,
   }
   const bool writes_back = p.mode != ConvMode::kDecode && p.num_requests > 0;
   if (p.num_rows == 0 && !writes_back) return;
-  TORCH_CHECK(p.num_rows <= 0x7fffffff && p.num_requests <= 0x7fffffff,
-              "ple_conv: at most 2^31-1 tokens and requests per call");
   const glue::DeviceGuard device_guard(inputs.device());
   const hipError_t status = launch_ple_conv(p, glue::current_stream());
   TORCH_CHECK(status == hipSuccess, "ple_conv: kernel launch failed: ", hipGetErrorString(status));

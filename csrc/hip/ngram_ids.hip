@@ -1,8 +1,8 @@
 // HIP kernel for ngram_ids (SPEC.md §3). Compiled by hipcc for AMD and by nvcc (through
 // platform.h) for NVIDIA.
 //
-// One thread per output element (token t, head h), with consecutive heads in consecutive threads,
-// so the [T, NH] output is written fully coalesced. The NH threads of a token recompute its
+// One thread per output element (token t, head h; a thread takes several past 2^24 elements),
+// with consecutive heads in consecutive threads, so the [T, NH] output is written fully coalesced. The NH threads of a token recompute its
 // request and window; those reads hit the same cache lines and cost far less than the strided
 // stores a thread-per-token layout would need. Each block first turns the NH head sizes into
 // fast-modulo constants in shared memory (fast_divmod.h), so no thread ever runs a 64-bit
@@ -13,22 +13,13 @@ namespace qwen4exp {
 namespace {
 
 constexpr int kThreadsPerBlock = 256;
+// Grids past this many blocks loop (ROCm counts a grid in threads, in 32 bits).
+constexpr int64_t kMaxBlocks = int64_t{1} << 16;
 
-// kMaxContext: N-1 for the common orders (the window then stays in registers), or the largest
-// supported context for the rest.
+// The id of one (token, head) element of the output.
 template <typename OutT, int kMaxContext>
-__global__ void __launch_bounds__(kThreadsPerBlock) ngram_ids_kernel(NgramIdsParams p) {
-  QWEN4EXP_DYNAMIC_SHARED(FastDivmodU64, head_mod);
-  for (int h = threadIdx.x; h < p.num_heads; h += blockDim.x) {
-    const int64_t size = p.sizes[h];
-    // A non-positive size cannot come from a valid layout; the CPU path rejects it. Here the
-    // head's ids become -1, which every gather treats as out of range (a zero row).
-    head_mod[h] = make_fast_divmod(size > 0 ? static_cast<uint64_t>(size) : 1);
-  }
-  __syncthreads();
-
-  const int64_t element = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (element >= p.num_tokens * p.num_heads) return;
+QWEN4EXP_DEVICE void ngram_id(const NgramIdsParams& p, const FastDivmodU64* head_mod,
+                              int64_t element) {
   const int64_t t = element / p.num_heads;
   const int h = static_cast<int>(element - t * p.num_heads);
   const int order = h / p.heads_per_ngram + 2;
@@ -44,11 +35,34 @@ __global__ void __launch_bounds__(kThreadsPerBlock) ngram_ids_kernel(NgramIdsPar
       static_cast<OutT>(id);
 }
 
+
+// kMaxContext: N-1 for the common orders (the window then stays in registers), or the largest
+// supported context for the rest.
+template <typename OutT, int kMaxContext>
+__global__ void __launch_bounds__(kThreadsPerBlock) ngram_ids_kernel(NgramIdsParams p) {
+  QWEN4EXP_DYNAMIC_SHARED(FastDivmodU64, head_mod);
+  for (int h = threadIdx.x; h < p.num_heads; h += blockDim.x) {
+    const int64_t size = p.sizes[h];
+    // A non-positive size cannot come from a valid layout; the CPU path rejects it. Here the
+    // head's ids become -1, which every gather treats as out of range (a zero row).
+    head_mod[h] = make_fast_divmod(size > 0 ? static_cast<uint64_t>(size) : 1);
+  }
+  __syncthreads();
+
+  const int64_t elements = p.num_tokens * p.num_heads;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t element = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       element < elements; element += step) {
+    ngram_id<OutT, kMaxContext>(p, head_mod, element);
+  }
+}
+
 }  // namespace
 
 hipError_t launch_ngram_ids(const NgramIdsParams& p, bool output_int64, hipStream_t stream) {
   const int64_t elements = p.num_tokens * p.num_heads;
-  const unsigned blocks = static_cast<unsigned>((elements + kThreadsPerBlock - 1) / kThreadsPerBlock);
+  const int64_t needed = (elements + kThreadsPerBlock - 1) / kThreadsPerBlock;
+  const unsigned blocks = static_cast<unsigned>(needed < kMaxBlocks ? needed : kMaxBlocks);
   const size_t shared = sizeof(FastDivmodU64) * static_cast<size_t>(p.num_heads);
   const auto launch = [&](auto kernel) {
     return launch_kernel(kernel, blocks, kThreadsPerBlock, shared, stream, p);

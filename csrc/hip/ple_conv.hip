@@ -1,8 +1,9 @@
 // HIP kernels for ple_conv (SPEC.md §6). Compiled by hipcc for AMD and by nvcc (through
 // platform.h) for NVIDIA.
 //
-// Outputs: one block row per logical token, each thread 8 channels (one 128-bit access per row
-// for bf16/fp16; 4 for fp32) when the rows allow it, else one. A thread reads its K taps (state
+// Outputs: one block row per logical token (a block takes several past 65536 tokens), each thread
+// 8 channels (one 128-bit access per row for bf16/fp16; 4 for fp32) when the rows allow it, else
+// one. A thread reads its K taps (state
 // entries or input rows), rounds the sum, applies SiLU and the fused residuals, and writes the
 // residual row; in decode it then shifts its own channels of the window (no other thread reads
 // them). Prefill and spec write the state back in a second kernel, after every token has read
@@ -21,6 +22,9 @@ namespace qwen4exp {
 namespace {
 
 constexpr int kThreads = 256;
+// Grids past these sizes loop (ROCm counts a grid in threads, in 32 bits per dimension; y <= 65535).
+constexpr int64_t kMaxBlocksX = int64_t{1} << 16;
+constexpr int64_t kMaxBlocksY = 65535;
 
 template <typename T>
 QWEN4EXP_DEVICE T* state_at(const PleConvParams& p, int64_t slot, int64_t w, int64_t c) {
@@ -32,11 +36,22 @@ QWEN4EXP_DEVICE bool slot_in_range(const PleConvParams& p, int64_t slot) {
   return slot >= 0 && slot < p.num_slots;
 }
 
+// Calls body(index, c0) for every index < count (blocks along x) and every thread's first channel
+// c0 < C (blocks along y), whatever the grid's size.
+template <int VEC, typename Body>
+QWEN4EXP_DEVICE void for_each_row_and_channels(const PleConvParams& p, int64_t count, Body body) {
+  const int64_t channel_step = static_cast<int64_t>(gridDim.y) * kThreads * VEC;
+  for (int64_t index = blockIdx.x; index < count; index += gridDim.x) {
+    for (int64_t c0 = (static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x) * VEC;
+         c0 < p.channels; c0 += channel_step) {
+      body(index, c0);
+    }
+  }
+}
+
+// Logical row t, channels [c0, c0 + VEC).
 template <typename T, typename W, int VEC>
-__global__ void __launch_bounds__(kThreads) ple_conv_outputs_kernel(PleConvParams p) {
-  const int64_t t = blockIdx.x;
-  const int64_t c0 = (static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x) * VEC;
-  if (c0 >= p.channels) return;
+QWEN4EXP_DEVICE void conv_output(const PleConvParams& p, int64_t t, int64_t c0) {
   const int64_t row = conv_physical_row(p, t);
   if (row < 0) return;
   const int S = p.state_len;
@@ -134,11 +149,15 @@ __global__ void __launch_bounds__(kThreads) ple_conv_outputs_kernel(PleConvParam
   }
 }
 
+template <typename T, typename W, int VEC>
+__global__ void __launch_bounds__(kThreads) ple_conv_outputs_kernel(PleConvParams p) {
+  for_each_row_and_channels<VEC>(
+      p, p.num_rows, [&](int64_t t, int64_t c0) { conv_output<T, W, VEC>(p, t, c0); });
+}
+
+// Request r's new state, channels [c0, c0 + VEC).
 template <typename T, int VEC>
-__global__ void __launch_bounds__(kThreads) ple_conv_write_back_kernel(PleConvParams p) {
-  const int64_t r = blockIdx.x;
-  const int64_t c0 = (static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x) * VEC;
-  if (c0 >= p.channels) return;
+QWEN4EXP_DEVICE void conv_write_back(const PleConvParams& p, int64_t r, int64_t c0) {
   const int64_t slot = p.state_indices[r];
   if (slot == kNullSlot || !slot_in_range(p, slot)) return;
   const int64_t start = p.query_start_loc[r];
@@ -180,19 +199,28 @@ __global__ void __launch_bounds__(kThreads) ple_conv_write_back_kernel(PleConvPa
   }
 }
 
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads) ple_conv_write_back_kernel(PleConvParams p) {
+  for_each_row_and_channels<VEC>(
+      p, p.num_requests, [&](int64_t r, int64_t c0) { conv_write_back<T, VEC>(p, r, c0); });
+}
+
 template <typename T, typename W, int VEC>
 hipError_t launch_vec(const PleConvParams& p, hipStream_t stream) {
   const int64_t per_block = static_cast<int64_t>(kThreads) * VEC;
-  const unsigned channel_blocks = static_cast<unsigned>((p.channels + per_block - 1) / per_block);
+  const int64_t channel_blocks = (p.channels + per_block - 1) / per_block;
+  const auto grid = [&](int64_t count) {
+    return dim3(static_cast<unsigned>(count < kMaxBlocksX ? count : kMaxBlocksX),
+                static_cast<unsigned>(channel_blocks < kMaxBlocksY ? channel_blocks : kMaxBlocksY));
+  };
   if (p.num_rows > 0) {
-    const dim3 grid(static_cast<unsigned>(p.num_rows), channel_blocks);
-    const hipError_t status =
-        launch_kernel(ple_conv_outputs_kernel<T, W, VEC>, grid, kThreads, 0, stream, p);
+    const hipError_t status = launch_kernel(ple_conv_outputs_kernel<T, W, VEC>, grid(p.num_rows),
+                                            kThreads, 0, stream, p);
     if (status != hipSuccess) return status;
   }
   if (p.mode != ConvMode::kDecode && p.num_requests > 0) {
-    const dim3 grid(static_cast<unsigned>(p.num_requests), channel_blocks);
-    return launch_kernel(ple_conv_write_back_kernel<T, VEC>, grid, kThreads, 0, stream, p);
+    return launch_kernel(ple_conv_write_back_kernel<T, VEC>, grid(p.num_requests), kThreads, 0,
+                         stream, p);
   }
   return hipSuccess;
 }
@@ -219,6 +247,7 @@ hipError_t launch_weights(const PleConvParams& p, hipStream_t stream) {
 }  // namespace
 
 hipError_t launch_ple_conv(const PleConvParams& p, hipStream_t stream) {
+  if (p.channels == 0) return hipSuccess;  // nothing to compute or keep (a GPU refuses an empty grid)
   switch (p.dtype) {
     case FloatType::kBFloat16: return launch_weights<bf16_t>(p, stream);
     case FloatType::kFloat16: return launch_weights<f16_t>(p, stream);
