@@ -51,8 +51,8 @@ inline NgramIdsParams check_ngram_ids_args(const at::Tensor& input_ids,
   TORCH_CHECK(heads_per_ngram >= 1, "ngram_ids: heads_per_ngram must be >= 1, got ",
               heads_per_ngram);
   const int64_t num_heads = context_len * heads_per_ngram;
-  TORCH_CHECK(num_heads <= 4096, "ngram_ids: (N-1)·heads_per_ngram = ", num_heads,
-              " heads is more than the supported 4096");
+  TORCH_CHECK(num_heads <= kMaxNgramHeads, "ngram_ids: (N-1)·heads_per_ngram = ", num_heads,
+              " heads is more than the supported ", kMaxNgramHeads);
   TORCH_CHECK(layer_multipliers.scalar_type() == at::kLong && layer_multipliers.dim() == 1 &&
                   layer_multipliers.numel() == context_len + 1,
               "ngram_ids: layer_multipliers must be int64 [N] = [", context_len + 1, "], got ",

@@ -27,6 +27,9 @@ struct IntView {
 
 // Largest supported n-gram order; windows live in registers. The released model uses N = 3.
 constexpr int kMaxNgramSize = 8;
+// Most heads NH = (N-1)·K_h (the released model: 16): the GPU kernel keeps a 32-byte divisor per
+// head in shared memory, and 1024 of them (32 KiB) fit the 48 KiB a block has on every GPU.
+constexpr int kMaxNgramHeads = 1024;
 
 struct NgramIdsParams {
   IntView input_ids;       // [T]

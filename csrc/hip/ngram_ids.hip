@@ -7,6 +7,8 @@
 // stores a thread-per-token layout would need. Each block first turns the NH head sizes into
 // fast-modulo constants in shared memory (fast_divmod.h), so no thread ever runs a 64-bit
 // division in the hot path.
+#include <limits>
+
 #include "ngram_ids.h"
 
 namespace qwen4exp {
@@ -29,8 +31,16 @@ QWEN4EXP_DEVICE void ngram_id(const NgramIdsParams& p, const FastDivmodU64* head
   load_window<kMaxContext>(p, t, r, order - 1, window);
   const int64_t mix = mix_window<kMaxContext + 1>(window, p.multipliers, order);
 
-  const int64_t size = p.sizes[h];
-  const int64_t id = size > 0 ? floor_mod_i64(head_mod[h], mix) + p.offsets[h] : int64_t{-1};
+  // Offsets that no valid layout has (the CPU path rejects them): an id that would be negative,
+  // overflow int64 or not fit an int32 output is -1 too, never a wrapped id that gathers some
+  // other head's row.
+  constexpr int64_t kMaxId = std::numeric_limits<OutT>::max();
+  int64_t id = -1;
+  if (p.sizes[h] > 0) {
+    const int64_t residue = floor_mod_i64(head_mod[h], mix);  // in [0, size)
+    const int64_t offset = p.offsets[h];
+    if (offset <= kMaxId - residue && residue + offset >= 0) id = residue + offset;
+  }
   static_cast<OutT*>(p.output)[t * p.output_row_stride + h * p.output_col_stride] =
       static_cast<OutT>(id);
 }
