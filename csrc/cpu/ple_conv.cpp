@@ -49,8 +49,7 @@ const float* silu_table() {
     std::vector<float> t(65536);
     for (uint32_t bits = 0; bits < 65536; ++bits) {
       const float x = to_float(T{static_cast<uint16_t>(bits)});
-      const float e = static_cast<float>(std::exp(-static_cast<double>(x)));
-      t[bits] = round_to<T>(x * (1.0f / (1.0f + e)));
+      t[bits] = round_to<T>(x * sigmoid_f32(x));
     }
     return t;
   }();

@@ -84,12 +84,6 @@ QWEN4EXP_ALWAYS_INLINE float numpy_sum(int n, const Terms& terms, float* leaves)
   return n <= 4 ? sequential_sum(n, terms) : pairwise_sum(n, terms, leaves);
 }
 
-// fp32 sigmoid as vLLM writes it, 1 / (1 + exp(-x)), with a correctly rounded exp.
-inline float sigmoid_f32(float x) {
-  const float e = static_cast<float>(std::exp(-static_cast<double>(x)));
-  return 1.0f / (1.0f + e);
-}
-
 // The norm weights as fp32 (1 + w) factors, built once per call.
 struct GateWeights {
   std::vector<float> key1, query1, conv1;  // vllm rounding

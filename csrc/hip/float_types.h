@@ -4,6 +4,8 @@
 // tensor data pointers as these types.
 #pragma once
 
+#include <cmath>
+
 #include "float16.h"
 #include "platform.h"
 
@@ -48,6 +50,16 @@ QWEN4EXP_HD T from_float(float x) {
 template <typename T>
 QWEN4EXP_HD float round_to(float x) {
   return to_float(from_float<T>(x));
+}
+
+// The fp32 sigmoid as vLLM writes it, 1 / (1 + exp(-x)), on every backend alike: exp in double,
+// rounded once to fp32, is the correctly rounded fp32 exp (but for a double-rounding tie, some
+// 2^-29 of inputs), where a device expf is off by up to 2 units in the last place. It is what
+// makes the GPU's 16-bit ple_conv equal the CPU's bit for bit (tests/test_ple_conv.py checks
+// every 16-bit input), with a·b+c never contracted into an FMA (setup.py's device flags).
+QWEN4EXP_HD float sigmoid_f32(float x) {
+  const float e = static_cast<float>(exp(-static_cast<double>(x)));
+  return 1.0f / (1.0f + e);
 }
 
 }  // namespace qwen4exp

@@ -119,7 +119,7 @@ QWEN4EXP_DEVICE void conv_output(const PleConvParams& p, int64_t t, int64_t c0) 
 #pragma unroll
   for (int v = 0; v < VEC; ++v) {
     const float conv = round_to<T>(acc[v]);
-    y[v] = produce ? round_to<T>(conv * (1.0f / (1.0f + expf(-conv)))) : 0.f;
+    y[v] = produce ? round_to<T>(conv * sigmoid_f32(conv)) : 0.f;
   }
   T* residual = static_cast<T*>(p.residual) + row * p.residual_row_stride + c0;
   if (p.outer_residual != nullptr) {

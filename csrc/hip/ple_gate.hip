@@ -30,7 +30,7 @@ QWEN4EXP_DEVICE float one_plus(const void* w, int64_t i) {
 
 QWEN4EXP_DEVICE float gate_of(float d, float magnitude) {
   const float sign = d < 0.f ? -1.0f : (d > 0.f ? 1.0f : 0.0f);
-  return 1.0f / (1.0f + expf(-(sign * magnitude)));
+  return sigmoid_f32(sign * magnitude);
 }
 
 // Chunk c of a row of H elements: elements [c·VEC, c·VEC + VEC), those past H read as 0 (which
