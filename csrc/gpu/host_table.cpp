@@ -8,9 +8,9 @@
 //   differ, so the view is always built from the returned device pointer, never the host one.
 // - Register once. Registering pages that are already registered fails
 //   (hipErrorHostMemoryAlreadyRegistered), and unregistering while another view still uses the
-//   pages breaks that view. So: memory that is already pinned or registered (torch's
-//   pin_memory(), an earlier registration) is used as it is and never unregistered here; memory
-//   that we register is unregistered when the last reference to the view dies. Keep the view
+//   pages breaks that view. So: memory pinned by someone else (torch's pin_memory()) is used as
+//   it is and never unregistered here; memory that we register is counted once per storage, with
+//   a reference per view on any device, and unregistered when the last view dies. Keep the view
 //   (not a fresh one per call) for the lifetime of the model: python/qwen4exp_ext/host_table.py
 //   caches it.
 // - Registration pins every page of the allocation, page by page: for a 51 GB (fp8) or 102 GB
@@ -22,6 +22,9 @@
 
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/all.h>
+
+#include <mutex>
+#include <unordered_map>
 
 #include "../hip/platform.h"
 
@@ -40,6 +43,29 @@
 namespace qwen4exp {
 namespace {
 
+// Host memory that this process registered, by base address, with the number of live views of it
+// on any device. Registration is Portable (every device sees it), so the memory is unregistered
+// only when the last view, on whichever device, dies: counting per device would unregister it
+// under device 1 when device 0's views are gone.
+struct Registration {
+  size_t bytes;
+  int64_t views;
+};
+std::mutex registry_mutex;
+// Never destroyed: views may still die during static destruction at exit.
+std::unordered_map<void*, Registration>& registry() {
+  static auto* registrations = new std::unordered_map<void*, Registration>();
+  return *registrations;
+}
+
+void release_view(void* host_base) {
+  const std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry().find(host_base);
+  if (it == registry().end() || --it->second.views > 0) return;
+  (void)qwen4exp_HostUnregister(host_base);
+  registry().erase(it);
+}
+
 at::Tensor host_table_device_view(const at::Tensor& host, c10::Device device) {
   TORCH_CHECK(host.device().is_cpu(), "host_table_device_view: host_table must be a CPU tensor, "
               "got one on ", host.device());
@@ -51,26 +77,39 @@ at::Tensor host_table_device_view(const at::Tensor& host, c10::Device device) {
   const size_t bytes = host.storage().nbytes();
 
   void* device_base = nullptr;
-  bool registered_here = false;
-  if (qwen4exp_HostGetDevicePointer(&device_base, host_base, 0) != hipSuccess) {
-    (void)hipGetLastError();  // not pinned yet: clear the sticky error and register
-    const hipError_t status = qwen4exp_HostRegister(host_base, bytes, qwen4exp_HostRegisterFlags);
-    TORCH_CHECK(status == hipSuccess, "host_table_device_view: registering ", bytes,
-                " bytes of host memory failed: ", hipGetErrorString(status),
-                " (locked-memory limit? already registered by someone else?)");
-    registered_here = true;
+  bool ours = false;  // whether this view holds a reference to our registration
+  {
+    const std::lock_guard<std::mutex> lock(registry_mutex);
+    auto it = registry().find(host_base);
+    if (it != registry().end()) {
+      TORCH_CHECK(it->second.bytes == bytes, "host_table_device_view: ", it->second.bytes,
+                  " bytes at this address are registered, but the storage has ", bytes);
+      ++it->second.views;
+      ours = true;
+    } else if (qwen4exp_HostGetDevicePointer(&device_base, host_base, 0) != hipSuccess) {
+      (void)hipGetLastError();  // not pinned yet: clear the error and register
+      const hipError_t status = qwen4exp_HostRegister(host_base, bytes, qwen4exp_HostRegisterFlags);
+      TORCH_CHECK(status == hipSuccess, "host_table_device_view: registering ", bytes,
+                  " bytes of host memory failed: ", hipGetErrorString(status),
+                  " (locked-memory limit? already registered by someone else?)");
+      registry().emplace(host_base, Registration{bytes, 1});
+      ours = true;
+    }
+    // else: pinned by someone else (pin_memory()): used as it is, never unregistered here.
+  }
+  if (ours) {
     const hipError_t mapped = qwen4exp_HostGetDevicePointer(&device_base, host_base, 0);
     if (mapped != hipSuccess) {
-      (void)qwen4exp_HostUnregister(host_base);
+      release_view(host_base);
       TORCH_CHECK(false, "host_table_device_view: no device address for registered host memory: ",
                   hipGetErrorString(mapped));
     }
   }
 
-  // The view keeps the host storage alive, and unregisters what it registered when it dies.
+  // The view keeps the host storage alive, and drops its reference to the registration.
   c10::Storage keep_alive = host.storage();
-  auto release = [keep_alive, host_base, registered_here](void*) {
-    if (registered_here) (void)qwen4exp_HostUnregister(host_base);
+  auto release = [keep_alive, host_base, ours](void*) {
+    if (ours) release_view(host_base);
   };
   char* data = static_cast<char*>(device_base) + host.storage_offset() * host.element_size();
   return at::from_blob(data, host.sizes(), host.strides(), release, host.options().device(device),
