@@ -3,6 +3,14 @@
 # AMD build of the kernels compiles on a machine with no ROCm torch. Fails on any error or
 # warning. Debian's hipcc (ROCm 5.2) targets gfx90a (MI200) and gfx940 (MI300 family, the closest
 # it knows to gfx942); a full ROCm toolchain builds gfx942/gfx950 through setup.py.
+#
+# Each kernel is compiled twice per arch: as the compiler defines it, and with the wavefront-size
+# macros removed (__AMDGCN_WAVEFRONT_SIZE and __AMDGCN_WAVEFRONT_SIZE__: deprecated in ROCm 6.3,
+# gone in ROCm 7.2). ROCm 5.2's own headers still need them, so they are removed right after
+# <hip/hip_runtime.h>, before any of our code: what our code sees is then what ROCm 7.2 gives it.
+# The kernels built on wave reductions (REDUCING below) must keep cross-lane instructions (DPP,
+# ds_swizzle/permute/bpermute, permlane) in every one of their AMD functions, both ways: a wave
+# size that silently fell back to 1 would leave none.
 #   usage: tools/check-hip.sh [ARCH ...]     (default: gfx90a gfx940)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,25 +19,67 @@ archs=("$@")
 command -v hipcc >/dev/null || { echo "check-hip: hipcc not found (apt-get install hipcc)"; exit 1; }
 # Debian's hipcc targets NVIDIA when it finds nvcc; we want the AMD path.
 export HIP_PLATFORM=amd
+# Kernels whose reductions run on wave shuffles (csrc/hip/block_reduce.h).
+REDUCING=(ple_gate)
+# (v_readlane/v_readfirstlane are not among them: the compiler emits those for uniform values.)
+CROSS_LANE='ds_swizzle|ds_bpermute|ds_permute|_dpp|v_permlane|row_shr|row_bcast|quad_perm'
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
+cat >"$out/without_wavefront_macros.h" <<'EOF'
+#include <hip/hip_runtime.h>
+#undef __AMDGCN_WAVEFRONT_SIZE
+#undef __AMDGCN_WAVEFRONT_SIZE__
+EOF
 status=0
 for src in "$root"/csrc/hip/*.hip; do
+  name="$(basename "$src" .hip)"
   for arch in "${archs[@]}"; do
-    # The flags torch's ROCm build adds (no implicit half conversions/operators) keep us honest
-    # about 16-bit float handling going through our own helpers.
-    if hipcc --offload-arch="$arch" -O3 -std=c++17 -Wall -Werror \
-        -D__HIP_NO_HALF_OPERATORS__=1 -D__HIP_NO_HALF_CONVERSIONS__=1 \
-        -I "$root/csrc" -c "$src" -o "$out/kernel.o"; then
+    for macros in present removed; do
+      extra=()
+      [ "$macros" = removed ] && extra=(-include "$out/without_wavefront_macros.h")
+      work="$out/$name-$arch-$macros"
+      mkdir -p "$work"
+      # The flags torch's ROCm build adds (no implicit half conversions/operators) keep us honest
+      # about 16-bit float handling going through our own helpers; -ffp-contract=off is
+      # setup.py's (no a·b+c contracted into an FMA). --save-temps keeps the AMD assembly.
+      if (cd "$work" && hipcc --offload-arch="$arch" -O3 -std=c++17 -Wall -Werror \
+          -ffp-contract=off -D__HIP_NO_HALF_OPERATORS__=1 -D__HIP_NO_HALF_CONVERSIONS__=1 \
+          --save-temps "${extra[@]}" -I "$root/csrc" -c "$src" -o kernel.o 2>"$work/log"); then
+        :
+      else
+        cat "$work/log"
+        echo "check-hip: FAIL hipcc --offload-arch=$arch $name.hip (wavefront macros $macros)"
+        status=1
+        continue
+      fi
       # grep reads all of strings' output (no -q): an early exit would SIGPIPE strings, and
       # pipefail would then fail a large object at random.
-      if ! strings "$out/kernel.o" | grep "amdgcn-amd-amdhsa--$arch" >/dev/null; then
-        echo "check-hip: FAIL $(basename "$src") has no $arch code object"; status=1; continue
+      if ! strings "$work/kernel.o" | grep "amdgcn-amd-amdhsa--$arch" >/dev/null; then
+        echo "check-hip: FAIL $name.hip has no $arch code object"; status=1; continue
       fi
-      echo "check-hip: ok   hipcc --offload-arch=$arch $(basename "$src")"
-    else
-      echo "check-hip: FAIL hipcc --offload-arch=$arch $(basename "$src")"; status=1
-    fi
+      note=""
+      if [[ " ${REDUCING[*]} " == *" $name "* ]]; then
+        asm="$(compgen -G "$work/*amdgcn-amd-amdhsa*$arch*.s" | sed -n 1p)"
+        [ -n "$asm" ] || { echo "check-hip: FAIL no AMD assembly for $name.hip"; status=1; continue; }
+        # Cross-lane instructions per kernel (a kernel's code runs from its label to .Lfunc_end).
+        report="$(awk -v pattern="$CROSS_LANE" '
+          /^_Z[^ :]*:/ { fn = substr($1, 1, length($1) - 1); count[fn] = 0; next }
+          /^\.Lfunc_end/ { fn = "" }
+          fn != "" && $0 ~ pattern { count[fn]++ }
+          END { for (f in count) print count[f], f }' "$asm")"
+        kernels="$(echo "$report" | grep -c . || true)"
+        without="$(echo "$report" | awk '$1 == 0' | grep -c . || true)"
+        if [ "$kernels" -eq 0 ] || [ "$without" -ne 0 ]; then
+          echo "$report" | awk '$1 == 0 { print "   no cross-lane instruction:", $2 }'
+          echo "check-hip: FAIL $name.hip for $arch (wavefront macros $macros): $without of" \
+            "$kernels kernels reduce without cross-lane instructions"
+          status=1
+          continue
+        fi
+        note=" ($kernels kernels, each with cross-lane reductions)"
+      fi
+      echo "check-hip: ok   hipcc --offload-arch=$arch $name.hip, wavefront macros $macros$note"
+    done
   done
 done
 exit $status
