@@ -1,11 +1,14 @@
-"""Shared test setup: fixed seeds, hypothesis profiles, device list."""
+"""Shared test setup: fixed seeds, hypothesis profiles, the devices and kernel backends."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import random
+import subprocess
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -59,3 +62,78 @@ def devices() -> list[str]:
     if torch.cuda.is_available() and len(qwen4exp_ext.build_info()["backends"]) > 1:
         found.append("cuda")
     return found
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Where a kernel test runs: ``ops`` (the four kernel ops, :mod:`qwen4exp_ext.ops` or a
+    :class:`~qwen4exp_ext.ops.KernelOps`) on tensors on ``device``, registered in the torch op
+    library ``library`` (for opcheck). "cpu" and "cuda" are torch.ops.qwen4exp's kernels;
+    "simt32" and "simt64" are the HIP kernels on the SIMT emulator, on CPU tensors."""
+
+    name: str
+    device: str
+    ops: Any
+    library: Any
+
+    @property
+    def reads_indices_on_device(self) -> bool:
+        """The HIP kernels (GPU or emulator): bad index *values* are skipped, not rejected,
+        unless debug checks are on (the CPU kernels always reject them)."""
+        return self.name != "cpu"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def backends() -> list[Backend]:
+    """Every backend of the kernel tests this build and machine have: cpu, cuda (with a GPU and a
+    GPU build) and the SIMT emulator at both wave sizes (a build with QWEN4EXP_BUILD_SIMT=1, which
+    tools/run-tests.sh always makes; QWEN4EXP_REQUIRE_SIMT=1 makes its absence an error)."""
+    from qwen4exp_ext import ops, simt
+
+    found = [Backend(d, d, ops, torch.ops.qwen4exp) for d in devices()]
+    waves = simt.available()
+    if os.environ.get("QWEN4EXP_REQUIRE_SIMT") == "1" and waves != simt.WAVE_SIZES:
+        raise RuntimeError(
+            f"QWEN4EXP_REQUIRE_SIMT=1 but this build has SIMT wave sizes {waves}; "
+            "build with QWEN4EXP_BUILD_SIMT=1"
+        )
+    for wave in waves:
+        kernel_ops = simt.ops(wave)
+        found.append(
+            Backend(f"simt{wave}", "cpu", kernel_ops, getattr(torch.ops, kernel_ops.namespace))
+        )
+    return found
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cpp_check(tmp_path, name: str, *flags: str, sources: tuple[str, ...] = ()) -> str:
+    """Builds tests/cpp/<name>.cpp (with csrc/ on the include path and `sources`, relative to the
+    repository) with the host compiler, warnings as errors, runs it and returns its output; the
+    check passed when it exits 0 and its output starts with "ok "."""
+    exe = tmp_path / name
+    subprocess.run(
+        [
+            "g++",
+            "-std=c++17",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            *flags,
+            "-I",
+            os.path.join(ROOT, "csrc"),
+            os.path.join(ROOT, "tests", "cpp", f"{name}.cpp"),
+            *(os.path.join(ROOT, s) for s in sources),
+            "-o",
+            str(exe),
+        ],
+        check=True,
+    )
+    result = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("ok "), result.stdout
+    return result.stdout

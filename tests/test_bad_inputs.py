@@ -1,10 +1,15 @@
-"""Bad inputs to every public op and to NGramEmbedding.load_weights, on the CPU: each one raises
-an exception that names the offending argument and leaves every output and state tensor
-bit-identical (outputs are filled with a sentinel pattern before the call). A few "data, never
-errors" cases check inputs that must not raise (any int64 token id; gather ids outside the table
-or shard give zero rows).
+"""Bad inputs to every public op and to NGramEmbedding.load_weights: each one raises an exception
+that names the offending argument and leaves every output and state tensor bit-identical
+(outputs are filled with a sentinel pattern before the call). A few "data, never errors" cases
+check inputs that must not raise (any int64 token id; gather ids outside the table or shard give
+zero rows).
 
-Each case starts from one valid baseline per op and overrides one argument.
+Each case starts from one valid baseline per op and overrides one argument. The op cases run on
+every kernel backend with the CPU tensors of the table: the CPU kernels and the SIMT emulator's
+HIP kernels, whose host glue is the GPU build's (tests/test_gpu_debug_checks.py moves them to a
+GPU). There, the DATA_ONLY cases, bad index values that only the data shows, are not errors
+without debug checks (the GPU kernels never read index data on the host), and that test file
+covers them.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import backends
 from qwen4exp_ext import layout, ops
 from qwen4exp_ext.layers import NGramEmbedding
 from test_ngram_embedding import CONFIG  # the toy n-gram config the layer tests share
@@ -123,23 +129,24 @@ def conv_prefill_baseline() -> dict:
     )
 
 
-def run_ngram(a):
-    ops.ngram_ids(**a)
+# Each runner calls one op of `kernels` (qwen4exp_ext.ops, or a backend's ops) with the arguments.
+def run_ngram(a, kernels=ops):
+    kernels.ngram_ids(**a)
     return {"output": a["output"]}
 
 
-def run_gather(a):
-    ops.gather_rows(a.pop("table"), a.pop("ids"), **a)
+def run_gather(a, kernels=ops):
+    kernels.gather_rows(a.pop("table"), a.pop("ids"), **a)
 
 
-def run_gate(a):
+def run_gate(a, kernels=ops):
     gated, conv_input = a.pop("gated"), a.pop("conv_input")
     key, value, hidden = a.pop("key"), a.pop("value"), a.pop("hidden")
     wk, wq, wc = a.pop("norm_key_w"), a.pop("norm_query_w"), a.pop("norm_conv_w")
-    ops.ple_gate(key, value, hidden, wk, wq, wc, a.pop("eps"), out=(gated, conv_input), **a)
+    kernels.ple_gate(key, value, hidden, wk, wq, wc, a.pop("eps"), out=(gated, conv_input), **a)
 
 
-def run_conv(a):
+def run_conv(a, kernels=ops):
     pos = [
         a.pop(k)
         for k in (
@@ -151,7 +158,7 @@ def run_conv(a):
             "outer_residual",
         )
     ]
-    ops.ple_conv(*pos, **a)
+    kernels.ple_conv(*pos, **a)
 
 
 OPS = {
@@ -541,22 +548,52 @@ CASES = [
 ]
 
 
+# Index values that only the data shows: errors on the CPU, which reads them for free; on the GPU
+# (and the SIMT emulator) only with debug checks (tests/test_gpu_debug_checks.py).
+DATA_ONLY = {
+    "ngram_ids-output-int32-too-small",
+    "ngram_ids-sizes-zero",
+    "ngram_ids-sizes-negative",
+    "ngram_ids-offsets-negative",
+    "ngram_ids-offsets-overflow-int64",
+    "ngram_ids-qsl-start-1",
+    "ngram_ids-qsl-decreasing",
+    "ngram_ids-qsl-past-T",
+    "ple_conv-state_indices-negative",
+    "ple_conv-state_indices-eq-slots",
+    "ple_conv-state_indices-duplicate",
+    "ple_conv-token_indices-past",
+    "ple_conv-token_indices-negative",
+    "ple_conv_prefill-qsl-decreasing",
+    "ple_conv_prefill-qsl-past-T",
+    "ple_conv_prefill-qsl-negative-start",
+    "ple_conv_prefill-qsl-nonzero-start",
+}
+DATA_CASES = [case for case in CASES if case.id in DATA_ONLY]
+_DATA_OVERRIDES = {case.values[1] for case in DATA_CASES}
+CPU_BACKENDS = [b for b in backends() if b.device == "cpu"]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS, ids=str)
 @pytest.mark.parametrize("op,override,match,exc", CASES)
-def test_bad_input_raises_and_writes_nothing(op, override, match, exc):
+def test_bad_input_raises_and_writes_nothing(backend, op, override, match, exc):
+    if backend.reads_indices_on_device and override in _DATA_OVERRIDES:
+        pytest.skip("an index value, not an error without debug checks on this backend")
     baseline, run, mutable = OPS[op]
     args = baseline()
     override(args)
     outputs = {name: args[name] for name in mutable}
     before = snapshot(outputs)
     with pytest.raises(exc, match=match):
-        run(dict(args))
+        run(dict(args), backend.ops)
     assert_untouched(before, outputs)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS, ids=str)
 @pytest.mark.parametrize("op", sorted(OPS))
-def test_baselines_are_valid(op):
+def test_baselines_are_valid(backend, op):
     baseline, run, _ = OPS[op]
-    run(baseline())
+    run(baseline(), backend.ops)
 
 
 # ---- NGramEmbedding.load_weights: mismatched checkpoint shards --------------------------------

@@ -9,7 +9,7 @@ they are), and checks that nothing outside the outputs is written.
 
 Budget: hypothesis has no time limit, so each test runs batches of ``EXAMPLES_PER_BATCH`` examples,
 each batch a fresh hypothesis run with its own seed (batch i of a test uses seed base + i), until
-``QWEN4EXP_FUZZ_SECONDS`` (default 8; per op, shared by the devices) are spent; one batch always
+``QWEN4EXP_FUZZ_SECONDS`` (default 8; per op, shared by the backends) are spent; one batch always
 runs. A developer fuzzes for longer with e.g. ``QWEN4EXP_FUZZ_SECONDS=600``. The base seed is
 random unless ``QWEN4EXP_FUZZ_SEED`` is set; a failure names the seed of its batch, and
 
@@ -42,13 +42,13 @@ import torch
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from conftest import devices
+from conftest import backends
 from qwen4exp_ext import ops, reference
 
 # make_table: every finite fp8 byte, wide-range other values; CPU_PATHS: cached and streaming.
 from test_gather_rows import CPU_PATHS, cpu_gather_path, make_table
 
-DEVICES = devices()
+BACKENDS = backends()
 FUZZ_SECONDS = float(os.environ.get("QWEN4EXP_FUZZ_SECONDS", "8"))
 EXAMPLES_PER_BATCH = 25
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -82,7 +82,7 @@ class Recorder:
 
 def fuzz(label: str, body: Callable[[Recorder], None], record=None) -> dict:
     """Runs hypothesis batches of `body(draw)` until this test's budget is spent (at least one)."""
-    budget = FUZZ_SECONDS / len(DEVICES)
+    budget = FUZZ_SECONDS / len(BACKENDS)
     base = _base_seed()
     started = time.monotonic()
     seen: set = set()
@@ -298,7 +298,8 @@ def draw_request_lengths(draw, *, longest: int, many: int) -> list[int]:
     return lengths
 
 
-def ngram_body(device: str, draw: Recorder) -> None:
+def ngram_body(backend, draw: Recorder) -> None:
+    ops, device = backend.ops, backend.device
     ngram_size = draw(st.integers(2, 8), label="ngram_size")
     per = draw(sizes([1, 2, 8], 1, 5), label="heads_per_ngram")
     ctx_len, nh = ngram_size - 1, (ngram_size - 1) * per
@@ -390,15 +391,16 @@ def ngram_body(device: str, draw: Recorder) -> None:
         assert_unchanged(laid, base, name)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_fuzz_ngram_ids(device, record_property):
-    fuzz(f"ngram_ids and {device}", lambda draw: ngram_body(device, draw), record_property)
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_fuzz_ngram_ids(backend, record_property):
+    fuzz(f"ngram_ids on {backend}", lambda draw: ngram_body(backend, draw), record_property)
 
 
 # --- gather_rows (SPEC §4): bit-exact, as tests/test_gather_rows.py -------------------------------
 
 
-def gather_body(device: str, draw: Recorder) -> None:
+def gather_body(backend, draw: Recorder) -> None:
+    ops, device = backend.ops, backend.device
     table_dtype = draw(st.sampled_from([*FLOATS, *FP8]), label="table dtype")
     rows = draw(sizes([0, 1, 2, 3, 5, 7, 31, 97], 0, 300), label="rows")
     width = draw(sizes([0, 1, 2, 3, 7, 16, 24, 31, 160, 700], 1, 48), label="d")
@@ -487,9 +489,9 @@ def gather_body(device: str, draw: Recorder) -> None:
     assert_unchanged(ids_laid, ids_base, "ids")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_fuzz_gather_rows(device, record_property):
-    fuzz(f"gather_rows and {device}", lambda draw: gather_body(device, draw), record_property)
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_fuzz_gather_rows(backend, record_property):
+    fuzz(f"gather_rows on {backend}", lambda draw: gather_body(backend, draw), record_property)
 
 
 @pytest.mark.parametrize("ids_shape,width", [((2, 3, 0), 4), ((0,), 4), ((3,), 0), ((2, 3, 1), 0)])
@@ -596,7 +598,8 @@ def assert_gate_close(got, expected, key, value, hidden, weights, eps, rounding)
         )
 
 
-def gate_body(device: str, draw: Recorder) -> None:
+def gate_body(backend, draw: Recorder) -> None:
+    ops, device = backend.ops, backend.device
     dtype = draw(st.sampled_from(FLOATS), label="dtype")
     weight_dtype = draw(st.sampled_from([dtype, torch.float32]), label="weight dtype")
     rounding = draw(st.sampled_from(["vllm", "fp32"]), label="rounding")
@@ -674,10 +677,10 @@ def gate_body(device: str, draw: Recorder) -> None:
         assert_unchanged(laid, base, name)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_fuzz_ple_gate(device, record_property):
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_fuzz_ple_gate(backend, record_property):
     GATE_STREAMS.update(streams=0, **{"ill-conditioned": 0})
-    fuzz(f"ple_gate and {device}", lambda draw: gate_body(device, draw), record_property)
+    fuzz(f"ple_gate on {backend}", lambda draw: gate_body(backend, draw), record_property)
     print(f"  ple_gate streams compared: {GATE_STREAMS}")
 
 
@@ -777,7 +780,8 @@ def draw_state(draw, state: torch.Tensor) -> Laid:
     return place(state, (width, channels, slots), lambda b: b.permute(2, 1, 0), kind)
 
 
-def conv_body(device: str, draw: Recorder) -> None:
+def conv_body(backend, draw: Recorder) -> None:
+    ops, device = backend.ops, backend.device
     mode = draw(st.sampled_from(["decode", "prefill", "spec"]), label="mode")
     dtype = draw(st.sampled_from(FLOATS), label="dtype")
     weight_dtype = draw(st.sampled_from([dtype, torch.float32]), label="weight dtype")
@@ -925,6 +929,6 @@ def conv_body(device: str, draw: Recorder) -> None:
             assert_unchanged(x, on_device[name][0], name)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_fuzz_ple_conv(device, record_property):
-    fuzz(f"ple_conv and {device}", lambda draw: conv_body(device, draw), record_property)
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_fuzz_ple_conv(backend, record_property):
+    fuzz(f"ple_conv on {backend}", lambda draw: conv_body(backend, draw), record_property)

@@ -12,10 +12,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import devices
+from conftest import backends
 from qwen4exp_ext import layout, ops, reference
 
-DEVICES = devices()
+BACKENDS = backends()
 
 
 @dataclass
@@ -98,12 +98,13 @@ def random_batch(rng: random.Random, lay: Layout, id_dtype, vocab: int):
     return input_ids, torch.tensor(qsl, dtype=torch.int32), context
 
 
-def run_both(device, input_ids, qsl, context, lay: Layout, out_dtype=torch.int64):
-    """(ours on `device`, reference on CPU)."""
+def run_both(backend, input_ids, qsl, context, lay: Layout, out_dtype=torch.int64):
+    """(ours on `backend`, reference on CPU)."""
+    device = backend.device
     expected = reference.ngram_ids(input_ids, qsl, context, *lay.args())
     dev_lay = lay.to(device)
     out = torch.full((input_ids.numel(), expected.shape[1]), -7, dtype=out_dtype, device=device)
-    got = ops.ngram_ids(
+    got = backend.ops.ngram_ids(
         input_ids.to(device), qsl.to(device), context.to(device), *dev_lay.args(), output=out
     )
     assert got.data_ptr() == out.data_ptr()
@@ -115,13 +116,13 @@ TOY = model_layout(
 )
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("out_dtype", [torch.int64, torch.int32])
-def test_golden_toy_case(device, id_dtype, out_dtype):
+def test_golden_toy_case(backend, id_dtype, out_dtype):
     """SPEC §3's golden rows, checked against transformers 5.18 by the spec's authors."""
     got, _ = run_both(
-        device,
+        backend,
         torch.tensor([9, 7, 3, 5], dtype=id_dtype),
         torch.tensor([0, 4], dtype=torch.int32),
         torch.tensor([[7, 7]], dtype=id_dtype),
@@ -136,33 +137,34 @@ def test_golden_toy_case(device, id_dtype, out_dtype):
     ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
-def test_matches_reference_on_random_varlen_batches(device, id_dtype):
+def test_matches_reference_on_random_varlen_batches(backend, id_dtype):
     rng = random.Random(1234)
     for case in range(250):
         ngram_size = rng.choice([2, 3, 3, 4, 8])
         lay = random_layout(rng, ngram_size, rng.choice([1, 2, 3, 8]))
         vocab = rng.choice([12, 248320, 2**31 - 1])
         input_ids, qsl, context = random_batch(rng, lay, id_dtype, vocab)
-        got, expected = run_both(device, input_ids, qsl, context, lay)
+        got, expected = run_both(backend, input_ids, qsl, context, lay)
         assert torch.equal(got, expected), f"case {case}"
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_int32_output_and_released_layout(device):
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_int32_output_and_released_layout(backend):
     lay = model_layout(248320, 3, 8, 20_000_000, 1234, 0, eos=248044)
     rng = random.Random(5)
     for _ in range(20):
         input_ids, qsl, context = random_batch(rng, lay, torch.int64, 248320)
-        got, expected = run_both(device, input_ids, qsl, context, lay, torch.int32)
+        got, expected = run_both(backend, input_ids, qsl, context, lay, torch.int32)
         assert got.dtype == torch.int32
         assert torch.equal(got.long(), expected)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_strided_views(device):
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_strided_views(backend):
     """input_ids and ngram_context as non-contiguous views, output as a column-sliced view."""
+    ops, device = backend.ops, backend.device
     rng = random.Random(7)
     lay = random_layout(rng, 3, 2)
     for _ in range(20):
@@ -187,9 +189,10 @@ def test_strided_views(device):
         assert torch.all(wide[:, 0::2] == 0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_edge_layouts(device):
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_edge_layouts(backend):
     """T = 0, R = 0 (every predecessor reads EOS), tokens past qsl[R], empty requests."""
+    ops, device = backend.ops, backend.device
     lay = TOY.to(device)
     empty = ops.ngram_ids(
         torch.empty(0, dtype=torch.long, device=device),
@@ -200,14 +203,14 @@ def test_edge_layouts(device):
     assert empty.shape == (0, 4)
 
     no_requests, _ = run_both(
-        device,
+        backend,
         torch.tensor([9, 3]),
         torch.tensor([0], dtype=torch.int32),
         torch.empty(0, 2, dtype=torch.long),
         TOY,
     )
     as_if_doc_start, _ = run_both(
-        device,
+        backend,
         torch.tensor([9, 3]),
         torch.tensor([0, 0, 0], dtype=torch.int32),
         torch.tensor([[1, 2], [7, 7]]),
@@ -216,7 +219,7 @@ def test_edge_layouts(device):
     # R = 0: both tokens are hashed with an all-EOS history, like each opening a document.
     assert torch.equal(no_requests[0], as_if_doc_start[0])
     single, _ = run_both(
-        device,
+        backend,
         torch.tensor([3]),
         torch.tensor([0, 1], dtype=torch.int32),
         torch.tensor([[7, 7]]),
@@ -226,20 +229,34 @@ def test_edge_layouts(device):
 
     # Tokens past qsl[R] continue the last request (as in vLLM): same ids as a longer chunk.
     tail, _ = run_both(
-        device,
+        backend,
         torch.tensor([4, 5, 6, 8]),
         torch.tensor([0, 1, 2], dtype=torch.int32),
         torch.tensor([[1, 2], [3, 4]]),
         TOY,
     )
     longer, _ = run_both(
-        device,
+        backend,
         torch.tensor([4, 5, 6, 8]),
         torch.tensor([0, 1, 4], dtype=torch.int32),
         torch.tensor([[1, 2], [3, 4]]),
         TOY,
     )
     assert torch.equal(tail, longer)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.name == "simt64"], ids=str)
+def test_more_elements_than_one_thread_each(backend):
+    """Past 2^24 (token, head) elements a thread takes several (a grid counts its threads in 32
+    bits on ROCm): 2^20 + 3 tokens of 16 heads."""
+    rng = random.Random(3)
+    lay = random_layout(rng, 3, 8)
+    tokens = 2**20 + 3
+    input_ids = torch.randint(0, 1000, (tokens,), generator=torch.Generator().manual_seed(3))
+    qsl = torch.tensor([0, 5, tokens - 7, tokens], dtype=torch.int32)
+    context = torch.randint(0, 1000, (3, 2), generator=torch.Generator().manual_seed(4))
+    got, expected = run_both(backend, input_ids, qsl, context, lay)
+    assert torch.equal(got, expected)
 
 
 # --- parity with transformers 5.18 -------------------------------------------------------------
@@ -288,15 +305,16 @@ def transformers_ids(module, sequence: list[int]) -> torch.Tensor:
     return emb[:, 0::2].round().long()
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("ngram_size,heads_per_ngram,layer_index", [(3, 2, 0), (4, 1, 2)])
 def test_matches_transformers_on_random_chunked_batches(
-    device, id_dtype, ngram_size, heads_per_ngram, layer_index
+    backend, id_dtype, ngram_size, heads_per_ngram, layer_index
 ):
     """Whole documents through transformers; the same documents cut into chunks (with the right
     context each) through our kernel, several requests per varlen batch; 100 batches per
     parametrisation (400 on CPU in total)."""
+    ops, device = backend.ops, backend.device
     module, lay = transformers_ngram_module(ngram_size, heads_per_ngram, layer_index)
     rng = random.Random(ngram_size * 1000 + layer_index)
     ctx_len = ngram_size - 1
@@ -328,9 +346,10 @@ def test_matches_transformers_on_random_chunked_batches(
 # --- SPEC §9 properties --------------------------------------------------------------------------
 
 
-def ids_for_chunks(device, sequence, cuts, lay: Layout):
+def ids_for_chunks(backend, sequence, cuts, lay: Layout):
     """Ids of `sequence` fed as consecutive chunks of one request (ending at `cuts`), each with
     the N-1 tokens before it as context — the way a server streams a prompt."""
+    device = backend.device
     ctx_len = lay.context_len
     history = [lay.eos] * ctx_len + list(sequence)
     pieces, start = [], 0
@@ -339,7 +358,7 @@ def ids_for_chunks(device, sequence, cuts, lay: Layout):
         chunk = sequence[start:stop]
         context = history[start : start + ctx_len]
         pieces.append(
-            ops.ngram_ids(
+            backend.ops.ngram_ids(
                 torch.tensor(chunk, dtype=torch.long, device=device),
                 torch.tensor([0, len(chunk)], dtype=torch.int32, device=device),
                 torch.tensor([context], dtype=torch.long, device=device),
@@ -353,34 +372,34 @@ def ids_for_chunks(device, sequence, cuts, lay: Layout):
 tokens = st.lists(st.integers(0, 12), min_size=1, max_size=30)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
 @given(sequence=tokens, data=st.data())
-def test_chunk_split_invariance(device, sequence, data):
-    whole = ids_for_chunks(device, sequence, [], TOY)
+def test_chunk_split_invariance(backend, sequence, data):
+    whole = ids_for_chunks(backend, sequence, [], TOY)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(sequence)), max_size=4)))
-    assert torch.equal(ids_for_chunks(device, sequence, cuts, TOY), whole)
+    assert torch.equal(ids_for_chunks(backend, sequence, cuts, TOY), whole)
     one_by_one = list(range(1, len(sequence)))
-    assert torch.equal(ids_for_chunks(device, sequence, one_by_one, TOY), whole)
+    assert torch.equal(ids_for_chunks(backend, sequence, one_by_one, TOY), whole)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
 @given(before=tokens, after=tokens, other=tokens)
-def test_eos_barrier(device, before, after, other):
+def test_eos_barrier(backend, before, after, other):
     """Whatever precedes an EOS cannot change the ids of the tokens after it (the EOS token itself
     still sees its own history: being EOS does not cut it)."""
     eos = TOY.eos
-    a = ids_for_chunks(device, before + [eos] + after, [], TOY)[len(before) + 1 :]
-    b = ids_for_chunks(device, other + [eos] + after, [], TOY)[len(other) + 1 :]
+    a = ids_for_chunks(backend, before + [eos] + after, [], TOY)[len(before) + 1 :]
+    b = ids_for_chunks(backend, other + [eos] + after, [], TOY)[len(other) + 1 :]
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
 @given(seed=st.integers(0, 2**32 - 1), ngram_size=st.integers(2, 8), per=st.integers(1, 4))
-def test_ids_in_head_range_and_equal_reference(device, seed, ngram_size, per):
+def test_ids_in_head_range_and_equal_reference(backend, seed, ngram_size, per):
     rng = random.Random(seed)
     lay = random_layout(rng, ngram_size, per)
     input_ids, qsl, context = random_batch(rng, lay, torch.int64, 2**40)
-    got, expected = run_both(device, input_ids, qsl, context, lay)
+    got, expected = run_both(backend, input_ids, qsl, context, lay)
     assert torch.equal(got, expected)
     low = lay.offsets.unsqueeze(0)
     assert torch.all(got >= low) and torch.all(got < low + lay.sizes.unsqueeze(0))
@@ -389,9 +408,10 @@ def test_ids_in_head_range_and_equal_reference(device, seed, ngram_size, per):
 # --- opcheck, compile, errors -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
 @pytest.mark.parametrize("case", range(12))
-def test_opcheck(device, case):
+def test_opcheck(backend, case):
+    device = backend.device
     rng = random.Random(100 + case)
     lay = random_layout(rng, rng.choice([2, 3, 4]), rng.choice([1, 2, 8])).to(device)
     id_dtype = torch.int32 if case % 2 else torch.int64
@@ -406,7 +426,7 @@ def test_opcheck(device, case):
         lay.sizes.clamp_(max=1 << 20)
         lay.offsets.copy_(torch.cumsum(lay.sizes, 0) - lay.sizes)
     torch.library.opcheck(
-        torch.ops.qwen4exp.ngram_ids.default,
+        backend.library.ngram_ids.default,
         (
             input_ids.to(device),
             qsl.to(device),
@@ -421,8 +441,9 @@ def test_opcheck(device, case):
     )
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_torch_compile_smoke(device):
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_torch_compile_smoke(backend):
+    ops, device = backend.ops, backend.device
     lay = TOY.to(device)
 
     @torch.compile(fullgraph=True, dynamic=True)

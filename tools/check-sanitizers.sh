@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Builds the CPU kernels once with AddressSanitizer + UndefinedBehaviorSanitizer, out of tree, and
-# runs the kernel tests on that build. Fails on a build error, a test failure, or any sanitizer
-# report (also one from a subprocess). Never touches the in-tree build
-# (python/qwen4exp_ext/_kernels*.so).
+# Builds the CPU kernels and the SIMT emulator's (the HIP kernels run on the CPU) once with
+# AddressSanitizer + UndefinedBehaviorSanitizer, out of tree, and runs the kernel tests on that
+# build, so an out-of-bounds access in CPU or GPU kernel code fails. Fails on a build error, a test
+# failure, or any sanitizer report (also one from a subprocess). Never touches the in-tree build
+# (python/qwen4exp_ext/_kernels*.so, _simt*.so).
 #
 #   usage: tools/check-sanitizers.sh [PYTEST_ARG ...]       e.g. -k ple_conv
 #   PYTHON: the interpreter (needs torch, pytest, hypothesis, setuptools); default the venv of
@@ -14,7 +15,8 @@
 # How it works:
 # - csrc/, python/, tests/, setup.py, pyproject.toml are copied to a temp dir, and the extension
 #   is built there in place (setup.py build_ext --inplace, QWEN4EXP_BUILD_TARGET=cpu,
-#   QWEN4EXP_SANITIZE=address,undefined: setup.py then compiles with -O1 -g -fsanitize=...
+#   QWEN4EXP_BUILD_SIMT=1, QWEN4EXP_SANITIZE=address,undefined: setup.py then compiles with
+#   -O1 -g -fsanitize=...
 #   -fno-sanitize-recover=all -fno-omit-frame-pointer -fno-wrapv; without -fno-wrapv, Python's
 #   -fwrapv would hide signed overflow from UBSan). The tests run from that copy with its
 #   python/ first on PYTHONPATH, so its sanitized _kernels shadows the installed one; a pytest
@@ -36,7 +38,8 @@
 #   under ASan. protect_shadow_gap=0 is there in case one still does (CUDA maps memory in ASan's
 #   shadow gap); neither was needed on the GPU-less machine this was written on.
 # - tests/cpp/fast_divmod_check.cpp (the exhaustive edge cases of csrc/hip/fast_divmod.h, which
-#   the kernels share) is also built and run with the same sanitizers: seconds.
+#   the kernels share) and tests/cpp/simt_selftest.cpp (the emulator's own test; its fibers tell
+#   ASan of every stack switch) are also built and run with the same sanitizers: seconds.
 # - Only the target_clones variant that this CPU selects (csrc/cpu/simd.h: AVX-512, AVX2 or the
 #   baseline) is exercised.
 #
@@ -57,7 +60,7 @@ sanitize="${QWEN4EXP_SANITIZE:-address,undefined}"
 cxx="${CXX:-c++}"  # the compiler torch's cpp_extension builds with
 tests=(
   tests/test_ngram_ids.py tests/test_gather_rows.py tests/test_ple_gate.py tests/test_ple_conv.py
-  tests/test_bad_inputs.py tests/test_fast_divmod.py
+  tests/test_bad_inputs.py tests/test_gpu_debug_checks.py tests/test_fast_divmod.py
   tests/test_fuzz.py  # random shapes/strides/layouts: what a sanitizer is best at catching
 )
 # The fuzz budget per op under the sanitizers (slower than a plain build: fewer examples).
@@ -86,7 +89,7 @@ find "$src" \( -name '_kernels*.so' -o -name '__pycache__' \) -prune -exec rm -r
 
 echo "== [sanitize] building the CPU kernels with -fsanitize=$sanitize (log: build.log)"
 t0=$SECONDS
-if ! (cd "$src" && QWEN4EXP_SANITIZE="$sanitize" QWEN4EXP_BUILD_TARGET=cpu \
+if ! (cd "$src" && QWEN4EXP_SANITIZE="$sanitize" QWEN4EXP_BUILD_TARGET=cpu QWEN4EXP_BUILD_SIMT=1 \
     MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$py" setup.py build_ext --inplace \
     >"$work/build.log" 2>&1); then
   tail -n 80 "$work/build.log"
@@ -95,7 +98,11 @@ if ! (cd "$src" && QWEN4EXP_SANITIZE="$sanitize" QWEN4EXP_BUILD_TARGET=cpu \
 fi
 lib="$(compgen -G "$src/python/qwen4exp_ext/_kernels*.so" | sed -n 1p)"
 [ -n "$lib" ] || { echo "check-sanitizers: no _kernels*.so after the build"; exit 1; }
-echo "   built $(basename "$lib") in $((SECONDS - t0)) s"
+for wave in 32 64; do
+  compgen -G "$src/python/qwen4exp_ext/_simt$wave*.so" >/dev/null ||
+    { echo "check-sanitizers: no _simt$wave*.so after the build"; exit 1; }
+done
+echo "   built $(basename "$lib") and the SIMT emulator's modules in $((SECONDS - t0)) s"
 
 # The runtimes the library was linked against: preload exactly that libasan.
 runtimes="$(readelf -d "$lib" | sed -n 's/.*Shared library: \[\(lib[a-z]*san\.so[^]]*\)\].*/\1/p')"
@@ -131,7 +138,14 @@ def pytest_sessionstart(session):
     info = qwen4exp_ext.build_info()
     if not k.__file__.startswith(expected) or info.get("sanitize") != "$sanitize":
         raise SystemExit(f"check-sanitizers: loaded {k.__file__} {info}, not the sanitized build")
-    print(f"\nsanitized build loaded: {k.__file__} sanitize={info['sanitize']}")
+    if tuple(info.get("simt_wave_sizes", ())) != (32, 64):
+        raise SystemExit(f"check-sanitizers: the sanitized build has no SIMT emulator: {info}")
+    import qwen4exp_ext._simt32 as s32
+    import qwen4exp_ext._simt64 as s64
+    for module in (s32, s64):
+        if not module.__file__.startswith(expected):
+            raise SystemExit(f"check-sanitizers: loaded {module.__file__}, not the sanitized one")
+    print(f"\nsanitized build loaded: {k.__file__} (+ _simt32, _simt64) sanitize={info['sanitize']}")
 EOF
 
 reports="$work/reports"
@@ -142,19 +156,30 @@ export ASAN_OPTIONS="$ASAN_OPTIONS:log_path=$reports/asan"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=86:log_path=$reports/ubsan"
 export CUDA_VISIBLE_DEVICES="" HIP_VISIBLE_DEVICES=""
 
-echo "== [sanitize] tests/cpp/fast_divmod_check.cpp"
-divmod_status=0
-if "$cxx" -std=c++17 -O1 -g -fsanitize="$sanitize" -fno-sanitize-recover=all \
-    -fno-omit-frame-pointer -Wall -Wextra -Werror -I "$src/csrc" \
-    "$src/tests/cpp/fast_divmod_check.cpp" -o "$work/fast_divmod_check"; then
-  "$work/fast_divmod_check" >"$work/fast_divmod.log" 2>&1 || divmod_status=$?
-  first=""
-  read -r first _ <"$work/fast_divmod.log" || true
-  [ "$first" = ok ] || divmod_status=1
-  echo "   $(sed -n 1p "$work/fast_divmod.log") (exit $divmod_status)"
-else
-  divmod_status=1
-fi
+# A torch-free C++ check: built with the sanitizers, run, passed when its first word is "ok".
+cpp_status=0
+run_cpp_check() {  # name, extra compiler arguments...
+  local name="$1" status=0 first=""
+  shift
+  echo "== [sanitize] tests/cpp/$name.cpp $*"
+  if "$cxx" -std=c++17 -O1 -g -fsanitize="$sanitize" -fno-sanitize-recover=all \
+      -fno-omit-frame-pointer -Wall -Wextra -Werror -I "$src/csrc" \
+      "$src/tests/cpp/$name.cpp" "$@" -o "$work/$name"; then
+    "$work/$name" >"$work/$name.log" 2>&1 || status=$?
+    read -r first _ <"$work/$name.log" || true
+    [ "$first" = ok ] || [ "$status" -ne 0 ] || status=1
+    echo "   $(sed -n 1p "$work/$name.log") (exit $status)"
+  else
+    status=1
+  fi
+  cat "$work/$name.log" >>"$work/cpp.log"
+  if [ "$status" -ne 0 ] && [ "$cpp_status" -ne 86 ]; then cpp_status=$status; fi
+}
+run_cpp_check fast_divmod_check
+for wave in 32 64; do
+  run_cpp_check simt_selftest -Wno-unknown-pragmas -DQWEN4EXP_SIMT_WAVE_SIZE=$wave \
+    "$src/csrc/simt/runtime.cpp"
+done
 
 echo "== [sanitize] kernel tests (LD_PRELOAD=$preload, ASAN_OPTIONS=$ASAN_OPTIONS)"
 t0=$SECONDS
@@ -175,18 +200,18 @@ for f in "$reports"/*; do
   cat "$f"
 done
 n_ubsan=0
-for f in "$work/pytest.log" "$work/fast_divmod.log"; do
+for f in "$work/pytest.log" "$work/cpp.log"; do
   [ -f "$f" ] || continue
   n_ubsan=$((n_ubsan + $(grep -c ': runtime error: ' "$f" || true)))
 done
 n_reports=$((n_reports + n_ubsan))
-if [ "$n_reports" -gt 0 ] || [ "$test_status" -eq 86 ] || [ "$divmod_status" -eq 86 ]; then
+if [ "$n_reports" -gt 0 ] || [ "$test_status" -eq 86 ] || [ "$cpp_status" -eq 86 ]; then
   echo "check-sanitizers: FAIL ($n_reports sanitizer report(s) above, exit 86 = one aborted;" \
     "last test started: $(cat "$work/current_test" 2>/dev/null || echo none))"
   exit 1
 fi
-if [ "$divmod_status" -ne 0 ] || [ "$test_status" -ne 0 ]; then
-  echo "check-sanitizers: FAIL (fast_divmod_check exit $divmod_status, pytest exit $test_status)"
+if [ "$cpp_status" -ne 0 ] || [ "$test_status" -ne 0 ]; then
+  echo "check-sanitizers: FAIL (C++ checks exit $cpp_status, pytest exit $test_status)"
   exit 1
 fi
 echo "check-sanitizers: ok ($sanitize, $((SECONDS - start)) s)"

@@ -3,7 +3,8 @@
 # test dependencies and a build of the extension that is current with csrc/ and setup.py.
 #
 # Knobs: QWEN4EXP_VENV (default ./.venv), QWEN4EXP_TORCH (the torch requirement, default
-# torch==2.14.1), QWEN4EXP_BUILD_TARGET (auto|cpu|cuda|rocm, see setup.py), and the usual
+# torch==2.14.1), QWEN4EXP_BUILD_TARGET (auto|cpu|cuda|rocm, see setup.py), QWEN4EXP_BUILD_SIMT
+# (default 1 here: the tests run the HIP kernels on the SIMT emulator too), and the usual
 # TORCH_CUDA_ARCH_LIST / PYTORCH_ROCM_ARCH / CUDA_HOME / MAX_JOBS.
 set -euo pipefail
 
@@ -29,6 +30,7 @@ if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1
   export TORCH_CUDA_ARCH_LIST="9.0"
 fi
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+export QWEN4EXP_BUILD_SIMT="${QWEN4EXP_BUILD_SIMT:-1}"
 
 stamp="$VENV/.qwen4exp-deps"
 deps="$TORCH_REQ pytest>=8 hypothesis>=6.100 numpy transformers==5.18.0 safetensors ninja setuptools>=69 wheel ruff"
@@ -48,17 +50,21 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" >"$stamp"
 fi
 
-# Rebuild when a source or the build script is newer than the built library.
+# Rebuild when a library is missing, or a source or the build script is newer than it.
 needs_build() {
-  local lib
-  lib=$(compgen -G "$QWEN4EXP_ROOT/python/qwen4exp_ext/_kernels*.so" | sed -n 1p)
-  [ -n "$lib" ] || return 0
-  # Any source or the build script newer than the library?
-  [ -z "$(find "$QWEN4EXP_ROOT/csrc" "$QWEN4EXP_ROOT/setup.py" -type f -newer "$lib" | sed -n 1p)" ] || return 0
+  local module lib
+  local modules=(_kernels)
+  [ "$QWEN4EXP_BUILD_SIMT" = 1 ] && modules+=(_simt32 _simt64)
+  for module in "${modules[@]}"; do
+    lib=$(compgen -G "$QWEN4EXP_ROOT/python/qwen4exp_ext/$module*.so" | sed -n 1p)
+    [ -n "$lib" ] || return 0
+    [ -z "$(find "$QWEN4EXP_ROOT/csrc" "$QWEN4EXP_ROOT/setup.py" -type f -newer "$lib" | sed -n 1p)" ] || return 0
+  done
   ! "$PY" -c "import qwen4exp_ext" >/dev/null 2>&1
 }
 if needs_build; then
-  echo "== building qwen4exp_ext (target ${QWEN4EXP_BUILD_TARGET:-auto}; log: $VENV/build.log)"
+  echo "== building qwen4exp_ext (target ${QWEN4EXP_BUILD_TARGET:-auto}, SIMT emulator" \
+    "$QWEN4EXP_BUILD_SIMT; log: $VENV/build.log)"
   if ! (cd "$QWEN4EXP_ROOT" && "$PY" -m pip install -v --disable-pip-version-check \
       --no-build-isolation -e . >"$VENV/build.log" 2>&1); then
     tail -n 80 "$VENV/build.log"
