@@ -59,8 +59,6 @@ hipError_t hipGetLastError() {
   return error;
 }
 
-hipError_t hipPeekAtLastError() { return last_error; }
-
 const char* hipGetErrorString(hipError_t error) {
   if (error != hipSuccess && !last_message.empty()) return last_message.c_str();
   switch (error) {
@@ -225,7 +223,7 @@ struct Lane {
 
 constexpr size_t kStackBytes = size_t{256} << 10;  // virtual; a kernel touches a few pages
 constexpr size_t kStackColors = 64 << 10;
-constexpr size_t kStackTopBytes = kStackColors + (16 << 10);
+constexpr size_t kStackTopBytes = 16 << 10;  // holds lane_entry's frame
 constexpr size_t kRedzone = 64;                       // poisoned bytes between shared objects
 constexpr size_t kArenaBytes = 2 * kMaxSharedBytes;   // room for the limit plus the redzones
 constexpr unsigned char kPoison = 0xFF;               // NaN as fp32/fp64, -1 as integers
@@ -441,13 +439,13 @@ bool Scheduler::run_block(const uint3& block_idx) {
     lane.coordinates = LaneCoordinates{uint3{u % block_dim_.x, (u / block_dim_.x) % block_dim_.y, u / xy},
                                        block_idx, block_dim_, grid_dim_};
     lane.stack = stacks_.stack(i);
-    // The last fiber on this stack ended inside lane_entry, whose frame (with ASan's redzones)
-    // lies where the new fiber's first frames go.
-    asan_unpoison(lane.stack + kStackBytes - kStackTopBytes, kStackTopBytes);
     // Stack tops 64 bytes apart modulo 64 KiB: otherwise every lane's frames fall in the same
     // few cache sets (the stacks are a multiple of 4 KiB apart) and each switch misses.
-    const size_t color = (static_cast<size_t>(i) * 64) % kStackColors;
-    fiber_prepare(lane.context, lane.stack, kStackBytes - color, &Scheduler::lane_entry, &lane);
+    const size_t usable = kStackBytes - (static_cast<size_t>(i) * 64) % kStackColors;
+    // The last fiber on this stack ended inside lane_entry, whose frame (with ASan's redzones)
+    // lies where the new fiber's first frames go.
+    asan_unpoison(lane.stack + usable - kStackTopBytes, kStackTopBytes);
+    fiber_prepare(lane.context, lane.stack, usable, &Scheduler::lane_entry, &lane);
     order_[i] = i;
   }
   int done = 0;

@@ -63,7 +63,6 @@ enum hipError_t : int {
 };
 // The last error of this OS thread, cleared by reading it (hipGetLastError's contract).
 hipError_t hipGetLastError();
-hipError_t hipPeekAtLastError();
 // For an error the emulator raised, the message that says what went wrong.
 const char* hipGetErrorString(hipError_t error);
 
