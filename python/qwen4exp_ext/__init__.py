@@ -28,8 +28,10 @@ __version__ = "0.1.0"
 def build_info() -> dict[str, Any]:
     """What the loaded binary was built with: backends, GPU archs, torch version.
 
-    ``backends`` lists the kernels compiled in ("cpu", plus "cuda" or "rocm"); ``torch`` is the
-    version built against, ``torch_runtime`` the one running now (they must agree in major.minor).
+    ``backends`` lists the kernels compiled in ("cpu", plus "cuda" or "rocm");
+    ``simt_wave_sizes`` the wave sizes of the SIMT emulator built in (:mod:`qwen4exp_ext.simt`);
+    ``torch`` is the version built against, ``torch_runtime`` the one running now (they must
+    agree in major.minor).
     """
     info = json.loads(torch.ops.qwen4exp.build_info())
     info["torch_runtime"] = torch.__version__
