@@ -2,7 +2,8 @@
 // platform.h) for NVIDIA.
 //
 // One thread per output element (token t, head h; a thread takes several past 2^24 elements),
-// with consecutive heads in consecutive threads, so the [T, NH] output is written fully coalesced. The NH threads of a token recompute its
+// with consecutive heads in consecutive threads, so the [T, NH] output is written fully
+// coalesced. The NH threads of a token recompute its
 // request and window; those reads hit the same cache lines and cost far less than the strided
 // stores a thread-per-token layout would need. Each block first turns the NH head sizes into
 // fast-modulo constants in shared memory (fast_divmod.h), so no thread ever runs a 64-bit
@@ -15,8 +16,6 @@ namespace qwen4exp {
 namespace {
 
 constexpr int kThreadsPerBlock = 256;
-// Grids past this many blocks loop (ROCm counts a grid in threads, in 32 bits).
-constexpr int64_t kMaxBlocks = int64_t{1} << 16;
 
 // The id of one (token, head) element of the output.
 template <typename OutT, int kMaxContext>
@@ -72,7 +71,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) ngram_ids_kernel(NgramIdsPar
 hipError_t launch_ngram_ids(const NgramIdsParams& p, bool output_int64, hipStream_t stream) {
   const int64_t elements = p.num_tokens * p.num_heads;
   const int64_t needed = (elements + kThreadsPerBlock - 1) / kThreadsPerBlock;
-  const unsigned blocks = static_cast<unsigned>(needed < kMaxBlocks ? needed : kMaxBlocks);
+  const unsigned blocks = static_cast<unsigned>(needed < kMaxGridX ? needed : kMaxGridX);
   const size_t shared = sizeof(FastDivmodU64) * static_cast<size_t>(p.num_heads);
   const auto launch = [&](auto kernel) {
     return launch_kernel(kernel, blocks, kThreadsPerBlock, shared, stream, p);

@@ -96,25 +96,32 @@ using hipError_t = cudaError_t;
 //   QWEN4EXP_SHARED(float[64], scratch);      a static __shared__ object (any type)
 //   QWEN4EXP_DYNAMIC_SHARED(Item, items);     Item* items: the launch's dynamic shared memory,
 //                                             aligned for Item
-#if defined(QWEN4EXP_SIMT)
-#define QWEN4EXP_SHARED(Type, name)                        \
-  static const char name##_qwen4exp_shared_tag = 0;       \
-  ::qwen4exp::simt::type_t<Type>& name =                   \
-      *static_cast<::qwen4exp::simt::type_t<Type>*>(::qwen4exp::simt::static_shared( \
-          &name##_qwen4exp_shared_tag, sizeof(::qwen4exp::simt::type_t<Type>),          \
-          alignof(::qwen4exp::simt::type_t<Type>)))
-#define QWEN4EXP_DYNAMIC_SHARED(Type, name) \
-  Type* name = static_cast<Type*>(::qwen4exp::simt::dynamic_shared(alignof(Type)))
-#elif defined(QWEN4EXP_KERNEL_COMPILE)
 namespace qwen4exp {
+// Names an array type in a declarator position: shared_type_t<float[64]> x.
 template <typename T>
 using shared_type_t = T;
 }  // namespace qwen4exp
+#if defined(QWEN4EXP_SIMT)
+#define QWEN4EXP_SHARED(Type, name)                                                     \
+  static const char name##_qwen4exp_shared_tag = 0;                                    \
+  ::qwen4exp::shared_type_t<Type>& name = *static_cast<::qwen4exp::shared_type_t<Type>*>( \
+      ::qwen4exp::simt::static_shared(&name##_qwen4exp_shared_tag,                      \
+                                      sizeof(::qwen4exp::shared_type_t<Type>),           \
+                                      alignof(::qwen4exp::shared_type_t<Type>)))
+#define QWEN4EXP_DYNAMIC_SHARED(Type, name) \
+  Type* name = static_cast<Type*>(::qwen4exp::simt::dynamic_shared(alignof(Type)))
+#elif defined(QWEN4EXP_KERNEL_COMPILE)
 #define QWEN4EXP_SHARED(Type, name) __shared__ ::qwen4exp::shared_type_t<Type> name
 #define QWEN4EXP_DYNAMIC_SHARED(Type, name) extern __shared__ Type name[]
 #endif
 
 namespace qwen4exp {
+
+// The most blocks a launcher asks for along x and y; kernels loop over the rest. ROCm counts a
+// grid in threads, in 32 bits per dimension (2^16 blocks of up to 1024 threads fit), and y is at
+// most 65535 on both vendors; 2^16 blocks of 256 threads are far more than any GPU runs at once.
+constexpr int64_t kMaxGridX = int64_t{1} << 16;
+constexpr int64_t kMaxGridY = 65535;
 
 // High 64 bits of the 128-bit product a·b.
 QWEN4EXP_HD uint64_t mul_hi_u64(uint64_t a, uint64_t b) {

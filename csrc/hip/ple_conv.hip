@@ -22,9 +22,6 @@ namespace qwen4exp {
 namespace {
 
 constexpr int kThreads = 256;
-// Grids past these sizes loop (ROCm counts a grid in threads, in 32 bits per dimension; y <= 65535).
-constexpr int64_t kMaxBlocksX = int64_t{1} << 16;
-constexpr int64_t kMaxBlocksY = 65535;
 
 template <typename T>
 QWEN4EXP_DEVICE T* state_at(const PleConvParams& p, int64_t slot, int64_t w, int64_t c) {
@@ -210,8 +207,8 @@ hipError_t launch_vec(const PleConvParams& p, hipStream_t stream) {
   const int64_t per_block = static_cast<int64_t>(kThreads) * VEC;
   const int64_t channel_blocks = (p.channels + per_block - 1) / per_block;
   const auto grid = [&](int64_t count) {
-    return dim3(static_cast<unsigned>(count < kMaxBlocksX ? count : kMaxBlocksX),
-                static_cast<unsigned>(channel_blocks < kMaxBlocksY ? channel_blocks : kMaxBlocksY));
+    return dim3(static_cast<unsigned>(count < kMaxGridX ? count : kMaxGridX),
+                static_cast<unsigned>(channel_blocks < kMaxGridY ? channel_blocks : kMaxGridY));
   };
   if (p.num_rows > 0) {
     const hipError_t status = launch_kernel(ple_conv_outputs_kernel<T, W, VEC>, grid(p.num_rows),

@@ -20,8 +20,6 @@ namespace qwen4exp {
 namespace {
 
 constexpr int kThreads = 256;
-// A block loops over tokens past this many (ROCm counts a grid in threads, in 32 bits).
-constexpr int64_t kMaxBlocks = int64_t{1} << 16;
 
 template <typename W>
 QWEN4EXP_DEVICE float one_plus(const void* w, int64_t i) {
@@ -202,7 +200,7 @@ hipError_t launch_typed(const PleGateParams& p, hipStream_t stream) {
                      aligned16(p.hidden_row_stride * sizeof(T)) &&
                      aligned16(p.gated_row_stride * sizeof(T)) &&
                      aligned16(p.conv_input_row_stride * sizeof(T));
-  const dim3 grid(static_cast<unsigned>(p.num_tokens < kMaxBlocks ? p.num_tokens : kMaxBlocks));
+  const dim3 grid(static_cast<unsigned>(p.num_tokens < kMaxGridX ? p.num_tokens : kMaxGridX));
   const auto launch = [&](auto kernel) {
     return launch_kernel(kernel, grid, kThreads, 0, stream, p);
   };

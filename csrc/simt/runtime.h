@@ -134,9 +134,6 @@ hipError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t share
 }
 
 template <typename T>
-using type_t = T;
-
-template <typename T>
 T shuffle_xor(T value, int mask, int width, Site site) {
   static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8, "shuffles move 32/64-bit words");
   uint64_t bits = 0;
