@@ -19,8 +19,10 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "E2M1_VALUES",
     "FP8_DTYPES",
     "NULL_SLOT",
+    "NVFP4_BLOCK",
     "gather_rows",
     "gated_residual_combine",
     "gated_residual_mix",
@@ -28,12 +30,18 @@ __all__ = [
     "hc_combine",
     "hc_mix",
     "ngram_ids",
+    "nvfp4_decode",
     "ple_conv",
     "ple_gate",
     "ple_layer",
 ]
 
 FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+# NVFP4 (vLLM's layout): two E2M1 codes per byte, the even element in the low nibble; code bit 3
+# is the sign, bits 0-2 index these magnitudes. One float8_e4m3fn scale per NVFP4_BLOCK elements.
+E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+NVFP4_BLOCK = 16
 
 # vLLM's NULL_BLOCK_ID: state slot 0 is padding. It is never read or written (SPEC §6).
 NULL_SLOT = 0
@@ -142,6 +150,7 @@ def gather_rows(
     ids: torch.Tensor,
     *,
     scale: torch.Tensor | float | None = None,
+    block_scales: torch.Tensor | None = None,
     vocab_start: int = 0,
     vocab_end: int | None = None,
     out_dtype: torch.dtype | None = None,
@@ -150,8 +159,14 @@ def gather_rows(
 
     ``table`` [rows, d] in fp32/bf16/fp16/float8_e4m3fn/float8_e4m3fnuz (fp8 needs the per-tensor
     fp32 ``scale``), ``ids`` [..., NH] int32/int64 → [..., NH·d]. ``out_dtype`` defaults to the
-    table dtype, bf16 for fp8. FP8 dequantisation follows vLLM's eager
+    table dtype, bf16 for fp8 and NVFP4. FP8 dequantisation follows vLLM's eager
     ``row.to(out) * scale.to(out)``: E = round_out(float(row) · float(round_out(scale))).
+
+    NVFP4: a ``uint8`` table [rows, d/2] given with ``block_scales`` (float8_e4m3fn [rows, d/16])
+    and the fp32 global ``scale``. Element c of a row is E2M1 code c of the row (byte c/2, low
+    nibble for even c) times its block's scale (block c/16), a product that is exact in fp32, times
+    ``scale`` in fp32 (one rounding), then rounded to ``out_dtype``:
+    E = round_out(fp32(e2m1 · e4m3) · scale) — vLLM 0.33.0's ``_lookup_nvfp4_ple_embedding_kernel``.
 
     This rank owns global ids [vocab_start, vocab_end) (default: [vocab_start, vocab_start+rows))
     and reads table[id - vocab_start] for them; every other id — another rank's, negative, or
@@ -161,16 +176,33 @@ def gather_rows(
         raise ValueError(f"table must be [rows, d], got {tuple(table.shape)}")
     if ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ids must be int32 or int64, got {ids.dtype}")
-    rows, width = table.shape
+    rows = table.shape[0]
     is_fp8 = table.dtype in FP8_DTYPES
+    is_nvfp4 = block_scales is not None
+    if is_nvfp4:
+        if table.dtype != torch.uint8:
+            raise ValueError(f"an NVFP4 table is uint8 [rows, d/2], got {table.dtype}")
+        width = 2 * table.shape[1]
+        if width % NVFP4_BLOCK:
+            raise ValueError(f"NVFP4 rows hold a multiple of {NVFP4_BLOCK} elements, got {width}")
+        if block_scales.dtype != torch.float8_e4m3fn or tuple(block_scales.shape) != (
+            rows,
+            width // NVFP4_BLOCK,
+        ):
+            raise ValueError(
+                f"block_scales must be float8_e4m3fn [{rows}, {width // NVFP4_BLOCK}], got "
+                f"{block_scales.dtype} {tuple(block_scales.shape)}"
+            )
+    else:
+        width = table.shape[1]
     if out_dtype is None:
-        out_dtype = torch.bfloat16 if is_fp8 else table.dtype
+        out_dtype = torch.bfloat16 if is_fp8 or is_nvfp4 else table.dtype
     if out_dtype in FP8_DTYPES or not out_dtype.is_floating_point:
         raise ValueError(f"out_dtype must be a non-fp8 float type, got {out_dtype}")
-    if is_fp8 and scale is None:
-        raise ValueError("an fp8 table needs its per-tensor scale")
-    if not is_fp8 and scale is not None:
-        raise ValueError("scale is only defined for fp8 tables")
+    if (is_fp8 or is_nvfp4) and scale is None:
+        raise ValueError("an fp8 or NVFP4 table needs its per-tensor scale")
+    if not (is_fp8 or is_nvfp4) and scale is not None:
+        raise ValueError("scale is only defined for fp8 and NVFP4 tables")
     if vocab_end is None:
         vocab_end = vocab_start + rows
     if not 0 <= vocab_start <= vocab_end or vocab_end - vocab_start > rows:
@@ -180,9 +212,14 @@ def gather_rows(
     owned = (flat >= vocab_start) & (flat < vocab_end)
     local = torch.where(owned, flat - vocab_start, torch.zeros_like(flat))
     # Row 0 stands in for unowned ids and is zeroed below (a zero row when the table has none).
-    source = table if rows > 0 else table.new_zeros((1, width))
-    picked = source[local]  # [n, d]
-    if is_fp8:
+    source = table if rows > 0 else table.new_zeros((1, table.shape[1]))
+    picked = source[local]  # [n, d] (NVFP4: [n, d/2] packed)
+    if is_nvfp4:
+        scale_t = torch.as_tensor(scale, dtype=torch.float32, device=table.device).reshape(())
+        scale_source = block_scales if rows > 0 else block_scales.new_zeros((1, width // 16))
+        picked_scales = scale_source[local]
+        values = (nvfp4_decode(picked, picked_scales) * scale_t).to(out_dtype)
+    elif is_fp8:
         scale_t = torch.as_tensor(scale, dtype=torch.float32, device=table.device).reshape(())
         scale_out = scale_t.to(out_dtype).to(torch.float32)
         values = (picked.to(torch.float32) * scale_out).to(out_dtype)
@@ -192,6 +229,18 @@ def gather_rows(
         owned[:, None], values, torch.zeros((), dtype=out_dtype, device=table.device)
     )
     return values.reshape(*ids.shape[:-1], ids.shape[-1] * width)
+
+
+def nvfp4_decode(packed: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:
+    """NVFP4 rows [n, d/2] uint8 with their float8_e4m3fn block scales [n, d/16] → fp32 [n, d]:
+    e2m1 · e4m3, exact (a 2-bit by 4-bit significand product, far from fp32's range limits)."""
+    n, half = packed.shape
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(n, 2 * half)
+    magnitudes = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    e2m1 = magnitudes[(codes & 7).long()]
+    e2m1 = torch.where((codes & 8) != 0, -e2m1, e2m1)
+    blocks = block_scales.to(torch.float32).repeat_interleave(NVFP4_BLOCK, dim=1)
+    return e2m1 * blocks
 
 
 # --------------------------------------------------------------------------------------------
