@@ -16,20 +16,22 @@ inline bool gather_table_dtype(at::ScalarType t, GatherDtype* out) {
     case at::kHalf: *out = GatherDtype::kF16; return true;
     case at::kFloat8_e4m3fn: *out = GatherDtype::kFp8E4M3FN; return true;
     case at::kFloat8_e4m3fnuz: *out = GatherDtype::kFp8E4M3FNUZ; return true;
+    case at::kByte: *out = GatherDtype::kNvfp4; return true;
     default: return false;
   }
 }
 
 inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at::Tensor& ids,
                                                const std::optional<at::Tensor>& scale,
+                                               const std::optional<at::Tensor>& block_scales,
                                                int64_t vocab_start, int64_t vocab_end,
                                                const at::Tensor& output) {
   GatherRowsParams p{};
   TORCH_CHECK(table.dim() == 2, "gather_rows: table must be 2-D [rows, d], got shape ",
               table.sizes());
   TORCH_CHECK(gather_table_dtype(table.scalar_type(), &p.table_dtype),
-              "gather_rows: table must be float32, bfloat16, float16, float8_e4m3fn or "
-              "float8_e4m3fnuz, got ", table.scalar_type());
+              "gather_rows: table must be float32, bfloat16, float16, float8_e4m3fn, "
+              "float8_e4m3fnuz or uint8 (NVFP4), got ", table.scalar_type());
   TORCH_CHECK(table.stride(1) == 1 || table.size(1) <= 1,
               "gather_rows: table rows must be contiguous (stride(1) == 1), got strides ",
               table.strides());
@@ -37,14 +39,15 @@ inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at
   TORCH_CHECK(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong,
               "gather_rows: ids must be int32 or int64, got ", ids.scalar_type());
   const int64_t rows = table.size(0);
-  const int64_t width = table.size(1);
+  const bool nvfp4 = p.table_dtype == GatherDtype::kNvfp4;
+  const int64_t width = table.size(1) * elems_per_word(p.table_dtype);
   const int64_t num_tokens = ids.size(0);
   const int64_t num_heads = ids.size(1);
   TORCH_CHECK(output.dim() == 2 && output.size(0) == num_tokens &&
                   output.size(1) == num_heads * width,
               "gather_rows: output must be [T, NH·d] = [", num_tokens, ", ", num_heads * width,
               "], got ", output.sizes());
-  TORCH_CHECK(gather_table_dtype(output.scalar_type(), &p.out_dtype) && !is_fp8(p.out_dtype),
+  TORCH_CHECK(gather_table_dtype(output.scalar_type(), &p.out_dtype) && is_output_dtype(p.out_dtype),
               "gather_rows: output must be float32, bfloat16 or float16, got ",
               output.scalar_type());
   TORCH_CHECK(output.stride(1) == 1 || output.size(1) <= 1,
@@ -59,7 +62,38 @@ inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at
               " but table is on ", device);
   TORCH_CHECK(output.device() == device, "gather_rows: output is on ", output.device(),
               " but table is on ", device);
-  if (is_fp8(p.table_dtype)) {
+  if (nvfp4) {
+    TORCH_CHECK(block_scales.has_value(),
+                "gather_rows: a uint8 table is NVFP4 [rows, d/2] and needs its block_scales "
+                "(float8_e4m3fn [rows, d/16])");
+    TORCH_CHECK(width % kNvfp4Block == 0,
+                "gather_rows: an NVFP4 row holds a multiple of ", kNvfp4Block,
+                " elements, so the packed width d/2 must be a multiple of ", kNvfp4Block / 2,
+                ", got ", table.size(1));
+    const at::Tensor& bs = *block_scales;
+    TORCH_CHECK(bs.scalar_type() == at::kFloat8_e4m3fn,
+                "gather_rows: block_scales must be float8_e4m3fn, got ", bs.scalar_type());
+    TORCH_CHECK(bs.dim() == 2 && bs.size(0) == rows && bs.size(1) == width / kNvfp4Block,
+                "gather_rows: block_scales must be [rows, d/16] = [", rows, ", ",
+                width / kNvfp4Block, "] for a packed table of shape ", table.sizes(), ", got ",
+                bs.sizes());
+    TORCH_CHECK(bs.stride(1) == 1 || bs.size(1) <= 1,
+                "gather_rows: block_scales rows must be contiguous (stride(1) == 1), got strides ",
+                bs.strides());
+    TORCH_CHECK(bs.device() == device, "gather_rows: block_scales is on ", bs.device(),
+                " but table is on ", device);
+    TORCH_CHECK(scale.has_value(),
+                "gather_rows: an NVFP4 table needs its global fp32 scale (vLLM's weight_scale_2)");
+    p.block_scales = static_cast<const uint8_t*>(bs.data_ptr());
+    p.block_scales_row_stride = bs.stride(0);
+  } else {
+    TORCH_CHECK(!block_scales.has_value(),
+                "gather_rows: block_scales is only defined for NVFP4 (uint8) tables, got a ",
+                table.scalar_type(), " table");
+    p.block_scales = nullptr;
+    p.block_scales_row_stride = 0;
+  }
+  if (is_fp8(p.table_dtype) || nvfp4) {
     TORCH_CHECK(scale.has_value(), "gather_rows: an fp8 table needs its per-tensor scale");
     TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() == 1,
                 "gather_rows: scale must be one float32 element, got ", scale->scalar_type(),
@@ -68,7 +102,8 @@ inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at
                 " but table is on ", device);
     p.scale = scale->data_ptr<float>();
   } else {
-    TORCH_CHECK(!scale.has_value(), "gather_rows: scale is only defined for fp8 tables, got a ",
+    TORCH_CHECK(!scale.has_value(),
+                "gather_rows: scale is only defined for fp8 and NVFP4 tables, got a ",
                 table.scalar_type(), " table");
     p.scale = nullptr;
   }

@@ -17,11 +17,13 @@ inline void define_kernel_ops(torch::Library& m) {
       "Tensor layer_multipliers, Tensor ngram_heads_vocab_sizes, Tensor ngram_heads_offsets, "
       "int eos_token_id, int heads_per_ngram, Tensor(a!) output) -> ()");
   // SPEC §4. Writes [T, NH·d] = the table rows of ids [T, NH] into `output` (fp32/bf16/fp16; an
-  // fp8 table is dequantised with its per-tensor fp32 `scale`). Ids outside [vocab_start,
-  // vocab_end) give zero rows: ids are data, never errors, and never read out of bounds.
+  // fp8 table is dequantised with its per-tensor fp32 `scale`, an NVFP4 one — uint8 [rows, d/2] —
+  // with its e4m3 `block_scales` [rows, d/16] and global fp32 `scale`). Ids outside
+  // [vocab_start, vocab_end) give zero rows: ids are data, never errors, and never read out of
+  // bounds.
   m.def(
-      "gather_rows(Tensor table, Tensor ids, Tensor? scale, int vocab_start, int vocab_end, "
-      "Tensor(a!) output) -> ()");
+      "gather_rows(Tensor table, Tensor ids, Tensor? scale, Tensor? block_scales, "
+      "int vocab_start, int vocab_end, Tensor(a!) output) -> ()");
   // SPEC §5. Returns (gated, conv_input), [T, C] in hidden's dtype. rounding "vllm" reproduces
   // vLLM 0.33.0's rounding points; "fp32" is the fast single pass (fp32 intermediates).
   m.def(

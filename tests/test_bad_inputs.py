@@ -83,6 +83,17 @@ def gather_baseline() -> dict:
     )
 
 
+def gather_nvfp4_baseline() -> dict:
+    g = torch.Generator().manual_seed(4)
+    return dict(
+        table=torch.randint(0, 256, (10, 16), dtype=torch.uint8, generator=g),  # d = 32
+        ids=torch.tensor([[0, 3, 9, 1], [2, 2, 5, 7], [8, 4, 6, 0]]),
+        scale=torch.tensor([0.5]),
+        block_scales=torch.rand(10, 2, generator=g).to(torch.float8_e4m3fn),
+        output=sentinel((3, 4 * 32), torch.bfloat16),
+    )
+
+
 def gate_baseline() -> dict:
     g = torch.Generator().manual_seed(1)
     return dict(
@@ -164,6 +175,7 @@ def run_conv(a, kernels=ops):
 OPS = {
     "ngram_ids": (ngram_baseline, run_ngram, ("output",)),
     "gather_rows": (gather_baseline, run_gather, ("output",)),
+    "gather_rows_nvfp4": (gather_nvfp4_baseline, run_gather, ("output",)),
     "ple_gate": (gate_baseline, run_gate, ("gated", "conv_input")),
     "ple_conv": (conv_decode_baseline, run_conv, ("residual", "conv_state")),
     "ple_conv_prefill": (conv_prefill_baseline, run_conv, ("residual", "conv_state")),
@@ -355,6 +367,72 @@ CASES = [
     p("gather_rows", "vocab_end-too-far", put("vocab_end", 11), "vocab_end"),
     p("gather_rows", "vocab_end-before-start", put("vocab_end", -3), "vocab_end"),
     p("gather_rows", "meta-ids", set_("ids", meta), "ids"),
+    p(
+        "gather_rows",
+        "block_scales-non-nvfp4",
+        put("block_scales", lambda: torch.ones(10, 1)),
+        "block_scales",
+    ),
+    # ---- gather_rows, NVFP4 tables ----
+    p("gather_rows_nvfp4", "no-block_scales", put("block_scales", None), "block_scales"),
+    p("gather_rows_nvfp4", "no-scale", put("scale", None), "scale"),
+    p(
+        "gather_rows_nvfp4",
+        "block_scales-bf16",
+        set_("block_scales", lambda t: t.to(torch.bfloat16)),
+        "block_scales",
+    ),
+    p(
+        "gather_rows_nvfp4",
+        "block_scales-e4m3fnuz",
+        set_("block_scales", lambda t: t.view(torch.float8_e4m3fnuz)),
+        "block_scales",
+    ),
+    p(
+        "gather_rows_nvfp4",
+        "block_scales-width",
+        put("block_scales", lambda: torch.ones(10, 3).to(torch.float8_e4m3fn)),
+        "block_scales",
+    ),
+    p(
+        "gather_rows_nvfp4",
+        "block_scales-rows",
+        put("block_scales", lambda: torch.ones(9, 2).to(torch.float8_e4m3fn)),
+        "block_scales",
+    ),
+    p(
+        "gather_rows_nvfp4",
+        "block_scales-1d",
+        set_("block_scales", lambda t: t.reshape(-1)),
+        "block_scales",
+    ),
+    p(
+        "gather_rows_nvfp4",
+        "block_scales-noncontig",
+        set_("block_scales", lambda t: noncontig(t.view(torch.uint8)).view(torch.float8_e4m3fn)),
+        "block_scales",
+    ),
+    p("gather_rows_nvfp4", "meta-block_scales", set_("block_scales", meta), "block_scales"),
+    p("gather_rows_nvfp4", "meta-scale", set_("scale", meta), "scale"),
+    p("gather_rows_nvfp4", "scale-f16", set_("scale", lambda t: t.half()), "scale"),
+    # d = 24: not a whole number of 16-element blocks (block_scales [10, 1] would fit d = 16)
+    p(
+        "gather_rows_nvfp4",
+        "d-not-multiple-of-16",
+        lambda a: a.update(
+            table=a["table"][:, :12],
+            block_scales=a["block_scales"][:, :1],
+            output=sentinel((3, 4 * 24), torch.bfloat16),
+        ),
+        "packed width",
+    ),
+    # a packed width that is not d/2: the output is [T, NH·d] with d = 2 · packed width
+    p(
+        "gather_rows_nvfp4",
+        "output-unpacked-width",
+        put("output", lambda: sentinel((3, 4 * 16), torch.bfloat16)),
+        "output",
+    ),
     # ---- ple_gate ----
     p("ple_gate", "hidden-int", set_("hidden", lambda t: t.to(I32)), "hidden"),
     p("ple_gate", "hidden-3d", set_("hidden", lambda t: t.unsqueeze(0)), "hidden"),

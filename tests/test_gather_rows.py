@@ -18,6 +18,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import vllm_triton
 from conftest import backends
 from qwen4exp_ext import ops, reference
 
@@ -356,6 +357,244 @@ def test_rows_beyond_element_2_31(backend):
 # --- opcheck, compile, errors -------------------------------------------------------------------
 
 
+# ---- NVFP4 tables ----------------------------------------------------------------------------
+#
+# vLLM's layout: uint8 [rows, d/2] (two E2M1 codes per byte), float8_e4m3fn block scales
+# [rows, d/16], one fp32 global scale. Oracles: the reference (here, every backend), vLLM 0.33.0's
+# Triton lookup under the interpreter and vLLM's CPU `dequantize_to_dtype` (below).
+E4M3FN_NAN_BYTES = FP8_NAN_BYTES[torch.float8_e4m3fn]
+
+
+def make_nvfp4(rows: int, width: int, *, gen=None, row_stride=None, scale_stride=None):
+    """(packed table, block scales) of `rows` rows of `width` elements: every byte pattern of the
+    codes, block scales from every finite e4m3fn byte, and optionally wider rows (strided views:
+    the tensors are column slices of wider buffers)."""
+    packed_width, blocks = width // 2, width // reference.NVFP4_BLOCK
+    wide = torch.randint(
+        0, 256, (rows, row_stride or packed_width), dtype=torch.uint8, generator=gen
+    )
+    raw_scales = torch.randint(
+        0, 256, (rows, scale_stride or blocks), dtype=torch.uint8, generator=gen
+    )
+    for nan in E4M3FN_NAN_BYTES:
+        raw_scales[raw_scales == nan] = 0x38  # 1.0
+    return wide[:, :packed_width], raw_scales.view(torch.float8_e4m3fn)[:, :blocks]
+
+
+NVFP4_SHAPES = [(1009, 160, 37, 5), (151, 16, 9, 16), (64, 48, 13, 3), (3, 32, 5, 2)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("shard", SHARDS)
+def test_nvfp4_matches_reference(backend, shard):
+    """Every out dtype and id dtype, on rows of 1, 2, 3 and 10 blocks (16 elements: no whole
+    16-byte piece; 48: not a multiple of 32), ids out of range, shards."""
+    ops, device = backend.ops, backend.device
+    gen = torch.Generator().manual_seed(hash(("nvfp4", shard)) % 2**31)
+    for (rows, width, tokens, heads), out_dtype, id_dtype in itertools.product(
+        NVFP4_SHAPES, OUT_DTYPES, ID_DTYPES
+    ):
+        table, block_scales = make_nvfp4(rows, width, gen=gen)
+        scale = torch.tensor([0.37])
+        start, end = shard_bounds(shard, rows)
+        ids = random_ids(tokens, heads, end if end is not None else rows, id_dtype, gen)
+        expected = reference.gather_rows(
+            table,
+            ids,
+            scale=scale,
+            block_scales=block_scales,
+            vocab_start=start,
+            vocab_end=end,
+            out_dtype=out_dtype,
+        )
+        got = ops.gather_rows(
+            table.to(device),
+            ids.to(device),
+            scale=scale.to(device),
+            block_scales=block_scales.to(device),
+            vocab_start=start,
+            vocab_end=end,
+            out_dtype=out_dtype,
+        )
+        assert got.dtype == (out_dtype or torch.bfloat16) and got.shape == (tokens, heads * width)
+        assert_same(got, expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("scale", [1.0, -0.5, 3.0e-5, 1.0e30, 1.0e-38])
+def test_nvfp4_every_code_and_scale_byte(backend, scale):
+    """All 16 codes under all 256 block-scale bytes (NaN scales give NaN, overflow gives inf,
+    tiny global scales give subnormals), every out dtype; unowned rows stay +0."""
+    ops, device = backend.ops, backend.device
+    codes = torch.arange(16, dtype=torch.uint8)
+    row = (codes[0::2] | (codes[1::2] << 4)).repeat(2)  # codes 0..15 twice: 32 elements
+    table = row.repeat(256, 1)
+    block_scales = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    block_scales = block_scales[:, None].repeat(1, 2).view(torch.float8_e4m3fn)
+    ids = torch.cat([torch.arange(256), torch.tensor([-1, 256])])[:, None]
+    s = torch.tensor([scale])
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        expected = reference.gather_rows(
+            table, ids, scale=s, block_scales=block_scales, out_dtype=out_dtype
+        )
+        got = ops.gather_rows(
+            table.to(device),
+            ids.to(device),
+            scale=s.to(device),
+            block_scales=block_scales.to(device),
+            out_dtype=out_dtype,
+        ).cpu()
+        nan = torch.isnan(expected)
+        assert bool(nan[0x7F].all()) and bool(torch.isnan(got[nan]).all())
+        assert_same(torch.where(nan, 0.0, got).to(out_dtype), torch.where(nan, 0.0, expected))
+        assert torch.all(bits(got[256:]) == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_nvfp4_strided_views(backend):
+    """Table and block scales as column slices of wider buffers (row strides 100 > d/2 and
+    13 > d/16), non-contiguous ids, a strided output whose neighbours stay untouched."""
+    ops, device = backend.ops, backend.device
+    table, block_scales = make_nvfp4(200, 64, row_stride=100, scale_stride=13)
+    assert not table.is_contiguous() and not block_scales.is_contiguous()
+    ids = random_ids(20, 6, 200, torch.int64)
+    strided_ids = torch.stack([ids, ids + 1], dim=2)[:, :, 0]
+    scale = torch.tensor([2.5])
+    buffer = torch.full((20, 6 * 64 + 10), 7.0, dtype=torch.float16, device=device)
+    out = buffer[:, 3 : 3 + 6 * 64]
+    ops.gather_rows(
+        table.to(device),
+        strided_ids.to(device),
+        scale=scale.to(device),
+        block_scales=block_scales.to(device),
+        output=out,
+    )
+    expected = reference.gather_rows(
+        table, ids, scale=scale, block_scales=block_scales, out_dtype=torch.float16
+    )
+    assert_same(out, expected)
+    assert torch.all(buffer[:, :3] == 7) and torch.all(buffer[:, 3 + 6 * 64 :] == 7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_nvfp4_many_blocks(backend, cpu_path):
+    """16000 items of the released row shape (d = 160): many units of work on either CPU path."""
+    ops, device = backend.ops, backend.device
+    gen = torch.Generator().manual_seed(11)
+    table, block_scales = make_nvfp4(5000, 160, gen=gen)
+    ids = random_ids(1000, 16, 5000, torch.int64, gen)
+    scale = torch.tensor([0.0123])
+    expected = reference.gather_rows(table, ids, scale=scale, block_scales=block_scales)
+    got = ops.gather_rows(
+        table.to(device),
+        ids.to(device),
+        scale=scale.to(device),
+        block_scales=block_scales.to(device),
+    )
+    assert_same(got, expected)
+
+
+def _vllm_nvfp4_lookup():
+    kernels = vllm_triton.load_nvfp4_lookup()
+    if kernels is None:
+        pytest.skip("vLLM 0.33.0 or triton is not installed")
+    return kernels
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_nvfp4_equals_vllm_triton_lookup(backend, out_dtype):
+    """vLLM 0.33.0's `_lookup_nvfp4_ple_embedding_kernel` (Triton's interpreter), shard ids
+    included. Its fp32 rows are the oracle, rounded to `out_dtype` to nearest even, as the GPU's
+    store conversion does (Triton's default "rtne"): the interpreter's own fp32 → bf16 downcast
+    truncates (triton-lang/triton#8322), which no GPU does."""
+    kernels = _vllm_nvfp4_lookup()
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter oracle runs on a machine without a GPU")
+    ops, device = backend.ops, backend.device
+    gen = torch.Generator().manual_seed(12)
+    rows, width, count = 300, 160, 400
+    table, block_scales = make_nvfp4(rows, width, gen=gen)
+    table, block_scales = table.contiguous(), block_scales.contiguous()
+    start, end = 1000, 1000 + rows - 7
+    ids = torch.randint(start - 50, end + 50, (count,), generator=gen)
+    scale = torch.tensor([0.37])
+    rows_f32 = torch.empty(count, width, dtype=torch.float32)
+    with vllm_triton.interpreter():
+        kernels._lookup_nvfp4_ple_embedding_kernel[(count,)](
+            table,
+            block_scales.view(torch.uint8),
+            scale,
+            ids,
+            rows_f32,
+            width,
+            start,
+            end,
+            BLOCK_D=256,
+        )
+    got = ops.gather_rows(
+        table.to(device),
+        ids[:, None].to(device),
+        scale=scale.to(device),
+        block_scales=block_scales.to(device),
+        vocab_start=start,
+        vocab_end=end,
+        out_dtype=out_dtype,
+    )
+    assert_same(got, rows_f32.to(out_dtype))
+
+
+def test_nvfp4_against_vllm_cpu_dequantize_to_dtype():
+    """vLLM's CPU path (`dequantize_to_dtype`, used by its NVFP4 `embedding` off the GPU) folds
+    the two scales first, e2m1 · fp32(block · global): equal to ours (and vLLM's GPU kernel)
+    wherever the E2M1 magnitude is 0 or a power of two, and one fp32 rounding apart elsewhere."""
+    try:
+        from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+            dequantize_to_dtype,
+        )
+    except Exception as error:  # noqa: BLE001 - vLLM absent or not importable here
+        pytest.skip(f"vLLM's nvfp4_emulation_utils is not importable: {error}")
+    gen = torch.Generator().manual_seed(13)
+    table, block_scales = make_nvfp4(500, 160, gen=gen)
+    table, block_scales = table.contiguous(), block_scales.contiguous()
+    scale = torch.tensor([0.37])
+    ids = torch.arange(500)[:, None]
+    ours = ops.gather_rows(
+        table, ids, scale=scale, block_scales=block_scales, out_dtype=torch.float32
+    )
+    theirs = dequantize_to_dtype(table, block_scales, scale, torch.float32, swizzle=False)
+    codes = torch.stack((table & 0xF, table >> 4), dim=-1).reshape(500, 160) & 7
+    power_of_two = torch.isin(codes, torch.tensor([0, 1, 2, 4, 6], dtype=torch.uint8))
+    assert torch.equal(ours[power_of_two], theirs[power_of_two])
+    ulp = torch.finfo(torch.float32).eps * theirs.abs()
+    assert bool(((ours - theirs).abs() <= ulp).all())
+    assert bool((ours != theirs).any()), "the two rounding orders should differ somewhere"
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_nvfp4_opcheck(backend):
+    device = backend.device
+    table, block_scales = make_nvfp4(70, 48)
+    ids = random_ids(9, 5, 60, torch.int64).to(device)
+    out = torch.empty(9, 5 * 48, dtype=torch.bfloat16, device=device)
+    # No allclose for fp8 (the block scales): the schema check is left out, the bytes compared.
+    before = block_scales.view(torch.uint8).clone()
+    torch.library.opcheck(
+        backend.library.gather_rows.default,
+        (
+            table.to(device),
+            ids,
+            torch.tensor([0.5], device=device),
+            block_scales.to(device),
+            3,
+            63,
+            out,
+        ),
+        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+    assert torch.equal(block_scales.view(torch.uint8), before)
+
+
 OPCHECK_CASES = [
     (torch.bfloat16, torch.int64, torch.bfloat16, 0, None),
     (torch.float32, torch.int32, torch.float16, 0, None),
@@ -384,7 +623,7 @@ def test_opcheck(backend, case):
         before = table.view(torch.uint8).clone()
     torch.library.opcheck(
         backend.library.gather_rows.default,
-        (table, ids, scale, start, end, out),
+        (table, ids, scale, None, start, end, out),
         **({} if utils is None else {"test_utils": utils}),
     )
     if table_dtype in FP8:
@@ -409,7 +648,7 @@ def test_torch_compile_smoke(backend):
 
 
 def op(table, ids, scale, start, end, output):
-    torch.ops.qwen4exp.gather_rows.default(table, ids, scale, start, end, output)
+    torch.ops.qwen4exp.gather_rows.default(table, ids, scale, None, start, end, output)
 
 
 TABLE = torch.zeros(10, 4, dtype=torch.bfloat16)
@@ -446,7 +685,7 @@ TABLE8 = torch.zeros(10, 4, dtype=torch.uint8).view(torch.float8_e4m3fn)
         ((TABLE8, IDS, None, 0, 10, OUT), "an fp8 table needs its per-tensor scale"),
         ((TABLE8, IDS, SCALE.double(), 0, 10, OUT), "scale must be one float32 element"),
         ((TABLE8, IDS, torch.ones(2), 0, 10, OUT), "scale must be one float32 element"),
-        ((TABLE, IDS, SCALE, 0, 10, OUT), "scale is only defined for fp8 tables"),
+        ((TABLE, IDS, SCALE, 0, 10, OUT), "scale is only defined for fp8 and NVFP4 tables"),
     ],
 )
 def test_bad_arguments_name_the_argument(args, message):

@@ -27,6 +27,13 @@ from pathlib import Path
 
 VLLM_VERSION = "0.33.0"
 PLE_PATH = ("models", "qwen4_exp", "common", "ops", "ple.py")
+# The NVFP4 PLE lookup and the two decoders it calls.
+NVFP4_KERNELS = (
+    (("model_executor", "layers", "quantization", "utils", "nvfp4_emulation_utils.py"),
+     ("_e2m1_inline", "_e4m3_inline")),
+    (("models", "qwen4_exp", "common", "ngram_embedding.py"),
+     ("_lookup_nvfp4_ple_embedding_kernel",)),
+)
 
 _REPLACED_IMPORTS = {
     "from vllm.platforms import current_platform\n": "current_platform = _NoPdlPlatform()\n",
@@ -43,16 +50,21 @@ class _NoPdlPlatform:
         return False
 
 
-def ple_source_path() -> Path | None:
-    """Path of the installed vLLM's ple.py, or None (found without importing vllm)."""
+def vllm_source_path(parts: tuple[str, ...]) -> Path | None:
+    """Path of a file of the installed vLLM, or None (found without importing vllm)."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         return None
     for root in spec.submodule_search_locations:
-        path = Path(root).joinpath(*PLE_PATH)
+        path = Path(root).joinpath(*parts)
         if path.is_file():
             return path
     return None
+
+
+def ple_source_path() -> Path | None:
+    """Path of the installed vLLM's ple.py, or None."""
+    return vllm_source_path(PLE_PATH)
 
 
 def installed_vllm_version() -> str | None:
@@ -104,3 +116,44 @@ def interpreter() -> Iterator[None]:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = previous
+
+
+@cache
+def load_nvfp4_lookup() -> types.ModuleType | None:
+    """vLLM's ``_lookup_nvfp4_ple_embedding_kernel`` with its ``_e2m1_inline`` and
+    ``_e4m3_inline``, or None. Their modules import much of vLLM, so only these three functions
+    are taken from the installed sources (with ``ast``) and defined under the interpreter."""
+    import ast
+    import linecache
+
+    if importlib.util.find_spec("triton") is None:
+        return None
+    module = types.ModuleType("qwen4exp_tests_vllm_nvfp4")
+    pieces = ["import triton\nimport triton.language as tl\n"]
+    for parts, names in NVFP4_KERNELS:
+        path = vllm_source_path(parts)
+        if path is None:
+            return None
+        text = path.read_text()
+        found = {
+            node.name: node
+            for node in ast.parse(text).body
+            if isinstance(node, ast.FunctionDef) and node.name in names
+        }
+        missing = set(names) - set(found)
+        if missing:
+            raise RuntimeError(
+                f"{path}: {sorted(missing)} not found; this loader is written for vLLM "
+                f"{VLLM_VERSION}, installed is {installed_vllm_version()}"
+            )
+        for name in names:
+            pieces.append(ast.get_source_segment(text, found[name], padded=False) + "\n")
+            # the decorator line precedes the def node's own segment
+            pieces[-1] = "@triton.jit\n" + pieces[-1]
+    source = "\n\n".join(pieces)
+    filename = "<vllm 0.33.0 NVFP4 PLE lookup>"
+    module.__file__ = filename
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    with interpreter():
+        exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - vLLM's source
+    return module

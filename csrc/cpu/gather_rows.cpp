@@ -6,7 +6,8 @@
 // row it will need: that keeps many misses in flight per core instead of one row at a time, which
 // is what F.embedding / index_select do. The rows themselves are then plain copies (same dtype),
 // one table lookup per byte (fp8: a 256-entry table of already-scaled, already-rounded outputs),
-// or a decode/round loop (other conversions). All offsets are int64: the released table holds
+// a vectorised decode of two E2M1 codes per byte with the row's block scales (NVFP4), or a
+// decode/round loop (other conversions). All offsets are int64: the released table holds
 // 51.2 billion elements.
 //
 // An output larger than the last-level cache (a prefill) takes the streaming path instead, where
@@ -208,14 +209,69 @@ void convert_rows(const storage_t<In>* src, storage_t<Out>* dst, int64_t n) {
   if constexpr (In == GatherDtype::kF16 && Out == GatherDtype::kBF16) convert_f16_bf16(in, out, n);
 }
 
+// --- NVFP4 ----------------------------------------------------------------------------------
+//
+// Decoded lane by lane in simd.h's vectors (so in AVX-512, AVX2 or baseline clones): eight codes
+// are one 32-bit word of the row shifted by 0, 4, ..., 28 (element 2k is the low nibble of byte
+// k, so element j sits at bit 4j of the little-endian word), their fp32 bits come from
+// e2m1_to_float_bits' formula, then the two multiplications of nvfp4_value and the output's
+// rounding. `n` is a multiple of kNvfp4Block (the host checks d; staged chunks keep it).
+template <typename OutV>
+QWEN4EXP_ALWAYS_INLINE void nvfp4_rows_body(const uint8_t* __restrict src,
+                                            const uint8_t* __restrict scales, OutV* __restrict dst,
+                                            int64_t n, float global_scale) {
+  using simd::u32x8;
+  const u32x8 shifts = {0, 4, 8, 12, 16, 20, 24, 28};
+  const simd::f32x8 global = simd::splat(global_scale);
+  for (int64_t block = 0; block < n / kNvfp4Block; ++block) {
+    const simd::f32x8 block_scale = simd::splat(fp8_e4m3fn_to_float(scales[block]));
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* bytes = src + block * (kNvfp4Block / 2) + half * 4;
+      const uint32_t word = static_cast<uint32_t>(bytes[0]) |
+                            (static_cast<uint32_t>(bytes[1]) << 8) |
+                            (static_cast<uint32_t>(bytes[2]) << 16) |
+                            (static_cast<uint32_t>(bytes[3]) << 24);
+      const u32x8 codes = (simd::splat_u(word) >> shifts) & 0xFu;
+      const u32x8 m = codes & 7u;
+      const u32x8 magnitude =
+          m >= 2u ? 0x3F000000u + (m << 22) : (m == 1u ? simd::splat_u(0x3F000000u) : 0u);
+      const simd::f32x8 e2m1 = simd::as_f32(magnitude | ((codes & 8u) << 28));
+      simd::store(dst + block * kNvfp4Block + half * 8, (e2m1 * block_scale) * global);
+    }
+  }
+}
+
+#define QWEN4EXP_NVFP4_ROWS(NAME, OUT)                                                     \
+  QWEN4EXP_CPU_CLONES void NAME(const uint8_t* src, const uint8_t* scales, OUT* dst,       \
+                                int64_t n, float global_scale) {                           \
+    nvfp4_rows_body(src, scales, dst, n, global_scale);                                    \
+  }
+QWEN4EXP_NVFP4_ROWS(nvfp4_rows_f32, float)
+QWEN4EXP_NVFP4_ROWS(nvfp4_rows_bf16, bf16_t)
+QWEN4EXP_NVFP4_ROWS(nvfp4_rows_f16, f16_t)
+#undef QWEN4EXP_NVFP4_ROWS
+
+template <GatherDtype Out>
+void nvfp4_rows(const uint8_t* src, const uint8_t* scales, storage_t<Out>* dst, int64_t n,
+                float global_scale) {
+  auto* out = reinterpret_cast<simd_t<Out>*>(dst);
+  if constexpr (Out == GatherDtype::kF32) nvfp4_rows_f32(src, scales, out, n, global_scale);
+  if constexpr (Out == GatherDtype::kBF16) nvfp4_rows_bf16(src, scales, out, n, global_scale);
+  if constexpr (Out == GatherDtype::kF16) nvfp4_rows_f16(src, scales, out, n, global_scale);
+}
+
+// Converts `width` elements of one table row; `scales` is the row's NVFP4 block scales (unused,
+// and null, for other formats). An NVFP4 `src` may start at any multiple of kNvfp4Block elements.
 template <GatherDtype In, GatherDtype Out>
 struct RowConverter {
   using InT = storage_t<In>;
   using OutT = storage_t<Out>;
   std::array<OutT, 256> lut{};  // fp8 only
   void (*lut_rows)(const uint8_t*, OutT*, int64_t, const OutT*) = &lut_rows_scalar<OutT>;
+  float global_scale = 0.0f;  // NVFP4 only
 
   explicit RowConverter(const GatherRowsParams& p) {
+    if constexpr (In == GatherDtype::kNvfp4) global_scale = *p.scale;
     if constexpr (is_fp8(In)) {
       // Every fp8 byte has one possible output: build all 256 once per call.
       const float scale_out = round_scale<Out>(*p.scale);
@@ -228,8 +284,11 @@ struct RowConverter {
     }
   }
 
-  void operator()(const InT* __restrict src, OutT* __restrict dst, int64_t width) const {
-    if constexpr (In == Out) {
+  void operator()(const InT* __restrict src, [[maybe_unused]] const uint8_t* __restrict scales,
+                  OutT* __restrict dst, int64_t width) const {
+    if constexpr (In == GatherDtype::kNvfp4) {
+      nvfp4_rows<Out>(src, scales, dst, width, global_scale);
+    } else if constexpr (In == Out) {
       std::memcpy(dst, src, static_cast<size_t>(width) * sizeof(InT));
     } else if constexpr (is_fp8(In)) {
       lut_rows(src, dst, width, lut.data());
@@ -337,7 +396,7 @@ QWEN4EXP_AVX512 void stream_worker(const StreamJob<In, Out>& job) {
   char* const output = static_cast<char*>(q.output);
   const int64_t nh = q.num_heads;
   const int64_t width = q.width;
-  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(InT));
+  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(InT)) / elems_per_word(In);
   const int64_t out_row_bytes = width * static_cast<int64_t>(sizeof(OutT));
   const int64_t table_row_bytes = q.table_row_stride * static_cast<int64_t>(sizeof(InT));
   const int64_t out_token_bytes = q.output_row_stride * static_cast<int64_t>(sizeof(OutT));
@@ -379,24 +438,33 @@ QWEN4EXP_AVX512 void stream_worker(const StreamJob<In, Out>& job) {
       if (row_of[i] >= 0) order[bucket_next[row_of[i] >> shift]++] = static_cast<int32_t>(i);
     }
     // Copy in table order, prefetching kPrefetchDistance rows ahead as the cached path does.
-    for (int64_t j = 0; j < std::min(owned, kPrefetchDistance); ++j) {
-      prefetch_bytes(table + row_of[order[j]] * table_row_bytes, row_bytes);
-    }
-    for (int64_t j = 0; j < owned; ++j) {
-      if (j + kPrefetchDistance < owned) {
-        prefetch_bytes(table + row_of[order[j + kPrefetchDistance]] * table_row_bytes, row_bytes);
+    const auto prefetch_row = [&](int64_t row) QWEN4EXP_AVX512 __attribute__((always_inline)) {
+      prefetch_bytes(table + row * table_row_bytes, row_bytes);
+      if constexpr (In == GatherDtype::kNvfp4) {
+        prefetch_bytes(reinterpret_cast<const char*>(q.block_scales) +
+                           row * q.block_scales_row_stride,
+                       width / kNvfp4Block);
       }
+    };
+    for (int64_t j = 0; j < std::min(owned, kPrefetchDistance); ++j) prefetch_row(row_of[order[j]]);
+    for (int64_t j = 0; j < owned; ++j) {
+      if (j + kPrefetchDistance < owned) prefetch_row(row_of[order[j + kPrefetchDistance]]);
       const int64_t i = order[j];
       const char* src = table + row_of[i] * table_row_bytes;
+      const uint8_t* scales = In == GatherDtype::kNvfp4
+                                  ? q.block_scales + row_of[i] * q.block_scales_row_stride
+                                  : nullptr;
       char* dst = item_output(begin + i);
       if constexpr (In == Out) {
         stream_out<false>(dst, src, row_bytes);
       } else {
         constexpr int64_t kStage = kStageBytes / static_cast<int64_t>(sizeof(OutT));
+        static_assert(kStage % kNvfp4Block == 0, "NVFP4 chunks must start on a block");
         alignas(64) OutT stage[kStage];
         for (int64_t c = 0; c < width; c += kStage) {
           const int64_t n = std::min(kStage, width - c);
-          (*job.convert)(reinterpret_cast<const InT*>(src) + c, stage, n);
+          const auto* chunk = reinterpret_cast<const InT*>(src) + c / elems_per_word(In);
+          (*job.convert)(chunk, scales == nullptr ? nullptr : scales + c / kNvfp4Block, stage, n);
           constexpr int64_t kOut = sizeof(OutT);
           stream_out<false>(dst + c * kOut, reinterpret_cast<const char*>(stage), n * kOut);
         }
@@ -507,8 +575,12 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
   OutT* const output = static_cast<OutT*>(p.output);
   const int64_t nh = p.num_heads;
   const int64_t width = p.width;
-  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(InT));
+  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(InT)) / elems_per_word(In);
   const int64_t table_row_bytes = p.table_row_stride * static_cast<int64_t>(sizeof(InT));
+  constexpr bool kNvfp4 = In == GatherDtype::kNvfp4;
+  const uint8_t* const block_scales = p.block_scales;
+  const int64_t scale_row_stride = p.block_scales_row_stride;
+  const int64_t scale_row_bytes = width / kNvfp4Block;
   const int64_t out_row_stride = p.output_row_stride;
   const int64_t items = p.num_tokens * nh;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -526,6 +598,7 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
     // bounds checks out of the copy loop leaves it as short as a plain memcpy loop, so the
     // out-of-order core runs far ahead and keeps the prefetched misses overlapping.
     const char* rows[kBlockItems];
+    const uint8_t* scale_rows[kNvfp4 ? kBlockItems : 1];  // NVFP4: each row's block scales
     for (int64_t block = next_block.fetch_add(1, std::memory_order_relaxed); block < blocks;
          block = next_block.fetch_add(1, std::memory_order_relaxed)) {
       const int64_t begin = block * block_items;
@@ -534,20 +607,26 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
       for (int64_t i = 0; i < count; ++i) {
         const int64_t row = q.local_row(q.id_at(t, h));
         rows[i] = row >= 0 ? table + row * table_row_bytes : nullptr;
+        if constexpr (kNvfp4) {
+          scale_rows[i] = row >= 0 ? block_scales + row * scale_row_stride : nullptr;
+        }
         if (++h == nh) h = 0, ++t;
       }
-      for (int64_t i = 0; i < std::min(count, kPrefetchDistance); ++i) {
-        if (rows[i] != nullptr) prefetch_bytes(rows[i], row_bytes);
-      }
+      const auto prefetch_item = [&](int64_t i) __attribute__((always_inline)) {
+        if (rows[i] == nullptr) return;
+        prefetch_bytes(rows[i], row_bytes);
+        if constexpr (kNvfp4) prefetch_bytes(reinterpret_cast<const char*>(scale_rows[i]),
+                                             scale_row_bytes);
+      };
+      for (int64_t i = 0; i < std::min(count, kPrefetchDistance); ++i) prefetch_item(i);
       t = begin / nh;
       h = begin - t * nh;
       for (int64_t i = 0; i < count; ++i) {
-        if (i + kPrefetchDistance < count && rows[i + kPrefetchDistance] != nullptr) {
-          prefetch_bytes(rows[i + kPrefetchDistance], row_bytes);
-        }
+        if (i + kPrefetchDistance < count) prefetch_item(i + kPrefetchDistance);
         OutT* dst = output + t * out_row_stride + h * width;
         if (rows[i] != nullptr) {
-          convert(reinterpret_cast<const InT*>(rows[i]), dst, width);
+          convert(reinterpret_cast<const InT*>(rows[i]), kNvfp4 ? scale_rows[i] : nullptr, dst,
+                  width);
         } else {
           std::memset(static_cast<void*>(dst), 0, static_cast<size_t>(width) * sizeof(OutT));
         }
@@ -570,10 +649,11 @@ void dispatch_out(const GatherRowsParams& p) {
 }
 
 void gather_rows_cpu(const at::Tensor& table, const at::Tensor& ids,
-                     const std::optional<at::Tensor>& scale, int64_t vocab_start,
+                     const std::optional<at::Tensor>& scale,
+                     const std::optional<at::Tensor>& block_scales, int64_t vocab_start,
                      int64_t vocab_end, const at::Tensor& output) {
   const GatherRowsParams p =
-      check_gather_rows_args(table, ids, scale, vocab_start, vocab_end, output);
+      check_gather_rows_args(table, ids, scale, block_scales, vocab_start, vocab_end, output);
   TORCH_CHECK(table.device().is_cpu(), "gather_rows: CPU kernel called with ", table.device(),
               " tensors");
   if (p.num_tokens == 0 || p.num_heads == 0 || p.width == 0) return;
@@ -583,6 +663,7 @@ void gather_rows_cpu(const at::Tensor& table, const at::Tensor& ids,
     case GatherDtype::kF16: return dispatch_out<GatherDtype::kF16>(p);
     case GatherDtype::kFp8E4M3FN: return dispatch_out<GatherDtype::kFp8E4M3FN>(p);
     case GatherDtype::kFp8E4M3FNUZ: return dispatch_out<GatherDtype::kFp8E4M3FNUZ>(p);
+    case GatherDtype::kNvfp4: return dispatch_out<GatherDtype::kNvfp4>(p);
   }
 }
 

@@ -1,4 +1,5 @@
-// FP8 e4m3 decoding on raw bits, host and device, and the element conversions of gather_rows.
+// FP8 e4m3 and NVFP4 (E2M1) decoding on raw bits, host and device, and the element conversions of
+// gather_rows.
 //
 // Two e4m3 formats exist and both ship: e4m3fn (OCP; bias 7, no inf, S.1111.111 is NaN, used on
 // NVIDIA and MI350) and e4m3fnuz (bias 8, no inf, no -0, 0x80 is the only NaN, used on MI300).
@@ -35,16 +36,40 @@ QWEN4EXP_HD float fp8_e4m3fnuz_to_float(uint8_t b) {
   return bits_to_float(sign | ((exponent + 119u) << 23) | (mantissa << 20));
 }
 
-// Storage formats of gather_rows (tables: all five; outputs: the first three).
-enum class GatherDtype : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2, kFp8E4M3FN = 3, kFp8E4M3FNUZ = 4 };
+// NVFP4 E2M1 code (bit 3 sign, bits 0-2 the magnitude index) as fp32 bits: magnitudes 0, 0.5,
+// 1, 1.5, 2, 3, 4, 6. From index 2 on, 0x3F000000 + (m << 22) is the fp32 pattern (exponent and
+// one mantissa bit step together); 1 (0.5) and 0 are the exceptions. Code 8 is -0.
+QWEN4EXP_HD uint32_t e2m1_to_float_bits(uint32_t code) {
+  const uint32_t m = code & 7u;
+  const uint32_t magnitude = m >= 2u ? 0x3F000000u + (m << 22) : (m == 1u ? 0x3F000000u : 0u);
+  return magnitude | ((code & 8u) << 28);
+}
+
+// Elements of an NVFP4 row per block scale.
+constexpr int kNvfp4Block = 16;
+
+// Storage formats of gather_rows (tables: all six; outputs: the first three). kNvfp4 is vLLM's
+// packed layout: uint8 rows of d/2 bytes (element 2k in the low nibble of byte k, 2k+1 in the
+// high one) with one float8_e4m3fn scale per kNvfp4Block elements and a global fp32 scale.
+enum class GatherDtype : int32_t {
+  kF32 = 0,
+  kBF16 = 1,
+  kF16 = 2,
+  kFp8E4M3FN = 3,
+  kFp8E4M3FNUZ = 4,
+  kNvfp4 = 5,
+};
 
 constexpr bool is_fp8(GatherDtype t) {
   return t == GatherDtype::kFp8E4M3FN || t == GatherDtype::kFp8E4M3FNUZ;
 }
 
-constexpr int dtype_bytes(GatherDtype t) {
-  return t == GatherDtype::kF32 ? 4 : (is_fp8(t) ? 1 : 2);
+constexpr bool is_output_dtype(GatherDtype t) {
+  return t == GatherDtype::kF32 || t == GatherDtype::kBF16 || t == GatherDtype::kF16;
 }
+
+// Table elements per storage word (an NVFP4 byte holds two).
+constexpr int elems_per_word(GatherDtype t) { return t == GatherDtype::kNvfp4 ? 2 : 1; }
 
 // The raw storage word of each format.
 template <GatherDtype T>
@@ -63,11 +88,16 @@ template <>
 struct StorageOf<GatherDtype::kFp8E4M3FNUZ> {
   using type = uint8_t;
 };
+template <>
+struct StorageOf<GatherDtype::kNvfp4> {
+  using type = uint8_t;
+};
 template <GatherDtype T>
 using storage_t = typename StorageOf<T>::type;
 
 template <GatherDtype T>
 QWEN4EXP_HD float decode(storage_t<T> x) {
+  static_assert(T != GatherDtype::kNvfp4, "an NVFP4 byte is two elements: use nvfp4_value");
   if constexpr (T == GatherDtype::kF32) {
     return x;
   } else if constexpr (T == GatherDtype::kBF16) {
@@ -101,6 +131,14 @@ QWEN4EXP_HD storage_t<T> encode(float f) {
 template <GatherDtype In, GatherDtype Out>
 QWEN4EXP_HD storage_t<Out> dequantize(uint8_t x, float scale_out) {
   return encode<Out>(decode<In>(x) * scale_out);
+}
+
+// NVFP4 element = fp32(e2m1 · block scale) · global scale, rounded once in fp32, as vLLM 0.33.0's
+// Triton lookup computes it (the first product is exact: 2 by 4 significant bits, exponents far
+// inside fp32's range). Two separate multiplications, in this order: the compilers keep them
+// apart (no a·b·c reassociation without fast-math, nothing to contract into an FMA).
+QWEN4EXP_HD float nvfp4_value(uint32_t code, float block_scale, float global_scale) {
+  return (bits_to_float(e2m1_to_float_bits(code)) * block_scale) * global_scale;
 }
 
 // The per-tensor scale as torch rounds it to the output dtype, back in fp32.

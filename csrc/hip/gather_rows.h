@@ -8,12 +8,13 @@
 namespace qwen4exp {
 
 struct GatherRowsParams {
-  // Table [rows, d]: row r starts at element r·table_row_stride (rows are contiguous). On the GPU
-  // this may be the device address of pinned host memory (zero-copy over PCIe).
+  // Table [rows, d]: row r starts at storage word r·table_row_stride (rows are contiguous). On the
+  // GPU this may be the device address of pinned host memory (zero-copy over PCIe). An NVFP4
+  // table is bytes [rows, d/2], two elements per byte.
   const void* table;
-  int64_t table_row_stride;  // elements
+  int64_t table_row_stride;  // storage words (bytes for fp8 and NVFP4)
   int64_t rows;
-  int64_t width;  // d
+  int64_t width;  // d, in elements
   // Ids [T, NH], int32 or int64, any strides (elements).
   const void* ids;
   int64_t ids_row_stride;
@@ -22,8 +23,13 @@ struct GatherRowsParams {
   // Output [T, NH·d]; head h of token t at element t·output_row_stride + h·d.
   void* output;
   int64_t output_row_stride;
-  // fp8 tables only: the per-tensor fp32 scale (one element, on the kernel's device).
+  // fp8 and NVFP4 tables: the per-tensor (NVFP4: global) fp32 scale, one element on the kernel's
+  // device.
   const float* scale;
+  // NVFP4 tables only: float8_e4m3fn [rows, d/16], the scale of elements [16j, 16j+16) of row r at
+  // byte r·block_scales_row_stride + j (same device as the table: pinned host memory too).
+  const uint8_t* block_scales;
+  int64_t block_scales_row_stride;  // bytes
   int64_t num_tokens;  // T
   int64_t num_heads;   // NH
   // Global ids in [vocab_start, vocab_end) read table[id - vocab_start]; 0 <= vocab_start <=

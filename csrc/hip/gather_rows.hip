@@ -1,14 +1,16 @@
 // HIP kernel for gather_rows (SPEC.md §4). Compiled by hipcc for AMD and by nvcc (through
 // platform.h) for NVIDIA.
 //
-// The output [T, NH·d] is cut into 16-byte pieces of *table* row (8 bf16, 16 fp8, 4 fp32
-// elements): consecutive threads take consecutive pieces, so the d·size bytes of one row are read
+// The output [T, NH·d] is cut into 16-byte pieces of *table* row (8 bf16, 16 fp8, 4 fp32, 32
+// NVFP4 elements): consecutive threads take consecutive pieces, so the d·size bytes of one row are read
 // by neighbouring lanes as one coalesced run and written likewise. Each thread first issues
 // kUnroll independent 16-byte loads (from up to kUnroll different rows) and only then converts and
 // stores: the gather is latency-bound, and loads in flight are what hide DRAM latency and, for a
 // table in pinned host memory, the ~1-2 µs of a PCIe read. Rows of an fp8 table are dequantised
 // through a 256-entry table of already-scaled, already-rounded outputs in shared memory, built
-// per block, the same values the CPU kernel produces.
+// per block, the same values the CPU kernel produces. An NVFP4 piece (two blocks of 16) loads its
+// two block-scale bytes with its 16 bytes of codes, and each element is nvfp4_value's two
+// multiplications and one rounding, as on the CPU.
 //
 // Ids are data: an id outside [vocab_start, vocab_end) writes a zero row and reads nothing, so no
 // id value can make the kernel read out of bounds. Table offsets are 64-bit (row·stride exceeds
@@ -36,7 +38,7 @@ template <GatherDtype In, GatherDtype Out>
 struct PieceTraits {
   using InT = storage_t<In>;
   using OutT = storage_t<Out>;
-  static constexpr int kElems = kVecBytes / static_cast<int>(sizeof(InT));
+  static constexpr int kElems = kVecBytes / static_cast<int>(sizeof(InT)) * elems_per_word(In);
   static constexpr int kOutBytes = kElems * static_cast<int>(sizeof(OutT));  // 8, 16, 32 or 64
 };
 
@@ -72,6 +74,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   using OutT = typename Traits::OutT;
   constexpr int kElems = Traits::kElems;
 
+  constexpr bool kNvfp4 = In == GatherDtype::kNvfp4;
+  static_assert(!kNvfp4 || kElems == 2 * kNvfp4Block, "an NVFP4 piece is two scale blocks");
+  float global_scale = 0.0f;
+  if constexpr (kNvfp4) global_scale = *p.scale;
   QWEN4EXP_SHARED(DequantTable<Out>, lut);
   if constexpr (is_fp8(In)) {
     const float scale_out = round_scale<Out>(*p.scale);
@@ -87,6 +93,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   for (Index base = static_cast<Index>(blockIdx.x) * per_block + static_cast<Index>(threadIdx.x);
        base < total_pieces; base += static_cast<Index>(gridDim.x) * per_block) {
     Vec16 data[kUnroll];
+    uint32_t scale_bytes[kUnroll];  // NVFP4: the piece's two block scales, first in the low byte
     OutT* dst[kUnroll];
     bool owned[kUnroll];
     // Phase 1: all loads first.
@@ -96,6 +103,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
       dst[u] = nullptr;
       owned[u] = false;
       data[u] = Vec16{};
+      scale_bytes[u] = 0;
       if (v < total_pieces) {
         const Index item = v / pieces_per_row;
         const Index piece = v - item * pieces_per_row;
@@ -108,6 +116,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
           owned[u] = true;
           data[u] = *reinterpret_cast<const Vec16*>(table + row * table_row_bytes +
                                                      static_cast<int64_t>(piece) * kVecBytes);
+          if constexpr (kNvfp4) {
+            const uint8_t* scales = p.block_scales + row * p.block_scales_row_stride +
+                                    static_cast<int64_t>(piece) * 2;
+            scale_bytes[u] = static_cast<uint32_t>(scales[0]) |
+                             (static_cast<uint32_t>(scales[1]) << 8);
+          }
         }
       }
     }
@@ -119,6 +133,17 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
       if (!owned[u]) {
 #pragma unroll
         for (int e = 0; e < kElems; ++e) converted[e] = encode<Out>(0.0f);
+      } else if constexpr (kNvfp4) {
+        uint8_t raw[kVecBytes];
+        memcpy(raw, &data[u], kVecBytes);
+        const float block_scale[2] = {fp8_e4m3fn_to_float(scale_bytes[u] & 0xFFu),
+                                      fp8_e4m3fn_to_float(scale_bytes[u] >> 8)};
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) {
+          const uint32_t code = (raw[e / 2] >> ((e & 1) * 4)) & 0xFu;
+          converted[e] =
+              encode<Out>(nvfp4_value(code, block_scale[e / kNvfp4Block], global_scale));
+        }
       } else if constexpr (In == Out) {
         memcpy(converted, &data[u], kVecBytes);
       } else {
@@ -146,6 +171,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock) gather_rows_scalar_kernel(Ga
   using OutT = storage_t<Out>;
   float scale_out = 0.0f;
   if constexpr (is_fp8(In)) scale_out = round_scale<Out>(*p.scale);
+  float global_scale = 0.0f;
+  if constexpr (In == GatherDtype::kNvfp4) global_scale = *p.scale;
   const int64_t total = p.num_tokens * p.num_heads * p.width;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreadsPerBlock;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * kThreadsPerBlock + threadIdx.x; e < total;
@@ -157,11 +184,20 @@ __global__ void __launch_bounds__(kThreadsPerBlock) gather_rows_scalar_kernel(Ga
     const int64_t row = p.local_row(p.id_at(t, h));
     OutT value = encode<Out>(0.0f);
     if (row >= 0) {
-      const InT x = static_cast<const InT*>(p.table)[row * p.table_row_stride + c];
-      if constexpr (is_fp8(In)) {
-        value = dequantize<In, Out>(x, scale_out);
+      if constexpr (In == GatherDtype::kNvfp4) {
+        const uint8_t byte =
+            static_cast<const uint8_t*>(p.table)[row * p.table_row_stride + c / 2];
+        const uint32_t code = (static_cast<uint32_t>(byte) >> ((c & 1) * 4)) & 0xFu;
+        const float block_scale =
+            fp8_e4m3fn_to_float(p.block_scales[row * p.block_scales_row_stride + c / kNvfp4Block]);
+        value = encode<Out>(nvfp4_value(code, block_scale, global_scale));
       } else {
-        value = encode<Out>(decode<In>(x));
+        const InT x = static_cast<const InT*>(p.table)[row * p.table_row_stride + c];
+        if constexpr (is_fp8(In)) {
+          value = dequantize<In, Out>(x, scale_out);
+        } else {
+          value = encode<Out>(decode<In>(x));
+        }
       }
     }
     static_cast<OutT*>(p.output)[t * p.output_row_stride + h * p.width + c] = value;
@@ -184,12 +220,13 @@ hipError_t launch_typed(const GatherRowsParams& p, hipStream_t stream) {
   const int64_t in_size = static_cast<int64_t>(sizeof(typename Traits::InT));
   const int64_t out_size = static_cast<int64_t>(sizeof(typename Traits::OutT));
   const int64_t out_align = Traits::kOutBytes < kVecBytes ? Traits::kOutBytes : kVecBytes;
-  const bool vectorizable = (p.width * in_size) % kVecBytes == 0 && aligned(p.table, kVecBytes) &&
+  const int64_t row_bytes = p.width * in_size / elems_per_word(In);
+  const bool vectorizable = row_bytes % kVecBytes == 0 && aligned(p.table, kVecBytes) &&
                             (p.table_row_stride * in_size) % kVecBytes == 0 &&
                             aligned(p.output, out_align) &&
                             (p.output_row_stride * out_size) % out_align == 0;
   if (vectorizable) {
-    const int64_t pieces_per_row = p.width * in_size / kVecBytes;
+    const int64_t pieces_per_row = row_bytes / kVecBytes;
     const int64_t total = p.num_tokens * p.num_heads * pieces_per_row;
     const unsigned blocks = grid_for(total, int64_t{kThreadsPerBlock} * kUnroll);
     if (total < (int64_t{1} << 31) - int64_t{kThreadsPerBlock} * kUnroll * (int64_t{1} << 20)) {
@@ -224,6 +261,7 @@ hipError_t launch_gather_rows(const GatherRowsParams& p, hipStream_t stream) {
     case GatherDtype::kF16: return launch_out<GatherDtype::kF16>(p, stream);
     case GatherDtype::kFp8E4M3FN: return launch_out<GatherDtype::kFp8E4M3FN>(p, stream);
     case GatherDtype::kFp8E4M3FNUZ: return launch_out<GatherDtype::kFp8E4M3FNUZ>(p, stream);
+    case GatherDtype::kNvfp4: return launch_out<GatherDtype::kNvfp4>(p, stream);
   }
   return kInvalidValue;
 }

@@ -25,6 +25,8 @@ __all__ = [
 ]
 
 _FP8_TABLE_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+# An NVFP4 table is packed bytes, two elements each (with float8_e4m3fn block scales).
+_NVFP4_TABLE_DTYPE = torch.uint8
 _GATHER_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -106,6 +108,7 @@ class KernelOps:
         ids: torch.Tensor,
         *,
         scale: torch.Tensor | float | None = None,
+        block_scales: torch.Tensor | None = None,
         vocab_start: int = 0,
         vocab_end: int | None = None,
         out_dtype: torch.dtype | None = None,
@@ -116,10 +119,16 @@ class KernelOps:
         ``table`` [rows, d] in fp32/bf16/fp16/float8_e4m3fn/float8_e4m3fnuz (rows contiguous;
         fp8 needs the per-tensor fp32 ``scale``, best passed as a 1-element tensor on the table's
         device), ``ids`` [..., NH] int32/int64 → [..., NH·d] in ``out_dtype`` (default: the
-        table's dtype, bf16 for fp8; or ``output``'s dtype). This table owns global ids
-        [vocab_start, vocab_end) (default vocab_start + rows) and reads table[id - vocab_start]
-        for them; every other id gives a zero row, so no id value ever reads out of bounds. A
-        CUDA/ROCm ``table`` may be the GPU view of pinned host memory
+        table's dtype, bf16 for fp8 and NVFP4; or ``output``'s dtype).
+
+        NVFP4 (vLLM's layout): a ``uint8`` table [rows, d/2] (two E2M1 codes per byte, the even
+        element in the low nibble) with ``block_scales`` (float8_e4m3fn [rows, d/16], rows
+        contiguous) and the global fp32 ``scale``; element = fp32(e2m1 · block scale) · scale,
+        rounded once in fp32, then to ``out_dtype``: vLLM 0.33.0's Triton lookup, bit for bit.
+
+        This table owns global ids [vocab_start, vocab_end) (default vocab_start + rows) and
+        reads table[id - vocab_start] for them; every other id gives a zero row, so no id value
+        ever reads out of bounds. A CUDA/ROCm ``table`` may be the GPU view of pinned host memory
         (:func:`qwen4exp_ext.host_table.device_view`): read zero-copy over PCIe.
 
         On the CPU an output of at least :func:`cpu_gather_stream_bytes` bytes (a prefill) is
@@ -133,12 +142,15 @@ class KernelOps:
         if ids.dim() < 1:
             raise ValueError("gather_rows: ids must be [..., NH], got a 0-d tensor")
         rows, width = table.shape
+        quantized = table.dtype in _FP8_TABLE_DTYPES or table.dtype == _NVFP4_TABLE_DTYPE
+        if table.dtype == _NVFP4_TABLE_DTYPE:
+            width *= 2
         num_heads = ids.shape[-1]
         if out_dtype is None:
             if output is not None:
                 out_dtype = output.dtype
             else:
-                out_dtype = torch.bfloat16 if table.dtype in _FP8_TABLE_DTYPES else table.dtype
+                out_dtype = torch.bfloat16 if quantized else table.dtype
         elif output is not None and output.dtype != out_dtype:
             raise ValueError(f"gather_rows: output is {output.dtype} but out_dtype is {out_dtype}")
         if vocab_end is None:
@@ -157,7 +169,9 @@ class KernelOps:
                 f"got {list(output.shape)}"
             )
         out2 = output if output.dim() == 2 else output.view(num_tokens, num_heads * width)
-        self._gather_rows_op(table, ids2, scale, int(vocab_start), int(vocab_end), out2)
+        self._gather_rows_op(
+            table, ids2, scale, block_scales, int(vocab_start), int(vocab_end), out2
+        )
         return output
 
     def ple_gate(
@@ -293,6 +307,7 @@ def _gather_rows_fake(
     table: torch.Tensor,
     ids: torch.Tensor,
     scale: torch.Tensor | None,
+    block_scales: torch.Tensor | None,
     vocab_start: int,
     vocab_end: int,
     output: torch.Tensor,
@@ -300,14 +315,18 @@ def _gather_rows_fake(
     tensors = {"table": table, "ids": ids, "output": output}
     if scale is not None:
         tensors["scale"] = scale
+    if block_scales is not None:
+        tensors["block_scales"] = block_scales
     _check_same_device("gather_rows", **tensors)
+    nvfp4 = table.dtype == _NVFP4_TABLE_DTYPE
+    width = table.shape[1] * (2 if nvfp4 else 1)
     torch._check(table.dim() == 2, lambda: "gather_rows: table must be 2-D [rows, d]")
     torch._check(ids.dim() == 2, lambda: "gather_rows: ids must be 2-D [T, NH]")
     torch._check(
         ids.dtype in (torch.int32, torch.int64), lambda: "gather_rows: ids must be int32 or int64"
     )
     torch._check(
-        output.shape == (ids.shape[0], ids.shape[1] * table.shape[1]),
+        output.shape == (ids.shape[0], ids.shape[1] * width),
         lambda: "gather_rows: output must be [T, NH·d]",
     )
     torch._check(
@@ -315,8 +334,23 @@ def _gather_rows_fake(
         lambda: "gather_rows: output must be float32, bfloat16 or float16",
     )
     torch._check(
-        (scale is not None) == (table.dtype in _FP8_TABLE_DTYPES),
-        lambda: "gather_rows: fp8 tables need a scale, other tables take none",
+        (scale is not None) == (table.dtype in _FP8_TABLE_DTYPES or nvfp4),
+        lambda: "gather_rows: fp8 and NVFP4 tables need a scale, other tables take none",
+    )
+    torch._check(
+        (block_scales is not None) == nvfp4
+        and (
+            not nvfp4
+            or (
+                width % 16 == 0
+                and block_scales.dtype == torch.float8_e4m3fn
+                and block_scales.shape == (table.shape[0], width // 16)
+            )
+        ),
+        lambda: (
+            "gather_rows: an NVFP4 (uint8) table needs float8_e4m3fn block_scales "
+            "[rows, d/16], other tables take none"
+        ),
     )
     torch._check(
         0 <= vocab_start <= vocab_end and vocab_end - vocab_start <= table.shape[0],
