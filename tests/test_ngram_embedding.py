@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import devices
 from qwen4exp_ext import layout, reference
 from qwen4exp_ext.layers import NGramEmbedding
 
@@ -205,3 +206,321 @@ def test_bad_constructor_arguments():
         NGramEmbedding(SimpleNamespace(**{**vars(CONFIG), "ple_embed_dim": 25}))
     with pytest.raises(ValueError, match="rank 2 is not in a world of 2"):
         NGramEmbedding(CONFIG, placement="cpu", shard=(2, 2))
+
+
+# --- NVFP4 tables (vLLM's layout: packed E2M1 codes, e4m3 block scales, one global scale) -----
+
+NVFP4_CONFIG = SimpleNamespace(**{**vars(CONFIG), "ple_embed_dim": 128})  # head dim 32: 2 blocks
+NVFP4_HEAD_DIM = 32
+NVFP4_BLOCKS = NVFP4_HEAD_DIM // reference.NVFP4_BLOCK
+GLOBAL_SCALE = 0.37
+E4M3 = torch.float8_e4m3fn
+
+
+def nvfp4_table(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random packed rows (every byte: every E2M1 code in both nibbles) and e4m3 block scales:
+    positive normals and subnormals (bytes 0x01-0x5f, never NaN), some negative."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (ROWS, NVFP4_HEAD_DIM // 2), dtype=torch.uint8, generator=gen)
+    bits = torch.randint(0x01, 0x60, (ROWS, NVFP4_BLOCKS), dtype=torch.uint8, generator=gen)
+    negative = torch.rand(ROWS, NVFP4_BLOCKS, generator=gen) < 0.1
+    bits = torch.where(negative, bits | 0x80, bits)
+    return packed, bits.view(E4M3)
+
+
+def nvfp4_checkpoint(
+    packed: torch.Tensor, scales: torch.Tensor, global_scale=GLOBAL_SCALE, per_shard=False
+) -> list[tuple[str, torch.Tensor]]:
+    """vLLM's NVFP4 layout: rows and block scales in ``split_ngram_parts`` shards, the global
+    scale once (or repeated per shard)."""
+    weights = []
+    for i in range(7):
+        rows = slice(i * SHARD_ROWS, (i + 1) * SHARD_ROWS)
+        weights.append((f"ngram_embedding.shard_{i}.weight", packed[rows].clone()))
+        weights.append((f"ngram_embedding.shard_{i}.weight_scale", scales[rows].clone()))
+        if per_shard:
+            weights.append(
+                (f"ngram_embedding.shard_{i}.weight_scale_2", torch.tensor(global_scale))
+            )
+    if not per_shard:
+        weights.append(("ngram_embedding.weight_scale_2", torch.tensor([global_scale])))
+    return weights
+
+
+def every_row_ids() -> torch.Tensor:
+    """Every row once, and ids outside the table (zero rows): [81, 4]."""
+    return torch.cat([torch.arange(ROWS), torch.tensor([-1, ROWS, ROWS + 5, -7])]).reshape(-1, 4)
+
+
+def nvfp4_expected(packed, scales, ids, out_dtype=None, global_scale=GLOBAL_SCALE):
+    """The oracle on the whole table."""
+    return reference.gather_rows(
+        packed, ids, scale=torch.tensor([global_scale]), block_scales=scales, out_dtype=out_dtype
+    )
+
+
+def state_bytes(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every state tensor as raw bytes (torch.equal is not implemented for fp8 on the CPU)."""
+    return {
+        k: v.detach().cpu().contiguous().view(torch.uint8).clone()
+        for k, v in m.state_dict().items()
+    }
+
+
+def assert_same_state(before: dict, m: torch.nn.Module) -> None:
+    after = state_bytes(m)
+    assert after.keys() == before.keys()
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name
+
+
+def placements():
+    """(placement, device): CPU tables always; device and pinned GPU tables on a GPU build."""
+    found = [("cpu", None), ("device", None)]
+    if "cuda" in devices():
+        found += [("device", "cuda"), ("pinned", "cuda")]
+    return found
+
+
+def save_nvfp4(tmp_path, weights, prefix="model.ple.") -> list:
+    """The checkpoint in two files, shards 0-2 in the first (and the global scale in the
+    second)."""
+    from safetensors.torch import save_file
+
+    first = {prefix + k: v for k, v in weights if k.startswith(SHARD_PREFIXES[:3])}
+    rest = {prefix + k: v for k, v in weights if prefix + k not in first}
+    save_file(first, tmp_path / "a.safetensors")
+    save_file(rest, tmp_path / "b.safetensors")
+    return [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+
+
+SHARD_PREFIXES = tuple(f"ngram_embedding.shard_{i}." for i in range(7))
+
+
+def load_nvfp4(m, weights, source: str, tmp_path) -> set[str]:
+    if source == "dict":
+        return m.load_weights(dict(weights))
+    if source == "list":
+        return m.load_weights(weights)
+    if source == "iterator":
+        return m.load_weights(iter(weights))
+    assert source == "safetensors"
+    return m.load_safetensors(save_nvfp4(tmp_path, weights), prefix="model.ple.")
+
+
+@pytest.mark.parametrize("source", ["dict", "list", "iterator", "safetensors"])
+@pytest.mark.parametrize("per_shard", [False, True], ids=["global", "per-shard-scale"])
+@pytest.mark.parametrize("placement,device", placements(), ids=str)
+def test_nvfp4_table_lookups_equal_the_reference(tmp_path, placement, device, source, per_shard):
+    packed, scales = nvfp4_table()
+    m = NGramEmbedding(
+        NVFP4_CONFIG, layer_index=1, placement=placement, device=device, dtype="nvfp4"
+    )
+    assert m.weight.dtype == torch.uint8 and m.weight.shape == (ROWS, NVFP4_HEAD_DIM // 2)
+    assert m.weight_scale.dtype == E4M3 and m.weight_scale.shape == (ROWS, NVFP4_BLOCKS)
+    assert m.weight_scale.device == m.weight.device  # the block scales live with the table
+    if placement == "pinned":  # the kernel reads both through their device views
+        assert m.table.device.type == m.block_scales.device.type == "cuda"
+    assert m.weight_scale_2.dtype == torch.float32 and m.weight_scale_2.shape == (1,)
+    assert m.out_dtype == torch.bfloat16
+    loaded = load_nvfp4(m, nvfp4_checkpoint(packed, scales, per_shard=per_shard), source, tmp_path)
+    assert loaded == {
+        "ngram_embedding.weight",
+        "ngram_embedding.weight_scale",
+        "ngram_embedding.weight_scale_2",
+    }
+    assert torch.equal(m.weight.cpu(), packed)
+    assert torch.equal(m.weight_scale.cpu().view(torch.uint8), scales.view(torch.uint8))
+    assert m.weight_scale_2.item() == torch.tensor(GLOBAL_SCALE).item()  # fp32(0.37)
+    ids = every_row_ids()
+    compute = m.layer_multipliers.device
+    got = m.lookup(ids.to(compute))
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.cpu(), nvfp4_expected(packed, scales, ids))
+    forward = m(*(t.to(compute) for t in batch()))
+    assert torch.equal(forward.cpu(), nvfp4_expected(packed, scales, m_ids(m).cpu()))
+
+
+def test_nvfp4_out_dtype_and_dtype_spellings():
+    packed, scales = nvfp4_table(1)
+    m = NGramEmbedding(
+        NVFP4_CONFIG, layer_index=1, placement="cpu", dtype="nvfp4", out_dtype=torch.float32
+    )
+    m.load_weights(nvfp4_checkpoint(packed, scales))
+    ids = every_row_ids()
+    assert torch.equal(m.lookup(ids), nvfp4_expected(packed, scales, ids, torch.float32))
+    # vLLM's ple_embedding_dtype spells fp8 by name; torch dtypes keep working.
+    assert NGramEmbedding(CONFIG, placement="cpu", dtype="float8_e4m3fn").table_dtype == E4M3
+    with pytest.raises(ValueError, match="unsupported table dtype 'nvfp8'"):
+        NGramEmbedding(CONFIG, placement="cpu", dtype="nvfp8")
+
+
+def test_nvfp4_sharded_ranks_hold_their_rows_and_sum_to_the_whole(tmp_path):
+    packed, scales = nvfp4_table(2)
+    weights = nvfp4_checkpoint(packed, scales)
+    ids = every_row_ids()
+    for source in ("list", "safetensors"):
+        parts = []
+        for rank in range(3):
+            m = NGramEmbedding(
+                NVFP4_CONFIG, layer_index=1, placement="cpu", dtype="nvfp4", shard=(rank, 3)
+            )
+            load_nvfp4(m, weights, source, tmp_path)
+            rows = slice(m.vocab_start, m.vocab_end)
+            assert m.weight.shape[0] == m.vocab_end - m.vocab_start < ROWS
+            assert torch.equal(m.weight, packed[rows])
+            assert torch.equal(m.weight_scale.view(torch.uint8), scales[rows].view(torch.uint8))
+            parts.append(m.lookup(ids, reduce=False))
+        # Every row has one owner and the others give zeros: the sum is exact.
+        assert torch.equal(parts[0] + parts[1] + parts[2], nvfp4_expected(packed, scales, ids))
+
+
+def replace(weights, name, value):
+    return [(n, value if n == name else t) for n, t in weights]
+
+
+def _bad_nvfp4_checkpoints():
+    """(checkpoint with one bad tensor, message): the bad tensor comes last or among good ones,
+    so a list load that wrote anything before checking everything would be caught."""
+    packed, scales = nvfp4_table(3)
+    good = nvfp4_checkpoint(packed, scales)
+    rows0 = packed[:SHARD_ROWS]
+    scales0 = scales[:SHARD_ROWS]
+    w0, s0 = "ngram_embedding.shard_0.weight", "ngram_embedding.shard_0.weight_scale"
+    s6 = "ngram_embedding.shard_6.weight_scale"
+    per_shard = nvfp4_checkpoint(packed, scales, per_shard=True)
+    per_shard_differ = replace(
+        per_shard, "ngram_embedding.shard_5.weight_scale_2", torch.tensor(0.5)
+    )
+    return [
+        (replace(good, w0, rows0.view(torch.int8)), r"shard_0.weight must be torch.uint8.*int8"),
+        (replace(good, w0, rows0.float()), r"shard_0.weight must be torch.uint8.*float32"),
+        (replace(good, w0, rows0.view(E4M3)), "shard_0.weight must be torch.uint8"),
+        (
+            replace(good, s0, scales0.view(torch.uint8)),
+            r"shard_0.weight_scale must be torch.float8_e4m3fn, got torch.uint8",
+        ),
+        (replace(good, s0, scales0.float()), "shard_0.weight_scale must be torch.float8_e4m3fn"),
+        (
+            replace(good, s0, scales0.view(torch.uint8).view(torch.float8_e4m3fnuz)),
+            "shard_0.weight_scale must be torch.float8_e4m3fn",
+        ),
+        (
+            replace(good, w0, torch.zeros(SHARD_ROWS, NVFP4_HEAD_DIM, dtype=torch.uint8)),
+            rf"Shape mismatch for PLE embedding shard 0 .*expected \({SHARD_ROWS}, 16\)",
+        ),
+        (
+            replace(good, w0, rows0[:-1].clone()),
+            rf"shard 0 .*expected \({SHARD_ROWS}, 16\), got \({SHARD_ROWS - 1}, 16\)",
+        ),
+        (
+            replace(good, s0, torch.zeros(SHARD_ROWS, NVFP4_BLOCKS + 1, dtype=E4M3)),
+            rf"shard 0 \(ngram_embedding.shard_0.weight_scale\): expected \({SHARD_ROWS}, 2\)",
+        ),
+        (
+            replace(good, s6, scales[6 * SHARD_ROWS :][:-1].clone()),
+            rf"shard 6 .*weight_scale.*expected \({ROWS - 6 * SHARD_ROWS}, 2\)",
+        ),
+        (
+            per_shard_differ,
+            r"NVFP4 global scales differ: ngram_embedding.shard_0.weight_scale_2 = "
+            r"0.37\d* but ngram_embedding.shard_5.weight_scale_2 = 0.5",
+        ),
+        (
+            good + [("ngram_embedding.shard_4.weight_scale_2", torch.tensor(0.25))],
+            r"ngram_embedding.weight_scale_2 = 0.37\d* but "
+            r"ngram_embedding.shard_4.weight_scale_2 = 0.25",
+        ),
+        (
+            replace(good, "ngram_embedding.weight_scale_2", torch.tensor([0.37, 0.37])),
+            r"weight_scale_2 must be one float element, got torch.float32 \(2,\)",
+        ),
+        (
+            replace(good, "ngram_embedding.weight_scale_2", torch.tensor([1])),
+            "weight_scale_2 must be one float element, got torch.int64",
+        ),
+        (
+            good + [("ngram_embedding.shard_9.weight_scale_2", torch.tensor(GLOBAL_SCALE))],
+            "shard index 9 exceeds split_ngram_parts=7",
+        ),
+        (
+            good + [("ngram_embedding.weight", packed)],
+            r"NVFP4 PLE tables must be stored as ngram_embedding.shard_<i>.weight and "
+            r"ngram_embedding.shard_<i>.weight_scale shards, got unsharded "
+            r"ngram_embedding.weight$",
+        ),
+        (
+            good + [("ngram_embedding.weight_scale", scales)],
+            "must be stored as .* shards, got unsharded ngram_embedding.weight_scale$",
+        ),
+    ]
+
+
+BAD_NVFP4 = _bad_nvfp4_checkpoints()
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["list", "dict"])
+@pytest.mark.parametrize("case", range(len(BAD_NVFP4)))
+def test_nvfp4_bad_checkpoint_raises_and_leaves_the_module_untouched(case, as_dict):
+    weights, message = BAD_NVFP4[case]
+    packed, scales = nvfp4_table(4)
+    m = NGramEmbedding(NVFP4_CONFIG, layer_index=1, placement="cpu", dtype="nvfp4")
+    m.load_weights(nvfp4_checkpoint(packed, scales, global_scale=0.125))
+    before = state_bytes(m)
+    with pytest.raises(ValueError, match=message):
+        m.load_weights(dict(weights) if as_dict else weights)
+    assert_same_state(before, m)
+    ids = every_row_ids()
+    assert torch.equal(m.lookup(ids), nvfp4_expected(packed, scales, ids, global_scale=0.125))
+
+
+def test_nvfp4_bad_safetensors_checkpoint_leaves_the_module_untouched(tmp_path):
+    """Per-shard global scales in different files that differ: nothing is written."""
+    packed, scales = nvfp4_table(5)
+    weights = replace(
+        nvfp4_checkpoint(packed, scales, per_shard=True),
+        "ngram_embedding.shard_6.weight_scale_2",
+        torch.tensor(0.5),
+    )
+    m = NGramEmbedding(NVFP4_CONFIG, layer_index=1, placement="cpu", dtype="nvfp4")
+    before = state_bytes(m)
+    with pytest.raises(ValueError, match="shard_0.weight_scale_2 = .* but .*shard_6"):
+        m.load_safetensors(save_nvfp4(tmp_path, weights), prefix="model.ple.")
+    assert_same_state(before, m)
+    with pytest.raises(ValueError, match="must be torch.uint8"):
+        bad = replace(
+            weights, "ngram_embedding.shard_5.weight", packed[:SHARD_ROWS].view(torch.int8)
+        )
+        m.load_safetensors(save_nvfp4(tmp_path, bad), prefix="model.ple.")
+    assert_same_state(before, m)
+
+
+def test_nvfp4_streamed_load_failing_late_refuses_to_run_until_reloaded():
+    packed, scales = nvfp4_table(6)
+    good = nvfp4_checkpoint(packed, scales, per_shard=True)
+    m = NGramEmbedding(NVFP4_CONFIG, layer_index=1, placement="cpu", dtype="nvfp4")
+    differ = replace(good, "ngram_embedding.shard_3.weight_scale_2", torch.tensor(0.5))
+    with pytest.raises(ValueError, match="global scales differ") as info:
+        m.load_weights(iter(differ))
+    assert "refuses to run" in "".join(getattr(info.value, "__notes__", []))
+    assert m.weight_scale_2.item() == 1.0  # staged, never written
+    with pytest.raises(RuntimeError, match="load the checkpoint again"):
+        m.lookup(every_row_ids())
+    m.load_weights(iter(good))
+    assert torch.equal(m.lookup(every_row_ids()), nvfp4_expected(packed, scales, every_row_ids()))
+
+
+def test_nvfp4_tensors_for_other_tables_and_bad_head_dim():
+    m = NGramEmbedding(CONFIG, layer_index=1, placement="cpu", dtype=torch.bfloat16)
+    before = state_bytes(m)
+    scales = torch.zeros(SHARD_ROWS, 1, dtype=E4M3)
+    with pytest.raises(ValueError, match="shard_0.weight_scale holds NVFP4 scales, but the table"):
+        m.load_weights([("ngram_embedding.shard_0.weight_scale", scales)])
+    with pytest.raises(ValueError, match="weight_scale_2 \\(an NVFP4 global scale\\) given"):
+        m.load_weights([("ngram_embedding.weight_scale_2", torch.tensor(0.5))])
+    assert_same_state(before, m)
+    # CONFIG's head dim is 6; 24 is a multiple of 8 but not 16: both are refused.
+    for embed_dim, head_dim in ((24, 6), (32, 8)):
+        config = SimpleNamespace(**{**vars(CONFIG), "ple_embed_dim": embed_dim})
+        with pytest.raises(ValueError, match=f"multiple of 16 .*got {head_dim}"):
+            NGramEmbedding(config, layer_index=1, placement="cpu", dtype="nvfp4")

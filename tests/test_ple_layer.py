@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import devices
+from qwen4exp_ext import reference
 from qwen4exp_ext.layers import (
     GatedResidual,
     HyperConnection,
@@ -400,6 +401,216 @@ def test_load_safetensors_checks_every_file_first(tmp_path, layout, bad):
         layer.load_safetensors([tmp_path / "a.safetensors", tmp_path / "b.safetensors"])
     for name, value in before.items():
         assert torch.equal(layer.state_dict()[name], value), name
+
+
+# --- NVFP4 tables --------------------------------------------------------------------------------
+
+NVFP4_PARTS = 5
+NVFP4_GLOBAL_SCALE = 0.37
+
+
+def nvfp4_cfg(**overrides):
+    """4 n-gram heads of 32: two NVFP4 blocks a row."""
+    return tiny_config(ple_embed_dim=128, split_ngram_parts=NVFP4_PARTS, **overrides)
+
+
+def nvfp4_table(rows: int, head_dim: int, seed: int):
+    """Random packed E2M1 rows and e4m3 block scales (positive, a few negative, never NaN)."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (rows, head_dim // 2), dtype=torch.uint8, generator=gen)
+    blocks = head_dim // reference.NVFP4_BLOCK
+    bits = torch.randint(0x01, 0x60, (rows, blocks), dtype=torch.uint8, generator=gen)
+    bits = torch.where(torch.rand(rows, blocks, generator=gen) < 0.1, bits | 0x80, bits)
+    return packed, bits.view(torch.float8_e4m3fn)
+
+
+def nvfp4_layout(hf, packed, scales, *, per_shard=False) -> dict[str, torch.Tensor]:
+    """vLLM's layout with an NVFP4 table: the rows and block scales in shards, the global
+    scale once (or repeated per shard)."""
+    sd = {k: v for k, v in vllm_layout(hf, NVFP4_PARTS).items() if ".shard_" not in k}
+    size = -(-packed.shape[0] // NVFP4_PARTS)
+    prefix = "ple_embedding.ngram_embedding."
+    for i in range(NVFP4_PARTS):
+        rows = slice(i * size, (i + 1) * size)
+        sd[f"{prefix}shard_{i}.weight"] = packed[rows].clone()
+        sd[f"{prefix}shard_{i}.weight_scale"] = scales[rows].clone()
+        if per_shard:
+            sd[f"{prefix}shard_{i}.weight_scale_2"] = torch.tensor(NVFP4_GLOBAL_SCALE)
+    if not per_shard:
+        sd[prefix + "weight_scale_2"] = torch.tensor([NVFP4_GLOBAL_SCALE])
+    return sd
+
+
+def nvfp4_pair(dtype, seed, **layer_kwargs):
+    """(an NVFP4 layer's checkpoint, the same layer with the dequantised ``dtype`` table,
+    loaded): the dequantisation is exact, E = round_dtype(fp32(e2m1 · e4m3) · scale)."""
+    cfg = nvfp4_cfg()
+    hf = hf_layer(cfg, 0, seed=seed)
+    dense = PLELayer.from_config(cfg, 0, dtype=dtype, **layer_kwargs)
+    emb = dense.ple_embedding
+    packed, scales = nvfp4_table(emb.num_rows, emb.head_dim, seed)
+    decoded = reference.nvfp4_decode(packed, scales) * torch.tensor(NVFP4_GLOBAL_SCALE)
+    sd = dict(hf.state_dict())
+    sd["ple_embedding.ngram_embedding.weight"] = decoded.to(dtype)
+    dense.load_weights(sd)
+    return cfg, hf, packed, scales, dense
+
+
+def raw_state(layer) -> dict[str, torch.Tensor]:
+    return {
+        k: v.detach().cpu().contiguous().view(torch.uint8).clone()
+        for k, v in layer.state_dict().items()
+    }
+
+
+def run_layer(layer, cfg, dtype, seed):
+    """One fresh sequence (no state) and a batch of three through a cache."""
+    gen = torch.Generator().manual_seed(seed)
+    reqs = make_requests(cfg, [13, 5, 21], gen)
+    outs = []
+    with torch.no_grad():
+        for ids, hidden in reqs.values():
+            outs.append(layer(hidden.to(dtype), ids))
+        cache = PLEState.from_config(cfg, 3, num_layers=1, dtype=dtype)
+        for rid in reqs:
+            cache.add_request(rid)
+        batch = cache.prepare([(rid, ids) for rid, (ids, _) in reqs.items()])
+        hidden = torch.cat([h for _, h in reqs.values()]).to(dtype)
+        outs.append(layer(hidden, batch.input_ids, batch))
+    return outs
+
+
+def load_nvfp4_layer(layer, sd, source, tmp_path) -> set[str]:
+    prefix = "model.language_model.layers.0.ple."
+    if source == "dict":
+        return layer.load_weights(sd)
+    if source == "list":
+        return layer.load_weights(list(sd.items()))
+    if source == "iterator":
+        return layer.load_weights(iter(sd.items()))
+    if source == "transformers-loader":
+        return layer.load_state_dict_transformers(
+            {prefix + k: v for k, v in sd.items()}, prefix=prefix
+        )
+    from safetensors.torch import save_file
+
+    shards = {prefix + k: v.contiguous() for k, v in sd.items() if ".shard_" in k}
+    rest = {prefix + k: v.contiguous() for k, v in sd.items() if ".shard_" not in k}
+    save_file(shards, tmp_path / "a.safetensors")
+    save_file(rest, tmp_path / "b.safetensors")
+    return layer.load_safetensors(
+        [tmp_path / "a.safetensors", tmp_path / "b.safetensors"], prefix=prefix
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "source", ["dict", "list", "iterator", "transformers-loader", "safetensors"]
+)
+@pytest.mark.parametrize("per_shard", [False, True], ids=["global", "per-shard-scale"])
+def test_nvfp4_layer_equals_the_layer_with_the_dequantised_table(
+    tmp_path, dtype, source, per_shard
+):
+    cfg, hf, packed, scales, dense = nvfp4_pair(dtype, seed=90)
+    layer = PLELayer.from_config(cfg, 0, dtype=dtype, table_dtype="nvfp4")
+    assert layer.ple_embedding.nvfp4 and layer.ple_embedding.out_dtype == dtype
+    sd = nvfp4_layout(hf, packed, scales, per_shard=per_shard)
+    assert load_nvfp4_layer(layer, sd, source, tmp_path) == set(layer.state_dict())
+    assert torch.equal(layer.ple_embedding.weight, packed)
+    for name in ("kv_proj.weight", "conv1d.weight", "norm_key.weight"):
+        assert torch.equal(layer.state_dict()[name], dense.state_dict()[name]), name
+    got, want = run_layer(layer, cfg, dtype, 91), run_layer(dense, cfg, dtype, 91)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+        assert g.abs().sum() > 0
+
+
+def test_nvfp4_from_config_reads_ple_embedding_dtype():
+    cfg = nvfp4_cfg()
+    cfg.ple_embedding_dtype = "nvfp4"  # vLLM's config field of quantised checkpoints
+    assert PLELayer.from_config(cfg, 0).ple_embedding.nvfp4
+    # An explicit table_dtype wins; without the field the table is the layer's dtype.
+    explicit = PLELayer.from_config(cfg, 0, table_dtype=torch.bfloat16)
+    assert explicit.ple_embedding.table_dtype == torch.bfloat16
+    assert PLELayer.from_config(nvfp4_cfg(), 0, dtype=torch.float16).ple_embedding.table_dtype == (
+        torch.float16
+    )
+    cfg.ple_embedding_dtype = "float8_e4m3fn"
+    fp8 = PLELayer.from_config(cfg, 0).ple_embedding
+    assert fp8.table_dtype == torch.float8_e4m3fn and fp8.weight_scale.dtype == torch.float32
+    with pytest.raises(ValueError, match="multiple of 16 .*got 4"):
+        PLELayer.from_config(tiny_config(), 0, table_dtype="nvfp4")
+
+
+def _bad_nvfp4_layer_checkpoints():
+    cfg = nvfp4_cfg()
+    hf = hf_layer(cfg, 0, seed=92)
+    rows = PLELayer.from_config(cfg, 0, table_dtype="nvfp4").ple_embedding.num_rows
+    packed, scales = nvfp4_table(rows, 32, seed=92)
+    good = nvfp4_layout(hf, packed, scales, per_shard=True)
+    prefix = "ple_embedding.ngram_embedding."
+    return [
+        (
+            {**good, prefix + "shard_3.weight_scale_2": torch.tensor(0.5)},
+            rf"{prefix}shard_0.weight_scale_2 = 0.37\d* but {prefix}shard_3.weight_scale_2 = 0.5",
+        ),
+        (
+            {**good, prefix + "shard_2.weight_scale": scales[:820].view(torch.uint8)},
+            "shard_2.weight_scale must be torch.float8_e4m3fn, got torch.uint8",
+        ),
+        (
+            {**good, prefix + "shard_1.weight": packed[:820].float()},
+            "shard_1.weight must be torch.uint8",
+        ),
+        (
+            {**good, prefix + "shard_1.weight": packed[:820, :8].clone()},
+            r"Shape mismatch for PLE embedding shard 1 .*expected \(820, 16\)",
+        ),
+        (
+            {**good, prefix + "weight": torch.zeros(rows, 32)},
+            "must be stored as ngram_embedding.shard_<i>.weight and .* got unsharded "
+            f"{prefix}weight$",
+        ),
+        (
+            {**good, prefix + "weight_scale": scales},
+            "got unsharded ngram_embedding.weight_scale",
+        ),
+    ]
+
+
+BAD_NVFP4_LAYER = _bad_nvfp4_layer_checkpoints()
+
+
+@pytest.mark.parametrize("source", ["dict", "list", "safetensors"])
+@pytest.mark.parametrize("case", range(len(BAD_NVFP4_LAYER)))
+def test_nvfp4_layer_bad_checkpoint_raises_and_leaves_it_untouched(tmp_path, case, source):
+    bad, message = BAD_NVFP4_LAYER[case]
+    cfg, hf, packed, scales, _ = nvfp4_pair(torch.bfloat16, seed=93)
+    layer = PLELayer.from_config(cfg, 0, table_dtype="nvfp4")
+    layer.load_weights(nvfp4_layout(hf, packed, scales))
+    before = raw_state(layer)
+    with pytest.raises(ValueError, match=message):
+        load_nvfp4_layer(layer, bad, source, tmp_path)
+    after = raw_state(layer)
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name
+    assert layer.ple_embedding._incomplete_load is None
+
+
+def test_nvfp4_layer_stream_failing_after_rows_refuses_to_run():
+    """A stream is loaded tensor by tensor: when a later tensor is bad, the rows already written
+    must not be used silently."""
+    cfg, hf, packed, scales, _ = nvfp4_pair(torch.bfloat16, seed=94)
+    layer = PLELayer.from_config(cfg, 0, table_dtype="nvfp4")
+    good = nvfp4_layout(hf, packed, scales, per_shard=True)
+    bad = {**good, "ple_embedding.ngram_embedding.shard_4.weight_scale_2": torch.tensor(0.5)}
+    with pytest.raises(ValueError, match="global scales differ"):
+        layer.load_weights(iter(bad.items()))
+    ids = torch.tensor([1, 2, 3])
+    with pytest.raises(RuntimeError, match="load the checkpoint again"):
+        layer(torch.zeros(3, layer.hc_hidden_size, dtype=torch.bfloat16), ids)
+    layer.load_weights(iter(good.items()))
+    layer(torch.zeros(3, layer.hc_hidden_size, dtype=torch.bfloat16), ids)
 
 
 def test_bf16_layer_runs_and_tracks_fp32():

@@ -8,6 +8,10 @@ The table ([R_pad, d], R_pad = 320,001,536 rows for the released layer) can be p
   (:func:`qwen4exp_ext.host_table.device_view`); ids and outputs live on the GPU;
 - ``"cpu"``: in host memory on huge pages, gathered by the CPU kernel.
 
+Its storage is fp32/bf16/fp16, fp8 (with a per-tensor scale) or NVFP4 in vLLM's layout: packed
+E2M1 codes ``weight`` (uint8 [R, d/2]), e4m3 block scales ``weight_scale`` ([R, d/16], placed
+like the table) and one fp32 global scale ``weight_scale_2``.
+
 With ``shard=(rank, world_size)`` this rank holds only its block of rows
 (:func:`qwen4exp_ext.sharding.shard_bounds`) and ``forward`` sums the ranks' partial lookups.
 """
@@ -24,15 +28,24 @@ from torch import nn
 
 from qwen4exp_ext import layout, ops, sharding
 from qwen4exp_ext.host_table import device_view, empty_host_table
+from qwen4exp_ext.reference import NVFP4_BLOCK
 
 __all__ = ["NGramEmbedding"]
 
 Placement = Literal["device", "pinned", "cpu"]
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+# The table format as vLLM's config field ``ple_embedding_dtype`` spells it.
+NVFP4 = "nvfp4"
+TableDtype = torch.dtype | Literal["nvfp4"]
 BUFFER_NAMES = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 SHARD_PREFIX = "ngram_embedding.shard_"
 WEIGHT_NAME = "ngram_embedding.weight"
+# fp8: the per-tensor scale; NVFP4: the block scales (vLLM's names).
 SCALE_NAME = "ngram_embedding.weight_scale"
+GLOBAL_SCALE_NAME = "ngram_embedding.weight_scale_2"  # NVFP4 only
+# Checkpoint shard leaves: ngram_embedding.shard_<i>.<leaf>.
+SHARD_LEAVES = ("weight", "weight_scale", "weight_scale_2")
 
 
 class NGramEmbedding(nn.Module):
@@ -42,8 +55,12 @@ class NGramEmbedding(nn.Module):
     ``heads_per_ngram``, ``ple_embed_dim``, ``ngram_vocab_size_base``,
     ``make_ngram_vocab_size_divisible_by``, ``eos_token_id``, and optionally ``seed`` = 1234 and
     ``split_ngram_parts`` = 512). ``layer_index`` is the dense PLE layer index L. ``dtype`` is
-    the table's storage (fp32/bf16/fp16/fp8 e4m3fn/e4m3fnuz; fp8 tables carry a per-tensor fp32
-    ``weight_scale``); ``out_dtype`` that of the embeddings (default: the table's, bf16 for fp8).
+    the table's storage: fp32/bf16/fp16/fp8 e4m3fn/e4m3fnuz (fp8 tables carry a per-tensor fp32
+    ``weight_scale``), or ``"nvfp4"`` (``weight`` uint8 [rows, d/2], block scales
+    ``weight_scale`` float8_e4m3fn [rows, d/16], global scale ``weight_scale_2`` fp32 [1]; the
+    head dim d must be a multiple of 16). A dtype's name ("float8_e4m3fn", as vLLM's
+    ``ple_embedding_dtype`` spells it) is accepted too. ``out_dtype`` is that of the embeddings
+    (default: the table's, bf16 for fp8 and NVFP4).
     """
 
     def __init__(
@@ -53,7 +70,7 @@ class NGramEmbedding(nn.Module):
         *,
         placement: Placement = "device",
         device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: TableDtype | str = torch.bfloat16,
         out_dtype: torch.dtype | None = None,
         shard: tuple[int, int] | None = None,
         process_group: Any = None,
@@ -80,13 +97,20 @@ class NGramEmbedding(nn.Module):
             raise ValueError("split_ngram_parts must be positive")
         if placement not in ("device", "pinned", "cpu"):
             raise ValueError(f"placement must be 'device', 'pinned' or 'cpu', got {placement!r}")
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16, *FP8_DTYPES):
-            raise ValueError(f"unsupported table dtype {dtype}")
+        dtype = _table_dtype(dtype)
+        self.nvfp4 = dtype == NVFP4
+        if self.nvfp4 and self.head_dim % NVFP4_BLOCK:
+            raise ValueError(
+                f"an NVFP4 table needs a head dim (ple_embed_dim / n-gram heads) that is a "
+                f"multiple of {NVFP4_BLOCK} (one e4m3 block scale per {NVFP4_BLOCK} elements), "
+                f"got {self.head_dim}"
+            )
         if reduce not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"reduce must be 'all_reduce' or 'reduce_scatter', got {reduce!r}")
         self.placement = placement
         self.table_dtype = dtype
-        self.out_dtype = out_dtype or (torch.bfloat16 if dtype in FP8_DTYPES else dtype)
+        quantized = self.nvfp4 or dtype in FP8_DTYPES
+        self.out_dtype = out_dtype or (torch.bfloat16 if quantized else dtype)
         self.process_group = process_group
         self.reduce = reduce
 
@@ -135,21 +159,44 @@ class NGramEmbedding(nn.Module):
         )
 
         local_rows = self.vocab_end - self.vocab_start
-        if placement == "device" and compute_device.type != "cpu":
-            table = torch.zeros(local_rows, self.head_dim, dtype=dtype, device=compute_device)
-        else:
+
+        def allocate(width: int, storage: torch.dtype) -> torch.Tensor:
+            if placement == "device" and compute_device.type != "cpu":
+                return torch.zeros(local_rows, width, dtype=storage, device=compute_device)
             # Host tables on huge pages; zero-filled here (first touch), loaded later.
-            table = empty_host_table(local_rows, self.head_dim, dtype)
-            table.view(torch.uint8).zero_()
-        self.weight = nn.Parameter(table, requires_grad=False)
+            host = empty_host_table(local_rows, width, storage)
+            host.view(torch.uint8).zero_()
+            return host
+
         self.weight_scale: torch.Tensor | None
-        if dtype in FP8_DTYPES:
+        self.weight_scale_2: torch.Tensor | None
+        block_scales = None
+        if self.nvfp4:
+            # Two E2M1 codes a byte. The block scales are an eighth of the table's bytes: too
+            # large for the device memory that a pinned or CPU table is there to spare, so
+            # they are placed like the table.
+            table = allocate(self.head_dim // 2, torch.uint8)
+            block_scales = allocate(self.head_dim // NVFP4_BLOCK, torch.float8_e4m3fn)
             self.register_buffer(
-                "weight_scale", torch.ones(1, dtype=torch.float32, device=compute_device)
+                "weight_scale_2", torch.ones(1, dtype=torch.float32, device=compute_device)
             )
         else:
-            self.weight_scale = None
-        self._device_table = device_view(table) if placement == "pinned" else None
+            table = allocate(self.head_dim, dtype)
+            if dtype in FP8_DTYPES:
+                self.register_buffer(
+                    "weight_scale", torch.ones(1, dtype=torch.float32, device=compute_device)
+                )
+            else:
+                self.weight_scale = None
+            self.weight_scale_2 = None
+        self.weight = nn.Parameter(table, requires_grad=False)
+        if block_scales is not None:
+            self.weight_scale = nn.Parameter(block_scales, requires_grad=False)
+        pinned = placement == "pinned"
+        self._device_table = device_view(table) if pinned else None
+        self._device_block_scales = (
+            device_view(block_scales) if pinned and block_scales is not None else None
+        )
         # Set when a streamed load failed after writing rows (see load_weights).
         self._incomplete_load: str | None = None
 
@@ -160,13 +207,30 @@ class NGramEmbedding(nn.Module):
         """The table the kernel reads (the device view of a pinned table)."""
         return self._device_table if self._device_table is not None else self.weight
 
+    @property
+    def row_parameters(self) -> tuple[str, ...]:
+        """The parameters loaded row by row from checkpoint shards."""
+        return ("weight", "weight_scale") if self.nvfp4 else ("weight",)
+
+    @property
+    def block_scales(self) -> torch.Tensor | None:
+        """The NVFP4 block scales the kernel reads (the device view when pinned); None for
+        other tables."""
+        if self._device_block_scales is not None:
+            return self._device_block_scales
+        return self.weight_scale if self.nvfp4 else None
+
     def lookup(self, ngram_ids: torch.Tensor, *, reduce: bool = True) -> torch.Tensor:
         """Rows of precomputed ids [T, NH] → [T, D_e] (this rank's partial sum if not reduced)."""
         self._check_complete()
+        if self.nvfp4:
+            dequant = {"scale": self.weight_scale_2, "block_scales": self.block_scales}
+        else:  # no block_scales argument: the door predates NVFP4
+            dequant = {"scale": self.weight_scale}
         out = ops.gather_rows(
             self.table,
             ngram_ids,
-            scale=self.weight_scale,
+            **dequant,
             vocab_start=self.vocab_start,
             vocab_end=self.vocab_end,
             out_dtype=self.out_dtype,
@@ -206,31 +270,33 @@ class NGramEmbedding(nn.Module):
         return start, max(0, min(shard_size, self.num_rows - start))
 
     @staticmethod
-    def _shard_index(name: str) -> int | None:
-        if not (name.startswith(SHARD_PREFIX) and name.endswith(".weight")):
+    def _shard_name(name: str) -> tuple[int, str] | None:
+        """(index, leaf) of ``ngram_embedding.shard_<index>.<leaf>``, leaf in SHARD_LEAVES."""
+        if not name.startswith(SHARD_PREFIX):
             return None
-        text = name[len(SHARD_PREFIX) : -len(".weight")]
-        return int(text) if text.isdigit() else None
+        text, _, leaf = name[len(SHARD_PREFIX) :].partition(".")
+        return (int(text), leaf) if text.isdigit() and leaf in SHARD_LEAVES else None
 
     def _owned_rows(self, global_start: int, count: int) -> tuple[int, int]:
         """The global rows [lo, hi) of checkpoint rows [global_start, global_start + count) that
         this rank owns (lo >= hi: none)."""
         return max(global_start, self.vocab_start), min(global_start + count, self.vocab_end)
 
-    def _copy_rows(self, global_start: int, rows: torch.Tensor) -> None:
-        """Copies checkpoint rows [global_start, global_start + len) that this rank owns (rows
-        already checked by :meth:`_check_rows`)."""
+    def _copy_rows(self, global_start: int, rows: torch.Tensor, target: str = "weight") -> None:
+        """Copies checkpoint rows [global_start, global_start + len) that this rank owns into
+        ``target`` (``weight``, or the NVFP4 block scales ``weight_scale``), rows already checked
+        by :meth:`_plan`."""
         lo, hi = self._owned_rows(global_start, rows.shape[0])
         if lo >= hi:
             return
         with torch.no_grad():
-            self.weight[lo - self.vocab_start : hi - self.vocab_start].copy_(
+            getattr(self, target)[lo - self.vocab_start : hi - self.vocab_start].copy_(
                 rows[lo - global_start : hi - global_start]
             )
 
-    def _check_shard(self, name: str, shard_index: int, shape: Sequence[int]) -> int:
+    def _check_shard(self, name: str, shard_index: int, shape: Sequence[int], width: int) -> int:
         start, expected_rows = self._checkpoint_shard_rows(shard_index)
-        expected = (expected_rows, self.head_dim)
+        expected = (expected_rows, width)
         if tuple(shape) != expected:
             raise ValueError(
                 f"Shape mismatch for PLE embedding shard {shard_index} ({name}): expected "
@@ -239,6 +305,13 @@ class NGramEmbedding(nn.Module):
         return start
 
     def _check_rows(self, name: str, dtype: torch.dtype) -> None:
+        if self.nvfp4:
+            if dtype != torch.uint8:
+                raise ValueError(
+                    f"NVFP4 PLE rows {name} must be torch.uint8 (two E2M1 codes a byte), got "
+                    f"{dtype}: a cast would reinterpret the packed codes"
+                )
+            return
         if not dtype.is_floating_point:
             raise ValueError(f"PLE embedding rows {name} must be floating point, got {dtype}")
         if self.table_dtype in FP8_DTYPES and dtype != self.table_dtype:
@@ -251,10 +324,26 @@ class NGramEmbedding(nn.Module):
                 f"PLE embedding rows {name} are {dtype} but the table is {self.table_dtype}"
             )
 
+    def _unsharded_nvfp4(self, name: str) -> ValueError:
+        # vLLM's loader raises the same: NVFP4 checkpoints always come split in shards.
+        return ValueError(
+            f"NVFP4 PLE tables must be stored as {SHARD_PREFIX}<i>.weight and "
+            f"{SHARD_PREFIX}<i>.weight_scale shards, got unsharded {name}"
+        )
+
+    def _check_global_scale(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> None:
+        if not self.nvfp4:
+            raise ValueError(
+                f"{name} (an NVFP4 global scale) given, but the table is {self.table_dtype}"
+            )
+        if math.prod(shape) != 1 or not dtype.is_floating_point:
+            raise ValueError(f"{name} must be one float element, got {dtype} {tuple(shape)}")
+
     def _plan(self, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device):
         """Checks one checkpoint tensor from its metadata alone and says what loading it does:
-        ("skip",), ("buffer",), ("scale",) or ("rows", first global row). Raises on a mismatch,
-        before anything is written."""
+        ("skip",), ("buffer",), ("scale",) (the fp8 scale), ("global_scale",) (NVFP4) or
+        ("rows", first global row, "weight" | "weight_scale") (table rows, NVFP4 block-scale
+        rows). Raises on a mismatch, before anything is written."""
         leaf = name.rsplit(".", 1)[-1]
         if leaf.startswith("hashstats_") or leaf == "token_lookup":
             return ("skip",)
@@ -270,11 +359,30 @@ class NGramEmbedding(nn.Module):
                     f"{name} must be an integer tensor (int64 hash constants), got {dtype}"
                 )
             return ("buffer",)
-        shard_index = self._shard_index(name)
-        if shard_index is not None:
-            start = self._check_shard(name, shard_index, shape)
-            self._check_rows(name, dtype)
-            return ("rows", start)
+        shard = self._shard_name(name)
+        if shard is not None:
+            shard_index, leaf = shard
+            if leaf == "weight":
+                start = self._check_shard(name, shard_index, shape, self.weight.shape[1])
+                self._check_rows(name, dtype)
+                return ("rows", start, "weight")
+            if not self.nvfp4:
+                raise ValueError(f"{name} holds NVFP4 scales, but the table is {self.table_dtype}")
+            if leaf == "weight_scale":
+                start = self._check_shard(name, shard_index, shape, self.weight_scale.shape[1])
+                if dtype != torch.float8_e4m3fn:
+                    raise ValueError(
+                        f"NVFP4 PLE block scales {name} must be torch.float8_e4m3fn, got {dtype}"
+                    )
+                return ("rows", start, "weight_scale")
+            self._checkpoint_shard_rows(shard_index)  # the index must name a shard
+            self._check_global_scale(name, shape, dtype)
+            return ("global_scale",)
+        if self.nvfp4 and name in (WEIGHT_NAME, SCALE_NAME):
+            raise self._unsharded_nvfp4(name)
+        if name == GLOBAL_SCALE_NAME:
+            self._check_global_scale(name, shape, dtype)
+            return ("global_scale",)
         if name == SCALE_NAME:
             if self.weight_scale is None:
                 raise ValueError(
@@ -285,12 +393,46 @@ class NGramEmbedding(nn.Module):
             return ("scale",)
         raise ValueError(f"NGramEmbedding.load_weights: unexpected checkpoint tensor {name!r}")
 
-    def _commit_small(self, staged: list[tuple[str, torch.Tensor]]) -> None:
-        """Writes the checked hash buffers (exact int64) and the fp8 scale."""
+    @staticmethod
+    def _state_name(name: str, plan: tuple) -> str:
+        """The name in this module's state dict that a planned checkpoint tensor writes."""
+        if plan[0] == "rows":
+            return plan[2]
+        if plan[0] == "global_scale":
+            return "weight_scale_2"
+        return name.removeprefix("ngram_embedding.")
+
+    @staticmethod
+    def _agree_global_scale(seen: list[tuple[str, torch.Tensor]], name: str, value) -> None:
+        """Raises unless ``value`` equals the first global scale of this load (in ``seen``):
+        an NVFP4 table has one global scale, however many shards repeat it."""
+        value = value.detach().reshape(1).to(device="cpu", dtype=torch.float32)
+        if not seen:
+            seen.append((name, value))
+            return
+        first_name, first = seen[0]
+        if not torch.equal(first, value):
+            raise ValueError(
+                f"NVFP4 global scales differ: {first_name} = {first.item()!r} but {name} = "
+                f"{value.item()!r}; an NVFP4 table has one global scale (weight_scale_2)"
+            )
+
+    def _check_global_scales(self, steps: Iterable[tuple[str, tuple, Any]]) -> None:
+        """The value check of a whole list of planned steps, before any of them writes."""
+        seen: list[tuple[str, torch.Tensor]] = []
+        for name, plan, source in steps:
+            if plan[0] == "global_scale":
+                self._agree_global_scale(seen, name, source)
+
+    def _commit_small(self, staged: list[tuple[str, str, torch.Tensor]]) -> None:
+        """Writes the checked hash buffers (exact int64), the fp8 scale and the NVFP4 global
+        scale."""
         with torch.no_grad():
-            for name, tensor in staged:
-                if name == SCALE_NAME:
+            for kind, name, tensor in staged:
+                if kind == "scale":
                     self.weight_scale.copy_(tensor.reshape(1).to(torch.float32))
+                elif kind == "global_scale":
+                    self.weight_scale_2.copy_(tensor.reshape(1).to(torch.float32))
                 else:
                     buffer = getattr(self, name)
                     buffer.copy_(tensor.to(dtype=torch.int64).to(buffer.device))
@@ -299,36 +441,49 @@ class NGramEmbedding(nn.Module):
         if self._incomplete_load is not None:
             raise RuntimeError(self._incomplete_load)
 
+    def _mark_incomplete(self, error: BaseException) -> None:
+        """After a load failed having written table rows: refuse to run until a load succeeds."""
+        self._incomplete_load = (
+            "NGramEmbedding: a load_weights call failed after writing part of the table "
+            f"({type(error).__name__}: {error}); load the checkpoint again before use"
+        )
+        error.add_note("The table is partly written; this module refuses to run.")
+
     def _run_load(self, steps: Iterable[tuple[str, tuple, Any]]) -> set[str]:
         """Loads (name, plan, tensor-or-slice-reader) steps whose plans are all checked. Table
-        rows are written as they come (the table is never staged: it is too large); buffers and
-        the scale only once every step succeeded. If a step fails after rows were written, the
-        module refuses to run until a later load succeeds: a half-written table must never give
-        silent wrong rows."""
+        rows (and NVFP4 block-scale rows) are written as they come (the table is never staged:
+        it is too large); buffers and scales only once every step succeeded. A list of steps
+        has its global scales compared before the first write; a stream, as they come. If a
+        step fails after rows were written, the module refuses to run until a later load
+        succeeds: a half-written table must never give silent wrong rows."""
+        if isinstance(steps, list):
+            self._check_global_scales(steps)
         loaded: set[str] = set()
-        staged: list[tuple[str, torch.Tensor]] = []
+        staged: list[tuple[str, str, torch.Tensor]] = []
+        global_scales: list[tuple[str, torch.Tensor]] = []
         wrote_rows = False
         try:
             for name, plan, source in steps:
-                if plan[0] == "skip":
+                kind = plan[0]
+                if kind == "skip":
                     continue
-                if plan[0] == "rows":
+                if kind == "rows":
+                    _, start, target = plan
                     if isinstance(source, torch.Tensor):
-                        self._copy_rows(plan[1], source)
+                        self._copy_rows(start, source, target)
                     else:  # a reader of a memory-mapped checkpoint slice
-                        source(plan[1])
+                        source(start)
                     wrote_rows = True
-                    loaded.add(WEIGHT_NAME)
+                    loaded.add("ngram_embedding." + target)
                 else:
-                    staged.append((name, source))
+                    if kind == "global_scale":
+                        self._agree_global_scale(global_scales, name, source)
+                        name = GLOBAL_SCALE_NAME  # one scale, whichever shard carried it
+                    staged.append((kind, name, source))
                     loaded.add(name)
         except BaseException as error:
             if wrote_rows:
-                self._incomplete_load = (
-                    "NGramEmbedding: a load_weights call failed after writing part of the table "
-                    f"({type(error).__name__}: {error}); load the checkpoint again before use"
-                )
-                error.add_note("The table is partly written; this module refuses to run.")
+                self._mark_incomplete(error)
             raise
         self._commit_small(staged)
         if wrote_rows:
@@ -336,16 +491,22 @@ class NGramEmbedding(nn.Module):
         return loaded
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Loads hash buffers (exact int64), checkpoint-split table rows and the fp8 scale.
+        """Loads hash buffers (exact int64), checkpoint-split table rows and the fp8 scale, or
+        for an NVFP4 table: ``ngram_embedding.shard_<i>.weight`` (exactly uint8 [rows_i, d/2]),
+        ``ngram_embedding.shard_<i>.weight_scale`` (exactly float8_e4m3fn [rows_i, d/16]) and
+        the global scale, as ``ngram_embedding.weight_scale_2`` or per shard as
+        ``ngram_embedding.shard_<i>.weight_scale_2`` (every value given in one call must be
+        equal). An unsharded NVFP4 ``ngram_embedding.weight``/``weight_scale`` is an error.
 
         ``hashstats_*`` and ``token_lookup`` tensors are skipped; every other mismatch — a shard
         index >= split_ngram_parts, a wrong shard or buffer shape or dtype, a float buffer, a
         meta tensor, an unknown name — is an error. Returns the names loaded
-        (``ngram_embedding.weight`` for the rows).
+        (``ngram_embedding.weight`` for the rows, ``ngram_embedding.weight_scale`` for NVFP4
+        block scales, ``ngram_embedding.weight_scale_2`` for the global scale).
 
         A list, tuple or dict is checked in full before anything is written, so an error leaves
         the module untouched. Any other iterable is consumed one tensor at a time (a lazy
-        iterator never holds the table twice): buffers and the scale are still written only at
+        iterator never holds the table twice): buffers and scales are still written only at
         the end, but rows of earlier shards are already in place when a later tensor is bad; the
         module then raises on use until a load succeeds.
         """
@@ -358,7 +519,8 @@ class NGramEmbedding(nn.Module):
 
     def load_safetensors(self, files: Iterable[str | Path], prefix: str = "") -> set[str]:
         """Loads from safetensors files, reading only the rows this rank owns (memory-mapped
-        slices, one checkpoint shard at a time): the table is never in memory twice.
+        slices, one checkpoint shard at a time; NVFP4 block scales alike): the table is never in
+        memory twice.
         ``prefix`` (e.g. ``"model.ple."``) is stripped; other tensors are ignored. Every
         tensor's header is checked before anything is written."""
         from safetensors import safe_open
@@ -374,14 +536,15 @@ class NGramEmbedding(nn.Module):
                     piece = f.get_slice(key)
                     dtype = safetensors_dtype(piece.get_dtype(), key)
                     plan = self._plan(name, piece.get_shape(), dtype, torch.device("cpu"))
-                    if plan[0] in ("buffer", "scale"):  # small: read now, written at the end
+                    if plan[0] == "rows":
+                        steps.append((name, plan, self._slice_reader(path, key, plan[2])))
+                    elif plan[0] != "skip":  # small: read now, written at the end
                         steps.append((name, plan, f.get_tensor(key)))
-                    elif plan[0] == "rows":
-                        steps.append((name, plan, self._slice_reader(path, key)))
         return self._run_load(steps)
 
-    def _slice_reader(self, path: str, key: str):
-        """Copies this rank's rows of one checkpoint shard, as a memory-mapped slice."""
+    def _slice_reader(self, path: str, key: str, target: str = "weight"):
+        """Copies this rank's rows of one checkpoint shard into ``target`` (the table, or the
+        NVFP4 block scales), as a memory-mapped slice."""
 
         def read(start: int) -> None:
             from safetensors import safe_open
@@ -390,9 +553,19 @@ class NGramEmbedding(nn.Module):
                 piece = f.get_slice(key)
                 lo, hi = self._owned_rows(start, piece.get_shape()[0])
                 if lo < hi:
-                    self._copy_rows(lo, piece[lo - start : hi - start])
+                    self._copy_rows(lo, piece[lo - start : hi - start], target)
 
         return read
+
+
+def _table_dtype(dtype: TableDtype | str) -> TableDtype:
+    """The table storage ``dtype`` names: a torch dtype, ``"nvfp4"``, or a torch dtype's name."""
+    if isinstance(dtype, str) and dtype != NVFP4:
+        named = getattr(torch, dtype.removeprefix("torch."), None)
+        dtype = named if isinstance(named, torch.dtype) else dtype
+    if dtype != NVFP4 and dtype not in (*FLOAT_DTYPES, *FP8_DTYPES):
+        raise ValueError(f"unsupported table dtype {dtype!r}")
+    return dtype
 
 
 _SAFETENSORS_DTYPES = {

@@ -8,7 +8,10 @@ transformers' ``Qwen4ExpTextPLELayer`` returns the same thing without ``hidden``
 Checkpoints: :meth:`PLELayer.load_weights` takes tensor names relative to the layer in either
 layout — transformers (``ple_embedding.ngram_embedding.weight`` whole, ``key_proj.weight``,
 ``value_proj.weight``, ``conv1d.weight`` [C, 1, K]) or vLLM/seed (``ple_embedding.ngram_embedding.
-shard_<i>.weight`` split in ``split_ngram_parts`` blocks, a merged ``kv_proj.weight``).
+shard_<i>.weight`` split in ``split_ngram_parts`` blocks, a merged ``kv_proj.weight``). An NVFP4
+table (``table_dtype="nvfp4"``) loads only in vLLM's split layout: ``shard_<i>.weight`` packed
+codes, ``shard_<i>.weight_scale`` block scales and the global ``weight_scale_2`` (see
+:meth:`NGramEmbedding.load_weights`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ from torch import nn
 
 from qwen4exp_ext import ops
 
-from .ngram_embedding import FP8_DTYPES, NGramEmbedding, Placement, safetensors_dtype
+from .ngram_embedding import (
+    FP8_DTYPES,
+    NGramEmbedding,
+    Placement,
+    TableDtype,
+    safetensors_dtype,
+)
 from .state import PLEBatch, _text_config, ple_conv_state_len
 
 __all__ = ["PLELayer"]
@@ -58,6 +67,9 @@ class PLELayer(nn.Module):
     from :meth:`PLEState.prepare` (varlen requests, conv state in the cache at ``state_index``);
     without it the T tokens are one fresh sequence and no state is kept. Returns [T, C] in
     hidden's dtype (= hidden + the transformers layer's output).
+
+    ``table_dtype`` is the n-gram table's storage (default ``dtype``): a float or fp8 dtype, or
+    ``"nvfp4"`` (see :class:`NGramEmbedding`); its lookups come out in ``dtype``.
     """
 
     def __init__(
@@ -67,7 +79,7 @@ class PLELayer(nn.Module):
         *,
         state_index: int | None = None,
         dtype: torch.dtype = torch.bfloat16,
-        table_dtype: torch.dtype | None = None,
+        table_dtype: TableDtype | str | None = None,
         placement: Placement = "device",
         device: torch.device | str | None = None,
         rounding: str = "vllm",
@@ -117,7 +129,12 @@ class PLELayer(nn.Module):
 
     @classmethod
     def from_config(cls, config: Any, layer_index: int = 0, **kwargs: Any) -> PLELayer:
-        """Builds from a ``Qwen4ExpTextConfig`` (or a composite config with a text config)."""
+        """Builds from a ``Qwen4ExpTextConfig`` (or a composite config with a text config). The
+        table's storage is ``table_dtype`` if given, else the config's ``ple_embedding_dtype``
+        (vLLM's field: ``"nvfp4"`` or ``"float8_e4m3fn"``, set by quantised checkpoints), else
+        ``dtype``."""
+        if kwargs.get("table_dtype") is None:
+            kwargs["table_dtype"] = getattr(_text_config(config), "ple_embedding_dtype", None)
         return cls(config, layer_index, **kwargs)
 
     @property
@@ -225,24 +242,37 @@ class PLELayer(nn.Module):
         writing table rows)."""
         if isinstance(weights, Mapping):
             weights = list(weights.items())
-        steps = (self._plan_load(name, tensor) for name, tensor in weights)
+        global_scales: list[tuple[str, torch.Tensor]] = []
+        steps = (self._plan_load(name, tensor, global_scales) for name, tensor in weights)
         if isinstance(weights, (list, tuple)):
             steps = list(steps)  # every tensor checked before the first write
         return self._apply(steps)
 
-    @staticmethod
-    def _apply(steps: Iterable[tuple[Callable[[], None], str | None]]) -> set[str]:
-        """Runs checked (write it, state name or None) steps; returns the state names written."""
+    def _apply(self, steps: Iterable[tuple[Callable[[], None], str | None]]) -> set[str]:
+        """Runs checked (write it, state name or None) steps; returns the state names written.
+        A stream that fails after table rows were written leaves the embedding refusing to run
+        (as :meth:`NGramEmbedding.load_weights` does): each step is its own embedding load, so
+        the embedding alone cannot tell that a later tensor failed."""
         loaded: set[str] = set()
-        for apply, got in steps:
-            apply()
-            if got is not None:
-                loaded.add(got)
+        try:
+            for apply, got in steps:
+                apply()
+                if got is not None:
+                    loaded.add(got)
+        except BaseException as error:
+            emb = self.ple_embedding
+            rows = {EMBEDDING_PREFIX + name for name in emb.row_parameters}
+            if loaded & rows and emb._incomplete_load is None:
+                emb._mark_incomplete(error)
+            raise
         return loaded
 
-    def _plan_load(self, name: str, tensor: torch.Tensor):
+    def _plan_load(
+        self, name: str, tensor: torch.Tensor, global_scales: list[tuple[str, torch.Tensor]]
+    ):
         """Checks one checkpoint tensor and returns (write it, the state name it loads or None)
-        without writing anything."""
+        without writing anything. ``global_scales`` holds this load's first NVFP4 global scale:
+        every later one must equal it."""
         emb = self.ple_embedding
         if tensor.device.type == "meta":
             raise ValueError(f"checkpoint tensor {name!r} has no data (it is on the meta device)")
@@ -254,9 +284,9 @@ class PLELayer(nn.Module):
             plan = emb._plan(sub, tensor.shape, tensor.dtype, tensor.device)
             if plan[0] == "skip":
                 return (lambda: None), None
-            state = EMBEDDING_PREFIX + (
-                "weight" if plan[0] == "rows" else sub.removeprefix("ngram_embedding.")
-            )
+            if plan[0] == "global_scale":
+                emb._agree_global_scale(global_scales, name, tensor)
+            state = EMBEDDING_PREFIX + emb._state_name(sub, plan)
             return (lambda: emb._run_load([(sub, plan, tensor)])), state
         if name == "kv_proj.weight":
             target = self.kv_proj.weight
@@ -299,6 +329,7 @@ class PLELayer(nn.Module):
 
         emb = self.ple_embedding
         steps = []  # (write it, the state name it loads or None), all checked
+        global_scales: list[tuple[str, torch.Tensor]] = []
         for path in [str(path) for path in files]:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
@@ -318,13 +349,12 @@ class PLELayer(nn.Module):
                     if plan is not None and plan[0] == "skip":
                         continue
                     if plan is not None and plan[0] == "rows":
-                        reader = emb._slice_reader(path, key)
+                        reader = emb._slice_reader(path, key, plan[2])
                         step = [(sub, plan, reader)]
-                        steps.append(
-                            ((lambda step=step: emb._run_load(step)), "ple_embedding.weight")
-                        )
-                    else:  # small (norms, projections, conv, hash buffers): read now
-                        steps.append(self._plan_load(name, f.get_tensor(key)))
+                        state = EMBEDDING_PREFIX + emb._state_name(sub, plan)
+                        steps.append(((lambda step=step: emb._run_load(step)), state))
+                    else:  # small (norms, projections, conv, hash buffers, scales): read now
+                        steps.append(self._plan_load(name, f.get_tensor(key), global_scales))
         return self._apply(steps)
 
     def _table_reader(self, path: str, key: str):
@@ -343,6 +373,8 @@ class PLELayer(nn.Module):
 
     def _check_table(self, shape, dtype: torch.dtype) -> None:
         emb = self.ple_embedding
+        if emb.nvfp4:
+            raise emb._unsharded_nvfp4(EMBEDDING_PREFIX + TABLE_NAME)
         if len(shape) != 2 or shape[1] != emb.head_dim or shape[0] > emb.num_rows:
             raise ValueError(
                 f"ple_embedding.ngram_embedding.weight must be [<= {emb.num_rows}, "
