@@ -29,10 +29,14 @@ VLLM_VERSION = "0.33.0"
 PLE_PATH = ("models", "qwen4_exp", "common", "ops", "ple.py")
 # The NVFP4 PLE lookup and the two decoders it calls.
 NVFP4_KERNELS = (
-    (("model_executor", "layers", "quantization", "utils", "nvfp4_emulation_utils.py"),
-     ("_e2m1_inline", "_e4m3_inline")),
-    (("models", "qwen4_exp", "common", "ngram_embedding.py"),
-     ("_lookup_nvfp4_ple_embedding_kernel",)),
+    (
+        ("model_executor", "layers", "quantization", "utils", "nvfp4_emulation_utils.py"),
+        ("_e2m1_inline", "_e4m3_inline"),
+    ),
+    (
+        ("models", "qwen4_exp", "common", "ngram_embedding.py"),
+        ("_lookup_nvfp4_ple_embedding_kernel",),
+    ),
 )
 
 _REPLACED_IMPORTS = {
