@@ -3,7 +3,9 @@
 For every case of every selected op: check ours against the reference (exact equality), then time
 ours, the reference and a same-traffic ``copy_`` side by side, print one table row, and optionally
 write everything to JSON tagged with the device, torch version, build info and date, so results
-from different machines and commits can be compared later.
+from different machines and commits can be compared later. After an op's cases come its untimed
+sections (``registry.Section``: e.g. gather's pinned bytes per table format), printed as small
+tables of their own and written to the JSON under "sections".
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 import qwen4exp_ext
 from qwen4exp_ext import ops
-from qwen4exp_ext.bench.registry import OP_MODULES, Case, load_cases
+from qwen4exp_ext.bench.registry import OP_MODULES, Case, Section, load_cases, load_sections
 from qwen4exp_ext.bench.timing import roofline_copy, time_interleaved
 
 DEFAULT_REPEAT = 500
@@ -79,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(_row([name for name, _, _ in COLUMNS], header=True))
     results = []
+    sections: list[dict[str, Any]] = []
     for op in args.ops or list(OP_MODULES):
         for case in load_cases(op, device):
             try:
@@ -88,9 +91,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 1
             results.append(result)
             print(_row(_table_values(result)), flush=True)
+        for section in load_sections(op, device):
+            print(_section_text(section), flush=True)
+            sections.append(
+                {k: getattr(section, k) for k in ("op", "name", "note")}
+                | {"rows": [dict(r) for r in section.rows]}
+            )
 
     if args.json is not None:
-        report = {**_environment(device), "repeat": shown, "warmup": warmup, "results": results}
+        report = {
+            **_environment(device),
+            "repeat": shown,
+            "warmup": warmup,
+            "results": results,
+            "sections": sections,
+        }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
@@ -268,3 +283,31 @@ def _si(x: float) -> str:
         if abs(x) >= factor:
             return f"{x / factor:.3g}{suffix}"
     return f"{x:.3g}"
+
+
+def _section_text(section: Section) -> str:
+    """The section's note, then its columns as a table (first column left-aligned)."""
+    lines = [[header for _, header in section.columns]]
+    lines += [[_cell(key, row[key]) for key, _ in section.columns] for row in section.rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(section.columns))]
+    text = [f"{section.op} {section.name}: {section.note}"]
+    for line in lines:
+        cells = [c.rjust(w) for c, w in zip(line, widths, strict=True)]
+        cells[0] = line[0].ljust(widths[0])
+        text.append("  ".join(cells))
+    return "\n".join(text)
+
+
+def _cell(key: str, value: object) -> str:
+    if key.endswith("_bytes") and isinstance(value, int):
+        return _bytes_text(value)
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def _bytes_text(n: int) -> str:
+    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} B"

@@ -1,10 +1,12 @@
 """``gather`` cases: ``gather_rows`` at the released row shape (NH = 16 heads of d = 160) over
-decode (T = 1..256) and prefill (T = 8192) batches, bf16 and fp8 tables, against
-``torch.nn.functional.embedding`` (+ vLLM's eager dequant for fp8) and, for the acceptance
-shape, against ``torch.index_select(..., out=)``.
+decode (T = 1..256) and prefill (T = 8192) batches, bf16, fp8 and NVFP4 tables, against
+``torch.nn.functional.embedding`` (+ vLLM's eager dequant for fp8 and NVFP4) and, for the
+acceptance shape, against ``torch.index_select(..., out=)``.
 
 The released table has 320M rows (102 GB in bf16): far more than a CI host has, so the table
-here has QWEN4EXP_BENCH_GATHER_ROWS rows (default 4M on CPU = 1.28 GB bf16, 64M on a GPU).
+here has QWEN4EXP_BENCH_GATHER_ROWS rows (default 4M on CPU = 1.28 GB bf16, 64M on a GPU), the
+same number of rows in every format (so the NVFP4 table, d/2 packed bytes and d/16 block scales a
+row, is ~9/32 of the bf16 table's bytes).
 Every row of a table that size is a cache (and TLB) miss, like the released one: the timing is
 the same latency-bound regime. Each case cycles through enough different id batches to touch
 COLD_BYTES of rows per cycle (far above any last-level cache), so no timed call finds its rows
@@ -12,30 +14,86 @@ still cached by an earlier one — a real decode step reads rows the last step d
 CPU the ``hugepages`` case reads a copy of the bf16 table on transparent huge pages, the way
 ``NGramEmbedding(placement="cpu")`` allocates it (``host_table.empty_host_table``).
 
+NVFP4 (vLLM's layout, see ``reference.gather_rows``): a uint8 table [rows, d/2] of E2M1 codes,
+float8_e4m3fn block scales [rows, d/16] and a global fp32 scale. Its baseline is what vLLM runs
+without our kernel: ``F.embedding`` of the packed rows and of the block scales, then the
+dequantisation in eager torch, ``(e2m1 · block scale · scale).to(out)``. That baseline is written
+here, so the check compares ours with it *and* with ``reference.gather_rows``.
+
+Bytes (the GB/s and "% copy" columns) count the compulsory traffic: the ids read, each looked-up
+row read (NVFP4: d/2 packed bytes + d/16 scale bytes), the output written.
+
 The CLI's "% copy" column is the share of a same-run copy of the same bytes (CPU: memcpy; GPU:
 device-to-device copy, ~HBM peak). On a GPU the ``pinned_*`` cases read a table in pinned host
-memory; compare them with ``h2d_copy`` (params: the measured host-to-device bandwidth of a
-pinned copy of the same bytes, GB/s).
+memory (bf16; NVFP4 rows and block scales, both through ``host_table.device_view``); compare
+them with ``h2d_copy`` (params: the measured host-to-device bandwidth of a pinned copy of the
+same bytes, GB/s).
+
+Untimed sections (``sections``):
+
+- ``pinned_bytes``: host memory pinned per layer of the released PLE table (R_pad = 320,001,536
+  rows of d = 160), for bf16, fp8 and NVFP4 (rows + block scales), computed, not allocated:
+  the table's bytes (per allocation: NVFP4 has two, rows and block scales); what
+  ``torch.empty(..., pin_memory=True)`` pins: torch's CachingHostAllocator rounds every request
+  up to the next power of two (``c10::llvm::PowerOf2Ceil`` in ATen/core/CachingHostAllocator.h,
+  torch 2.14; unless ``pinned_max_round_threshold_mb`` / ``pinned_max_cached_size_mb`` is set in
+  PYTORCH_ALLOC_CONF) — 47.7 GiB of fp8 pins 64 GiB; and what ``host_table.pinned_host_table``
+  pins: each allocation rounded up to a 4 KiB page (on a 64 KiB-page kernel, 64 KiB: < 64 KiB
+  more per allocation).
+- ``pinned_bytes_measured`` (GPU only): the same comparison for a small table of
+  MEASURED_ROWS rows, allocated both ways and measured with ``host_table.footprint`` (the bytes
+  of the kernel mappings that hold it).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from qwen4exp_ext import ops
-from qwen4exp_ext.bench.registry import Case
+from qwen4exp_ext import ops, reference
+from qwen4exp_ext.bench.registry import Case, Section
 
 NUM_HEADS = 16
 HEAD_DIM = 160
 DECODE_TOKENS = (1, 8, 64, 256)
 PREFILL_TOKENS = 8192
 FP8_SCALE = 0.0123
+NVFP4_SCALE = 0.0123
+NVFP4_BLOCK = 16
+# The 16 E2M1 codes' values: bit 3 the sign, bits 0-2 the magnitude (-0.0 for code 8).
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 INPUT_SEED = 0
 COLD_BYTES = 256 << 20  # rows touched per cycle of id batches: several times any LLC
+
+# R_pad of one released PLE layer: layout.head_vocab_layout(20_000_000, 16, 0, 128).padded_rows
+# (checked in tests/test_layout.py); layout.py has the construction, not the released config.
+RELEASED_ROWS = 320_001_536
+PAGE_BYTES = 4096
+MEASURED_ROWS = 1_000_003  # small table of pinned_bytes_measured: ~0.3 GB in bf16
+
+
+class _Table(NamedTuple):
+    """One table in one format, with what ``gather_rows`` needs to read it."""
+
+    kind: str
+    rows: torch.Tensor  # bf16/fp8 [rows, d]; NVFP4 uint8 [rows, d/2]
+    scale: torch.Tensor | None = None  # fp8, NVFP4: the global fp32 scale, [1]
+    block_scales: torch.Tensor | None = None  # NVFP4: float8_e4m3fn [rows, d/16]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes read per looked-up row."""
+        n = self.rows.shape[1] * self.rows.element_size()
+        if self.block_scales is not None:
+            n += self.block_scales.shape[1] * self.block_scales.element_size()
+        return n
+
+    def to(self, device: torch.device) -> _Table:
+        return _Table(*(t if not isinstance(t, torch.Tensor) else t.to(device) for t in self))
 
 
 def _rows(device: torch.device) -> int:
@@ -48,41 +106,46 @@ def cases(device: torch.device) -> list[Case]:
     gen = torch.Generator().manual_seed(INPUT_SEED)
     # Random bytes below 0x70 are finite in both fp8 formats and in bf16 (no NaN checks fail).
     raw = torch.randint(0, 0x70, (rows, HEAD_DIM * 2), dtype=torch.uint8, generator=gen)
+    scale = torch.tensor([FP8_SCALE], device=device)
     tables = {
-        "bf16": (raw.view(torch.bfloat16).to(device), None),
-        "fp8": (
-            raw[:, :HEAD_DIM].contiguous().view(torch.float8_e4m3fn).to(device),
-            torch.tensor([FP8_SCALE], device=device),
+        "bf16": _Table("bf16", raw.view(torch.bfloat16).to(device)),
+        "fp8": _Table(
+            "fp8", raw[:, :HEAD_DIM].contiguous().view(torch.float8_e4m3fn).to(device), scale
+        ),
+        # Every byte is two valid E2M1 codes; block scales from the finite fp8 bytes above.
+        "nvfp4": _Table(
+            "nvfp4",
+            torch.randint(0, 256, (rows, HEAD_DIM // 2), dtype=torch.uint8, generator=gen).to(
+                device
+            ),
+            torch.tensor([NVFP4_SCALE], device=device),
+            raw[:, HEAD_DIM : HEAD_DIM + HEAD_DIM // NVFP4_BLOCK]
+            .contiguous()
+            .view(torch.float8_e4m3fn)
+            .to(device),
         ),
     }
     del raw
     out: list[Case] = []
-    for kind, (table, scale) in tables.items():
+    for kind, table in tables.items():
         for tokens in (*DECODE_TOKENS, PREFILL_TOKENS):
             phase = "decode" if tokens in DECODE_TOKENS else "prefill"
-            ids = _id_batches(rows, tokens, HEAD_DIM * table.element_size(), gen, device)
-            out.append(_case(f"{phase}_T{tokens}_{kind}", table, scale, ids, "embedding"))
+            ids = _id_batches(rows, tokens, table.row_bytes, gen, device)
+            out.append(_case(f"{phase}_T{tokens}_{kind}", table, ids, "embedding"))
             if tokens == PREFILL_TOKENS:
-                out.append(
-                    _case(
-                        f"{phase}_T{tokens}_{kind}_vs_index_select",
-                        table,
-                        scale,
-                        ids,
-                        "index_select",
-                    )
-                )
+                name = f"{phase}_T{tokens}_{kind}_vs_index_select"
+                out.append(_case(name, table, ids, "index_select"))
     if device.type == "cpu":
         from qwen4exp_ext.host_table import empty_host_table
 
-        bf16 = tables["bf16"][0]
+        bf16 = tables["bf16"].rows
         huge = empty_host_table(rows, HEAD_DIM, torch.bfloat16)
         huge.copy_(bf16)
         ids = _id_batches(rows, PREFILL_TOKENS, HEAD_DIM * 2, gen, device)
         name = f"prefill_T{PREFILL_TOKENS}_bf16_hugepages_vs_index_select"
-        out.append(_case(name, huge, None, ids, "index_select"))
+        out.append(_case(name, _Table("bf16", huge), ids, "index_select"))
     if device.type == "cuda":
-        out += _pinned_cases(tables["bf16"][0], gen, device)
+        out += _pinned_cases([tables["bf16"], tables["nvfp4"]], gen, device)
     return out
 
 
@@ -92,35 +155,69 @@ def _id_batches(rows: int, tokens: int, row_bytes: int, gen, device) -> torch.Te
     return torch.randint(0, rows, (batches, tokens, NUM_HEADS), generator=gen).to(device)
 
 
-def _case(name, table, scale, batches, baseline: str, table_for_ref=None) -> Case:
+def _e2m1_values(device: torch.device) -> torch.Tensor:
+    """fp32 [16]: the value of each E2M1 code."""
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
+    return torch.cat((magnitudes, -magnitudes))
+
+
+def _case(name, table: _Table, batches, baseline: str, table_for_ref: _Table | None = None) -> Case:
     tokens = batches.shape[1]
     device = batches.device
     out_dtype = torch.bfloat16
     ours_out = torch.full((tokens, NUM_HEADS * HEAD_DIM), -1.0, dtype=out_dtype, device=device)
     flat_batches = batches.reshape(batches.shape[0], -1)
     ref_table = table if table_for_ref is None else table_for_ref
-    fp8 = ref_table.dtype == torch.float8_e4m3fn
-    # vLLM's eager path: index the (byte view of the) table, then row.to(out) * scale.to(out).
-    lookup_table = ref_table.view(torch.uint8) if fp8 else ref_table
-    select_out = torch.empty(tokens * NUM_HEADS, HEAD_DIM, dtype=lookup_table.dtype, device=device)
-    scale_out = scale.to(out_dtype) if scale is not None else None
+    fp8 = ref_table.rows.dtype == torch.float8_e4m3fn
+    nvfp4 = ref_table.block_scales is not None
+    # vLLM's eager path: index the (byte view of the) table, then row.to(out) * scale.to(out)
+    # (fp8), or decode the packed codes times their block scale times the global scale (NVFP4).
+    lookup_table = ref_table.rows.view(torch.uint8) if fp8 else ref_table.rows
+    lookup_scales = ref_table.block_scales.view(torch.uint8) if nvfp4 else None
+    select_out = torch.empty(
+        tokens * NUM_HEADS, lookup_table.shape[1], dtype=lookup_table.dtype, device=device
+    )
+    if nvfp4:
+        scales_out = torch.empty(
+            tokens * NUM_HEADS, lookup_scales.shape[1], dtype=torch.uint8, device=device
+        )
+    scale_out = ref_table.scale.to(out_dtype) if fp8 else None
+    e2m1 = _e2m1_values(device) if nvfp4 else None
 
     def run_ours(i: int) -> torch.Tensor:
-        return ops.gather_rows(table, batches[i], scale=scale, output=ours_out)
+        return ops.gather_rows(
+            table.rows,
+            batches[i],
+            scale=table.scale,
+            block_scales=table.block_scales,
+            output=ours_out,
+        )
 
-    def finish(rows_: torch.Tensor) -> torch.Tensor:
+    def finish(rows_: torch.Tensor, scales_: torch.Tensor | None) -> torch.Tensor:
         if fp8:
             rows_ = rows_.view(torch.float8_e4m3fn).to(out_dtype) * scale_out
+        elif nvfp4:
+            n = rows_.numel() // rows_.shape[-1]
+            packed = rows_.reshape(n, -1)
+            codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(n, HEAD_DIM)
+            blocks = scales_.reshape(n, -1).view(torch.float8_e4m3fn).to(torch.float32)
+            values = e2m1[codes.long()] * blocks.repeat_interleave(NVFP4_BLOCK, dim=1)
+            rows_ = (values * ref_table.scale).to(out_dtype)
         return rows_.reshape(tokens, NUM_HEADS * HEAD_DIM)
 
     if baseline == "embedding":
 
         def run_ref(i: int) -> torch.Tensor:
-            return finish(F.embedding(batches[i], lookup_table))
+            scales_ = F.embedding(batches[i], lookup_scales) if nvfp4 else None
+            return finish(F.embedding(batches[i], lookup_table), scales_)
     else:
 
         def run_ref(i: int) -> torch.Tensor:
-            return finish(torch.index_select(lookup_table, 0, flat_batches[i], out=select_out))
+            ids = flat_batches[i]
+            scales_ = None
+            if nvfp4:
+                scales_ = torch.index_select(lookup_scales, 0, ids, out=scales_out)
+            return finish(torch.index_select(lookup_table, 0, ids, out=select_out), scales_)
 
     # One cursor for both contenders: every timed call, ours or the reference's, reads the next
     # batch, so neither finds rows the other has just pulled into the cache.
@@ -131,16 +228,27 @@ def _case(name, table, scale, batches, baseline: str, table_for_ref=None) -> Cas
         return cursor[0]
 
     def check() -> str | None:
-        ours, ref = run_ours(0), run_ref(0)
-        if torch.equal(ours, ref):
-            return None
-        return f"{int((ours != ref).sum())} of {ref.numel()} elements differ"
+        ours, ref = run_ours(0).clone(), run_ref(0)
+        if not torch.equal(ours, ref):
+            return f"{int((ours != ref).sum())} of {ref.numel()} elements differ from the baseline"
+        if nvfp4:
+            # The NVFP4 baseline is written here: hold it (and ours) to the spec's reference too.
+            spec = reference.gather_rows(
+                ref_table.rows,
+                batches[0],
+                scale=ref_table.scale,
+                block_scales=ref_table.block_scales,
+                out_dtype=out_dtype,
+            )
+            if not torch.equal(ours, spec):
+                bad = int((ours != spec).sum())
+                return f"{bad} of {spec.numel()} elements differ from reference.gather_rows"
+        return None
 
-    row_bytes = HEAD_DIM * table.element_size()
     ids_numel = tokens * NUM_HEADS
     nbytes = (
         ids_numel * batches.element_size()
-        + ids_numel * row_bytes
+        + ids_numel * table.row_bytes
         + ours_out.numel() * ours_out.element_size()
     )
     return Case(
@@ -155,34 +263,39 @@ def _case(name, table, scale, batches, baseline: str, table_for_ref=None) -> Cas
             "T": tokens,
             "NH": NUM_HEADS,
             "d": HEAD_DIM,
-            "rows": table.shape[0],
+            "rows": table.rows.shape[0],
+            "row_bytes": table.row_bytes,
             "id_batches": batches.shape[0],
         },
     )
 
 
-def _pinned_cases(device_table: torch.Tensor, gen, device) -> list[Case]:
-    """The bf16 table in pinned host memory, read zero-copy by the GPU."""
+def _pinned_cases(device_tables: list[_Table], gen, device) -> list[Case]:
+    """Tables in pinned host memory, read zero-copy by the GPU (NVFP4: rows and block scales)."""
     from qwen4exp_ext.host_table import device_view
 
-    host = device_table.cpu()
-    view = device_view(host, device)
     h2d = _h2d_gbps(device)
     cases_: list[Case] = []
-    for tokens in (*DECODE_TOKENS, PREFILL_TOKENS):
-        phase = "decode" if tokens in DECODE_TOKENS else "prefill"
-        ids = _id_batches(host.shape[0], tokens, HEAD_DIM * host.element_size(), gen, device)
-        case = _case(
-            f"pinned_{phase}_T{tokens}_bf16",
-            view,
-            None,
-            ids,
-            "embedding",
-            table_for_ref=device_table,
+    for device_table in device_tables:
+        host = device_table.to(torch.device("cpu"))
+        view = _Table(
+            host.kind,
+            device_view(host.rows, device),
+            device_table.scale,
+            None if host.block_scales is None else device_view(host.block_scales, device),
         )
-        cases_.append(
-            Case(**{**case.__dict__, "params": {**case.params, "h2d_copy_gbps": round(h2d, 2)}})
-        )
+        for tokens in (*DECODE_TOKENS, PREFILL_TOKENS):
+            phase = "decode" if tokens in DECODE_TOKENS else "prefill"
+            ids = _id_batches(host.rows.shape[0], tokens, host.row_bytes, gen, device)
+            case = _case(
+                f"pinned_{phase}_T{tokens}_{host.kind}",
+                view,
+                ids,
+                "embedding",
+                table_for_ref=device_table,
+            )
+            params = {**case.params, "h2d_copy_gbps": round(h2d, 2)}
+            cases_.append(Case(**{**case.__dict__, "params": params}))
     return cases_
 
 
@@ -197,3 +310,120 @@ def _h2d_gbps(device, nbytes: int = 256 << 20) -> float:
         dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize(device)
     return 5 * nbytes / (time.perf_counter() - start) / 1e9
+
+
+# --- pinned bytes per layer ---------------------------------------------------------------------
+
+
+def _allocations(rows: int, d: int) -> dict[str, list[tuple[str, int]]]:
+    """Each format's host allocations for a [rows, d] table: (name, bytes)."""
+    return {
+        "bf16": [("rows", rows * d * 2)],
+        "fp8": [("rows", rows * d)],
+        "nvfp4": [("rows", rows * d // 2), ("block_scales", rows * (d // NVFP4_BLOCK))],
+    }
+
+
+def _torch_pinned(nbytes: int) -> int:
+    """What torch's CachingHostAllocator pins for one request: the next power of two."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
+
+
+def _page_rounded(nbytes: int) -> int:
+    return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+
+
+def pinned_bytes(rows: int = RELEASED_ROWS, d: int = HEAD_DIM) -> list[dict[str, object]]:
+    """Per format: the bytes of one [rows, d] table and what each way of pinning it pins."""
+    out: list[dict[str, object]] = []
+    for kind, allocs in _allocations(rows, d).items():
+        table = sum(n for _, n in allocs)
+        torch_pinned = sum(_torch_pinned(n) for _, n in allocs)
+        ours = sum(_page_rounded(n) for _, n in allocs)
+        out.append(
+            {
+                "format": kind,
+                "rows": rows,
+                "d": d,
+                "allocations": {name: n for name, n in allocs},
+                "table_bytes": table,
+                "torch_pin_memory_bytes": torch_pinned,
+                "pinned_host_table_bytes": ours,
+                "torch_over_table": torch_pinned / table,
+            }
+        )
+    return out
+
+
+def _measured_pinned_bytes(device: torch.device, rows: int = MEASURED_ROWS) -> list[dict]:
+    """pinned_bytes for a small table, allocated both ways and measured with footprint."""
+    from qwen4exp_ext.host_table import footprint, pinned_host_table
+
+    widths = {
+        "rows": (HEAD_DIM, None),
+        "block_scales": (HEAD_DIM // NVFP4_BLOCK, torch.float8_e4m3fn),
+    }
+    dtypes = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "nvfp4": torch.uint8}
+    out = []
+    for kind, allocs in _allocations(rows, HEAD_DIM).items():
+        table = torch_mapped = ours_mapped = 0
+        for name, nbytes in allocs:
+            width, dtype = widths[name]
+            dtype = dtype or dtypes[kind]
+            if kind == "nvfp4" and name == "rows":
+                width //= 2
+            theirs = torch.empty(rows, width, dtype=dtype, pin_memory=True)
+            ours = pinned_host_table(rows, width, dtype, device=device)
+            assert theirs.untyped_storage().nbytes() == nbytes == ours.untyped_storage().nbytes()
+            table += nbytes
+            torch_mapped += footprint(theirs)["mapping_bytes"]
+            ours_mapped += footprint(ours)["mapping_bytes"]
+            del theirs, ours
+        out.append(
+            {
+                "format": kind,
+                "rows": rows,
+                "d": HEAD_DIM,
+                "table_bytes": table,
+                "torch_pin_memory_bytes": torch_mapped,
+                "pinned_host_table_bytes": ours_mapped,
+                "torch_over_table": torch_mapped / table,
+            }
+        )
+    return out
+
+
+_PINNED_COLUMNS = (
+    ("format", "format"),
+    ("table_bytes", "table"),
+    ("torch_pin_memory_bytes", "torch pin_memory"),
+    ("pinned_host_table_bytes", "pinned_host_table"),
+    ("torch_over_table", "torch/table"),
+)
+
+
+def sections(device: torch.device) -> list[Section]:
+    out = [
+        Section(
+            op="gather",
+            name="pinned_bytes",
+            note=f"host bytes pinned per layer of the released table ({RELEASED_ROWS:,} rows "
+            f"x d={HEAD_DIM}; NVFP4 = rows + block scales), computed: torch rounds each "
+            f"allocation up to a power of two, pinned_host_table to a {PAGE_BYTES // 1024} KiB "
+            "page",
+            columns=_PINNED_COLUMNS,
+            rows=pinned_bytes(),
+        )
+    ]
+    if device.type == "cuda":
+        out.append(
+            Section(
+                op="gather",
+                name="pinned_bytes_measured",
+                note=f"the same for a {MEASURED_ROWS:,}-row table, allocated both ways: "
+                "mapping bytes from host_table.footprint",
+                columns=_PINNED_COLUMNS,
+                rows=_measured_pinned_bytes(device),
+            )
+        )
+    return out

@@ -1,14 +1,16 @@
-"""The ops the benchmark knows, and the shape of one benchmark case.
+"""The ops the benchmark knows, the shape of one benchmark case, and of an untimed section.
 
 An op joins by writing a module with ``cases(device) -> list[Case]`` and adding one line to
-``OP_MODULES``. A module is imported only when its op runs, so benchmarking one op never depends
-on another op's module (or its kernel) importing cleanly.
+``OP_MODULES``; it may also define ``sections(device) -> list[Section]``: figures that belong in
+its report but are no race between contenders (arithmetic, memory measurements). A module is
+imported only when its op runs, so benchmarking one op never depends on another op's module (or
+its kernel) importing cleanly.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,3 +50,22 @@ def load_cases(op: str, device: torch.device) -> list[Case]:
     """Build every case of ``op`` on ``device`` (inputs are made once here, not per call)."""
     module = importlib.import_module(OP_MODULES[op])
     return module.cases(device)
+
+
+@dataclass(frozen=True)
+class Section:
+    """An untimed table of an op's report: printed after the op's cases (``columns``: (key,
+    header) pairs of ``rows`` to print) and written to the JSON under "sections", rows whole."""
+
+    op: str
+    name: str
+    note: str
+    columns: Sequence[tuple[str, str]]
+    rows: Sequence[Mapping[str, object]]
+
+
+def load_sections(op: str, device: torch.device) -> list[Section]:
+    """The untimed sections of ``op`` on ``device`` (none if its module defines no ``sections``)."""
+    module = importlib.import_module(OP_MODULES[op])
+    sections = getattr(module, "sections", None)
+    return [] if sections is None else sections(device)
