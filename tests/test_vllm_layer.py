@@ -1,5 +1,5 @@
 """Issue test 4b: vLLM 0.33.0's own ``Qwen4ExpPLELayer`` (AMD path) on our kernels equals
-transformers 5.18's ``Qwen4ExpTextPLELayer``.
+transformers 5.18's ``Qwen4ExpTextPLELayer``, for a dense, an FP8 and an NVFP4 PLE table.
 
 vLLM's layer is built on CPU from a small config (a ``VllmConfig``, a single-process gloo
 distributed init), given transformers' weights, and run through chunked prefills and decode
@@ -9,6 +9,11 @@ first, as vLLM orders a batch), one conv-state slot per request in a cache whose
 null slot. The profiler proves that ``qwen4exp::ngram_ids``, ``qwen4exp::gather_rows``,
 ``qwen4exp::ple_gate`` and ``qwen4exp::ple_conv`` ran; the per-request outputs, stitched
 together, must equal ``hidden + transformers(whole sequence)`` in fp32.
+
+The quantized tables are loaded from a checkpoint through vLLM's own loader (one shard:
+``split_ngram_parts=1``); transformers gets their dequantised values as its fp32 table. vLLM
+itself refuses NVFP4 tables in its AMD layer: with the plugin, the layer builds, loads and runs
+them on our gather.
 
 The vLLM part runs in a fresh interpreter (distributed init, plugin registration and vLLM's
 static forward context are process-global); transformers runs here, and the two exchange
@@ -31,6 +36,7 @@ if os.environ.get("QWEN4EXP_REQUIRE_VLLM") != "1":  # vLLM 0.33.0 itself needs i
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextPLELayer  # noqa: E402
 
 from hf_support import EOS, tiny_config  # noqa: E402
+from qwen4exp_ext import reference  # noqa: E402
 
 OUR_OPS = (
     "qwen4exp::ngram_ids",
@@ -99,9 +105,15 @@ layer.eval()
 emb = layer.ple_embedding
 for name in ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets"):
     assert torch.equal(getattr(emb, name), w[name]), name  # vLLM hashes like transformers
+table_format = case["table_format"]
+if table_format == "dense":
+    with torch.no_grad():
+        assert emb.ngram_embedding.weight.shape == w["table"].shape
+        emb.ngram_embedding.weight.copy_(w["table"])
+else:  # a quantized checkpoint, through vLLM's AMD loader (the plugin's, for NVFP4)
+    loaded = emb.load_weights(list(w["checkpoint"].items()))
+    assert "ngram_embedding.weight" in loaded, loaded
 with torch.no_grad():
-    assert emb.ngram_embedding.weight.shape == w["table"].shape
-    emb.ngram_embedding.weight.copy_(w["table"])
     layer.kv_proj.weight.copy_(torch.cat([w["key_proj"], w["value_proj"]]))
     layer.norm_key.weight.copy_(w["norm_key"])
     layer.norm_query.weight.copy_(w["norm_query"])
@@ -182,16 +194,60 @@ def _script() -> str:
     return "from contextlib import contextmanager\nimport torch\n" + source + _VLLM_SCRIPT
 
 
-@pytest.fixture(scope="module")
-def transformers_case():
+TABLE_FORMATS = ("dense", "fp8", "nvfp4")
+FP8_SCALE = 0.05
+NVFP4_GLOBAL_SCALE = 0.37
+
+
+def quantized_checkpoint(table_format: str, hf_table: torch.Tensor):
+    """(checkpoint tensors in vLLM's names, their dequantised fp32 table) for a table of
+    ``hf_table``'s shape: what a quantized Qwen4Exp checkpoint holds, and what it means."""
+    rows, width = hf_table.shape
+    prefix = "ngram_embedding"
+    if table_format == "fp8":
+        rows_fp8 = (hf_table / FP8_SCALE).to(torch.float8_e4m3fn)
+        scale = torch.tensor([FP8_SCALE])
+        checkpoint = {f"{prefix}.shard_0.weight": rows_fp8, f"{prefix}.weight_scale": scale}
+        return checkpoint, rows_fp8.float() * scale
+    gen = torch.Generator().manual_seed(18)
+    packed = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=gen)
+    block_scales = (torch.rand(rows, width // 16, generator=gen) * 0.5 + 0.01).to(
+        torch.float8_e4m3fn
+    )
+    scale = torch.tensor([NVFP4_GLOBAL_SCALE])
+    checkpoint = {
+        f"{prefix}.shard_0.weight": packed,
+        f"{prefix}.shard_0.weight_scale": block_scales,
+        f"{prefix}.weight_scale_2": scale,
+    }
+    return checkpoint, reference.nvfp4_decode(packed, block_scales) * scale
+
+
+@pytest.fixture(scope="module", params=TABLE_FORMATS)
+def transformers_case(request):
+    table_format = request.param
     torch.manual_seed(16)
-    cfg = tiny_config()
+    overrides = {}
+    if table_format != "dense":
+        # vLLM's config field; one checkpoint shard; NVFP4 needs heads of 16 elements.
+        overrides = dict(
+            ple_embedding_dtype="nvfp4" if table_format == "nvfp4" else "float8_e4m3fn",
+            split_ngram_parts=1,
+        )
+        if table_format == "nvfp4":
+            overrides["ple_embed_dim"] = 64
+    cfg = tiny_config(**overrides)
     ple_layer_index = 0
     hf = Qwen4ExpTextPLELayer(cfg, layer_idx=0, ple_layer_index=ple_layer_index)
+    checkpoint = None
     with torch.no_grad():
         for norm in (hf.norm_key, hf.norm_query, hf.norm_conv):
             norm.weight.normal_(0.0, 0.3)
         hf.conv1d.weight.normal_(0.0, 0.5)
+        if table_format != "dense":
+            hf_table = hf.ple_embedding.ngram_embedding.weight
+            checkpoint, dequantised = quantized_checkpoint(table_format, hf_table)
+            hf_table.copy_(dequantised)
     gen = torch.Generator().manual_seed(17)
     c = cfg.hc_count * cfg.hidden_size
     ids, hidden, expected = {}, {}, {}
@@ -214,7 +270,10 @@ def transformers_case():
         norm_conv=hf.norm_conv.weight.detach().clone(),
         conv1d=hf.conv1d.weight.detach().clone(),
     )
+    if checkpoint is not None:
+        weights["checkpoint"] = checkpoint
     case = dict(
+        table_format=table_format,
         config=cfg.to_dict(),
         ple_layer_index=ple_layer_index,
         weights=weights,
@@ -258,8 +317,20 @@ def test_conv_state_lives_in_the_requests_slots_and_never_in_the_null_slot(vllm_
     assert all(state_max[slot] > 0 for slot in SLOTS.values()), state_max
 
 
-def test_vllm_ple_layer_runs_our_kernels(vllm_run):
-    for label in ("ple_ngram_ids", "ple_gate", "ple_conv", "Qwen4ExpPLEEmbeddingMethod.embedding"):
+SWAPS_USED = {
+    "dense": ("Qwen4ExpPLEEmbeddingMethod.embedding",),
+    "fp8": ("Qwen4ExpPLEEmbeddingMethod.embedding", "Qwen4ExpPLEFp8EmbeddingMethod.dequantize"),
+    "nvfp4": (
+        "Qwen4ExpPLENvFp4EmbeddingMethod.embedding",
+        "amd.ple_layer NVFP4 refusal",
+        "Qwen4ExpNGramEmbedding.load_weights",
+    ),
+}
+
+
+def test_vllm_ple_layer_runs_our_kernels(transformers_case, vllm_run):
+    table_format = transformers_case[0]["table_format"]
+    for label in ("ple_ngram_ids", "ple_gate", "ple_conv", *SWAPS_USED[table_format]):
         assert label in vllm_run["swapped"], vllm_run["swapped"]
     missing = [op for op in OUR_OPS if op not in vllm_run["names"]]
     assert not missing, f"not run: {missing}; profiler saw {vllm_run['names']}"

@@ -223,18 +223,190 @@ def test_table_lookups_run_ours(vllm_plugged, dtype):
     assert torch.equal(output.view(-1, d), expected)
 
 
-def test_fp8_table_lookups_stay_vllms(vllm_plugged):
-    """vLLM moves fp8 rows as raw bytes through its all-reduce; our gather dequantizes, so fp8
-    tables keep vLLM's own lookup (same bytes either way)."""
+def _vllms(method_fn):
+    """vLLM's own function behind one of our replacements (the plugin keeps it as __wrapped__)."""
+    assert hasattr(method_fn, MARK), f"{method_fn} is not swapped"
+    return method_fn.__wrapped__
+
+
+def _assert_same_bits(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit for bit (so -0 and +0 differ), except that any NaN matches any NaN: the spec fixes no
+    NaN payload, and torch's fp8 decoding and ours choose different ones."""
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+
+
+def _fp8_layer(rows: int, width: int, *, gen, start: int = 0):
+    """A vLLM FP8 PLE layer's attributes: fp8 rows (-0 and NaN bytes included), the global
+    scale, the activation dtype; `_uva_weight` and the shard for the pinned lookup."""
+    raw = torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=gen)
+    raw[0, :4] = torch.tensor([0x80, 0x00, 0x7F, 0xFF], dtype=torch.uint8)  # -0, +0, NaN, NaN
+    table = raw.view(torch.float8_e4m3fn)
+    shard = SimpleNamespace(org_vocab_start_index=start, org_vocab_end_index=start + rows)
+    return SimpleNamespace(
+        weight=table,
+        _uva_weight=table,
+        weight_scale=torch.tensor([0.0123]),
+        params_dtype=torch.bfloat16,
+        shard_indices=shard,
+        embedding_dim=width,
+    )
+
+
+def test_fp8_table_lookups_run_ours_dequantised(vllm_plugged):
+    """vLLM's FP8 method: our gather looks the rows up and dequantises them (device table and
+    pinned table, in the activation dtype), and its ``dequantize`` then only casts: the values
+    are bit for bit vLLM's byte lookup followed by its ``row.to(out) * scale.to(out)``."""
     import vllm.models.qwen4_exp.common.ngram_embedding as ne
 
     method = ne.Qwen4ExpPLEFp8EmbeddingMethod()
-    table = torch.randn(50, 16).to(torch.float8_e4m3fn)
-    ids = torch.randint(0, 50, (5, 2))
+    g = torch.Generator().manual_seed(6)
+    layer = _fp8_layer(60, 16, gen=g)
+    ids = torch.cat([torch.zeros(1, dtype=torch.long), torch.randint(0, 60, (19,), generator=g)])
+    ids = ids.view(5, 4)
+    vllm_rows = _vllms(type(method).embedding)(method, layer, ids)
+    expected = _vllms(type(method).dequantize)(method, layer, vllm_rows, torch.bfloat16)
     with recorded_ops() as names:
-        got = method.embedding(SimpleNamespace(weight=table), ids)
-    assert "qwen4exp::gather_rows" not in names
-    assert torch.equal(got.view(torch.uint8), table.view(torch.uint8)[ids])
+        rows = method.embedding(layer, ids)
+        got = method.dequantize(layer, rows, torch.bfloat16)
+    assert "qwen4exp::gather_rows" in names
+    assert rows.dtype == torch.bfloat16 and rows.shape == (5, 4, 16)
+    _assert_same_bits(got, expected)
+
+    # Pinned: lookup_dtype is the activation dtype; rows of other ranks are zeros.
+    start = 500
+    layer = _fp8_layer(60, 16, gen=g, start=start)
+    assert method.lookup_dtype(layer) == torch.bfloat16
+    global_ids = torch.randint(start - 30, start + 90, (40,), generator=g)
+    output = torch.full((40, 16), float("nan"), dtype=torch.bfloat16)
+    with recorded_ops() as names:
+        method.lookup_from_pinned(layer, global_ids, output)
+    assert "qwen4exp::gather_rows" in names
+    owned = (global_ids >= start) & (global_ids < start + 60)
+    local = torch.where(owned, global_ids - start, 0)
+    vllm_bytes = torch.where(owned[:, None], layer.weight.view(torch.uint8)[local], 0)
+    expected = _vllms(type(method).dequantize)(
+        method, layer, vllm_bytes.view(torch.float8_e4m3fn), torch.bfloat16
+    )
+    _assert_same_bits(output, expected)
+
+
+def test_fp8_dequantising_before_the_vocabulary_reduction(vllm_plugged):
+    """Where our FP8 path differs from vLLM's: vLLM sums the ranks' raw fp8 bytes (each row has
+    one owner, the others contribute zero bytes) and dequantises after; we dequantise in the
+    lookup and sum activations. Same values everywhere, NaN included; only a -0 element of the
+    table becomes +0 (-0 + +0), where vLLM keeps -0."""
+    import vllm.models.qwen4_exp.common.ngram_embedding as ne
+
+    method = ne.Qwen4ExpPLEFp8EmbeddingMethod()
+    g = torch.Generator().manual_seed(8)
+    whole = _fp8_layer(80, 16, gen=g)
+    ids = torch.cat([torch.zeros(4, dtype=torch.long), torch.randint(0, 80, (60,), generator=g)])
+    ranks = []
+    for start, end in ((0, 30), (30, 80)):  # an ETP group of two
+        part = SimpleNamespace(**vars(whole))
+        part.weight = part._uva_weight = whole.weight[start:end]
+        part.shard_indices = SimpleNamespace(org_vocab_start_index=start, org_vocab_end_index=end)
+        ranks.append(part)
+    ours = torch.zeros(64, 16, dtype=torch.bfloat16)
+    vllm_bytes = torch.zeros(64, 16, dtype=torch.int8)
+    for part in ranks:
+        out = torch.empty(64, 16, dtype=method.lookup_dtype(part))
+        method.lookup_from_pinned(part, ids, out)
+        ours += out  # the all-reduce
+        start = part.shard_indices.org_vocab_start_index
+        owned = (ids >= start) & (ids < start + part.weight.shape[0])
+        local = torch.where(owned, ids - start, 0)
+        vllm_bytes += torch.where(owned[:, None], part.weight.view(torch.int8)[local], 0)
+    theirs = _vllms(type(method).dequantize)(
+        method, whole, vllm_bytes.view(torch.float8_e4m3fn), torch.bfloat16
+    )
+    assert torch.equal(torch.isnan(ours), torch.isnan(theirs))
+    nan = torch.isnan(ours)
+    assert torch.equal(ours[~nan], theirs[~nan])  # equal values (-0 == +0)
+    negative_zero = (theirs.view(torch.int16) == -32768) & ~nan
+    assert bool(negative_zero[:4].any()), "the table's -0 element must be looked up"
+    same_bits = ours.view(torch.int16) == theirs.view(torch.int16)
+    assert torch.equal(~same_bits & ~nan, negative_zero)
+    assert bool((ours.view(torch.int16)[negative_zero] == 0).all())
+
+
+def test_nvfp4_table_lookups_run_ours(vllm_plugged):
+    """vLLM's NVFP4 method: the device table's ``embedding`` and the pinned table's
+    ``lookup_from_pinned`` (rows and block scales in host memory, ranks' shards) run our gather;
+    equal to the reference, i.e. to vLLM's Triton lookup (tests/test_gather_rows.py)."""
+    import vllm.models.qwen4_exp.common.ngram_embedding as ne
+
+    method = ne.Qwen4ExpPLENvFp4EmbeddingMethod()
+    g = torch.Generator().manual_seed(9)
+    rows, d = 70, 32
+    packed = torch.randint(0, 256, (rows, d // 2), dtype=torch.uint8, generator=g)
+    block_scales = (torch.rand(rows, d // 16, generator=g) * 4).to(torch.float8_e4m3fn)
+    global_scale = torch.tensor([0.37])
+    layer = SimpleNamespace(
+        weight=packed,
+        weight_scale=block_scales,
+        weight_scale_2=global_scale,
+        params_dtype=torch.bfloat16,
+        embedding_dim=d,
+    )
+    ids = torch.randint(0, rows, (6, 3), generator=g)
+    with recorded_ops() as names:
+        got = method.embedding(layer, ids)
+    assert "qwen4exp::gather_rows" in names
+    expected = reference.gather_rows(
+        packed, ids.reshape(-1, 1), scale=global_scale, block_scales=block_scales
+    )
+    assert torch.equal(got.view(-1, d).view(torch.int16), expected.view(torch.int16))
+    assert got.shape == (6, 3, d)
+
+    start = 1000
+    layer._uva_weight = packed
+    layer.shard_indices = SimpleNamespace(
+        org_vocab_start_index=start, org_vocab_end_index=start + rows
+    )
+    method._uva_weight_scale = block_scales  # vLLM keeps the scales' UVA view on the method
+    global_ids = torch.randint(start - 40, start + rows + 40, (50,), generator=g)
+    output = torch.full((50, d), float("nan"), dtype=torch.bfloat16)
+    with recorded_ops() as names:
+        method.lookup_from_pinned(layer, global_ids, output)
+    assert "qwen4exp::gather_rows" in names
+    expected = reference.gather_rows(
+        packed,
+        global_ids[:, None],
+        scale=global_scale,
+        block_scales=block_scales,
+        vocab_start=start,
+        vocab_end=start + rows,
+    )
+    assert torch.equal(output.view(torch.int16), expected.view(torch.int16))
+
+
+def test_pinned_tables_are_allocated_at_their_exact_size(vllm_plugged):
+    """vLLM's pinned PLE table (``torch.empty(pin_memory=True)``: torch's caching host allocator
+    rounds it up to a power of two) comes from host_table.pinned_host_table: one mapping of the
+    table's bytes, rounded up to a page only, zero-filled. Registered for the GPU where there is
+    one (a GPU build without a GPU leaves it a plain host table)."""
+    import vllm.models.qwen4_exp.common.ngram_embedding as ne
+
+    from qwen4exp_ext import host_table
+    from qwen4exp_ext.vllm import shims
+
+    if "cuda" not in shims.DEVICE_TYPES:
+        pytest.skip("a CPU-only build keeps vLLM's allocation (no host registration)")
+    cls = ne.Qwen4ExpPLEPinnedHostEmbedding
+    assert hasattr(cls.__dict__["allocate_embedding_weight"], MARK)
+    rows, width = 3001, 80  # 240,080 bytes: torch would pin 256 KiB
+    table = cls.allocate_embedding_weight(None, rows, width, torch.uint8)
+    assert (
+        table.shape == (rows, width) and table.dtype == torch.uint8 and table.device.type == "cpu"
+    )
+    found = host_table.footprint(table)
+    page = 4096
+    assert found["host_table"] and found["mapping_bytes"] == -(-rows * width // page) * page
+    assert found["registered"] == torch.cuda.is_available()
+    assert not bool(table.any())
 
 
 def test_register_again_changes_nothing_and_warns_nothing(vllm_plugged, caplog):

@@ -2,13 +2,14 @@
 
 vLLM finds :func:`register` through the ``vllm.general_plugins`` entry point ``qwen4exp`` and
 calls it in every process it starts (``VLLM_PLUGINS`` filters by that name, as vLLM documents).
-After it, vLLM 0.33.0's ``ple_ngram_ids``, ``ple_gate``, ``ple_conv`` and the PLE table lookups
-(``Qwen4ExpPLEEmbeddingMethod.embedding`` for the device table, ``.lookup_from_pinned`` for the
-pinned host table) run our kernels, wherever vLLM's Qwen4Exp code calls them: the module globals
-of every ``vllm.models.qwen4_exp`` module that imported them, and
-``torch.ops.vllm.qwen4_exp_ple_gate``, which vLLM registered with its own function object. The
-table of swaps is :data:`qwen4exp_ext.vllm.shims.SWAPS`; a row whose kernel our build lacks is
-skipped.
+After it, vLLM 0.33.0's ``ple_ngram_ids``, ``ple_gate``, ``ple_conv`` and the PLE table lookups of
+every format (``embedding`` for the device table, ``lookup_from_pinned`` for the pinned host
+table, of the unquantized, FP8 and NVFP4 methods) run our kernels, wherever vLLM's Qwen4Exp code
+calls them: the module globals of every ``vllm.models.qwen4_exp`` module that imported them, and
+``torch.ops.vllm.qwen4_exp_ple_gate``, which vLLM registered with its own function object. Pinned
+tables are allocated at their exact size, and vLLM's AMD layer takes NVFP4 tables. The table of
+swaps is :data:`qwen4exp_ext.vllm.shims.SWAPS` (its module docstring says what differs from
+vLLM); a row whose kernel our build lacks is skipped.
 
 Nothing here imports vLLM until :func:`register` runs, and even then vLLM's Qwen4Exp modules are
 patched only when vLLM itself imports them (a post-import hook), so processes that serve another
@@ -25,6 +26,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
 from typing import Any
@@ -66,12 +68,15 @@ def register() -> None:
                 f"the installed vLLM is {installed}, but these shims know vLLM {SUPPORTED_VLLM}"
             )
             return
-        from .shims import PLE_OPS_MODULE
+        from .shims import SWAPS
 
-        if PLE_OPS_MODULE in sys.modules:
-            _apply()
-        else:
-            sys.meta_path.insert(0, _PatchAfterImport(PLE_OPS_MODULE, _apply))
+        # Each row waits for its trigger module (vLLM's PLE ops, or the AMD layer for the rows
+        # that only it needs, so that an NVIDIA process never imports the AMD code).
+        for trigger in dict.fromkeys(swap.trigger for swap in SWAPS):
+            if trigger in sys.modules:
+                _apply(trigger)
+            else:
+                sys.meta_path.insert(0, _PatchAfterImport(trigger, partial(_apply, trigger)))
 
 
 def _decline(reason: str) -> None:
@@ -89,8 +94,9 @@ def _resolve_owner(owner: str) -> Any:
     return getattr(module, cls) if cls else module
 
 
-def _apply() -> None:
-    """Check every row against the vLLM in this process, then swap them all, or none."""
+def _apply(trigger: str) -> None:
+    """Check every row that ``trigger``'s import brings against the vLLM in this process, then
+    swap them all, or none (and, after a mismatch, no later group either)."""
     from .. import ops
     from .shims import MARK, SWAPS, signature_text
 
@@ -99,10 +105,13 @@ def _apply() -> None:
             return
         plan: list[tuple[Any, Any, Callable[..., Any]]] = []  # (swap, owner, vLLM's function)
         try:
-            for swap in SWAPS:
-                if not hasattr(ops, swap.needs):
+            for swap in (s for s in SWAPS if s.trigger == trigger):
+                if not hasattr(ops, swap.needs) or (
+                    swap.applies is not None and not swap.applies()
+                ):
                     logger.debug(
-                        "qwen4exp_ext: no ops.%s in this build; vLLM's %s stays",
+                        "qwen4exp_ext: ops.%s missing or the row does not apply to this build; "
+                        "vLLM's %s stays",
                         swap.needs,
                         swap.label,
                     )
@@ -163,7 +172,8 @@ def _install(
         setattr(new, mark, old)
     setattr(owner, swap.name, new)
     if isinstance(owner, ModuleType):
-        _rebind_consumers(CONSUMER_PREFIX, swap.name, old, new)
+        if swap.rebind_consumers:
+            _rebind_consumers(CONSUMER_PREFIX, swap.name, old, new)
         if swap.torch_op is not None:
             _reregister_torch_op(swap.torch_op, swap.torch_op_module, new)
     return new

@@ -1,9 +1,21 @@
 """What the vLLM plugin swaps: one row per vLLM function or method, and the replacements.
 
-Every replacement has vLLM 0.33.0's exact signature and result, and calls
-:mod:`qwen4exp_ext.ops`. Where our build has no kernel for a tensor's device (a CPU-only build in
-a GPU process), or a storage format our kernel does not copy bit for bit (fp8 rows, which vLLM
-moves as raw bytes), it calls vLLM's own function instead, so vLLM never breaks because of us.
+Every replacement has vLLM 0.33.0's exact signature and calls :mod:`qwen4exp_ext.ops`. Where
+our build has no kernel for a tensor's device (a CPU-only build in a GPU process), it calls
+vLLM's own function instead, so vLLM never breaks because of us.
+
+Table formats: unquantized rows are copied bit for bit. FP8 and NVFP4 rows are dequantised in the
+gather itself (vLLM: a byte copy, then an eager dequantisation, for FP8; its Triton lookup for
+NVFP4), so they leave the lookup in the activation dtype, before the vocabulary (ETP)
+reduction. For NVFP4 that is where vLLM dequantises too, with the same rounding as its GPU
+kernel. For FP8 the values are vLLM's (``row.to(out) * scale.to(out)``) but the reduction then
+sums activations instead of raw bytes: the bytes of a row owned by another rank are zeros either
+way, so the sum is exact, except that a -0 row element comes out +0 (-0 + +0) when the ETP group
+has more than one rank, and the all-reduce moves 2 (bf16) instead of 1 byte per element. The
+AMD layer's refusal of NVFP4 tables is lifted (our kernels serve them on ROCm), and its loader
+takes NVFP4 shards with vLLM's NVIDIA loader. Pinned host tables are allocated by
+:func:`qwen4exp_ext.host_table.pinned_host_table`: exactly the table's bytes, where torch's
+``pin_memory=True`` rounds each allocation up to a power of two.
 
 This module imports neither vLLM nor anything that does: the plugin hands it vLLM's objects.
 """
@@ -25,6 +37,8 @@ PLE_OPS_MODULE = "vllm.models.qwen4_exp.common.ops.ple"
 EMBEDDING_MODULE = "vllm.models.qwen4_exp.common.ngram_embedding"
 # vLLM registers torch.ops.vllm.qwen4_exp_ple_gate here with its own function object.
 AMD_LAYER_MODULE = "vllm.models.qwen4_exp.amd.ple_layer"
+# vLLM's NVIDIA n-gram embedding, whose load_weights knows NVFP4 shards.
+NVIDIA_EMBEDDING_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 # Modules whose globals may hold a copy of a swapped function (`from ..ops.ple import x`).
 CONSUMER_PREFIX = "vllm.models.qwen4_exp."
 
@@ -33,6 +47,8 @@ MARK = "__qwen4exp_replaces__"
 
 # Row formats that our gather copies exactly (out dtype == table dtype).
 _EXACT_TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# What vLLM's Qwen4ExpPLEFp8EmbeddingMethod allocates (on every platform).
+_FP8_TABLE_DTYPE = torch.float8_e4m3fn
 
 
 def _supported_device_types() -> frozenset[str]:
@@ -152,12 +168,45 @@ def _make_ple_conv(original: Callable[..., None]) -> Callable[..., None]:
     return ple_conv
 
 
+def _kernel_table(layer: Any) -> torch.Tensor:
+    """The table our gather reads for a vLLM PLE embedding: the GPU (UVA) view of a pinned host
+    table, else the weight itself."""
+    uva = getattr(layer, "_uva_weight", None)
+    return uva if uva is not None else layer.weight
+
+
+def _fp8_fused(layer: Any) -> bool:
+    """Whether our gather looks up *and dequantises* this FP8 table: its rows and its scale where
+    our kernels run. The lookups, ``lookup_dtype`` and ``dequantize`` all ask this one question
+    of the same layer, so a row is scaled exactly once, by us or by vLLM."""
+    weight = getattr(layer, "weight", None)
+    scale = getattr(layer, "weight_scale", None)
+    if weight is None or scale is None or weight.dtype != _FP8_TABLE_DTYPE:
+        return False
+    table = _kernel_table(layer)
+    return (
+        table.device.type in DEVICE_TYPES
+        and scale.device == table.device
+        and scale.dtype == torch.float32
+        and scale.numel() == 1
+    )
+
+
 def _make_embedding(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`Qwen4ExpPLEEmbeddingMethod.embedding`: rows of the device-resident table (ids already
-    made local to this rank's vocabulary shard by vLLM)."""
+    """`Qwen4ExpPLEEmbeddingMethod.embedding` (the unquantized and FP8 methods): rows of the
+    device-resident table (ids already made local to this rank's vocabulary shard by vLLM); FP8
+    rows come out dequantised, in the layer's activation dtype."""
 
     def embedding(self: Any, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         weight = layer.weight
+        if _fp8_fused(layer):
+            rows = ops.gather_rows(
+                weight,
+                input_.to(weight.device),
+                scale=layer.weight_scale,
+                out_dtype=layer.params_dtype,
+            )
+            return rows.view(*input_.shape, weight.shape[1])
         if (
             weight.dtype not in _EXACT_TABLE_DTYPES
             or input_.device.type not in DEVICE_TYPES
@@ -170,14 +219,31 @@ def _make_embedding(original: Callable[..., torch.Tensor]) -> Callable[..., torc
     return embedding
 
 
+def _gather_into(output: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, **kwargs) -> None:
+    """One row per id into ``output`` [..., d] (any layout with contiguous rows is written in
+    place; other layouts through a temporary)."""
+    width = output.shape[-1]
+    if output.is_contiguous():
+        ops.gather_rows(table, ids.reshape(-1, 1), output=output.view(-1, width), **kwargs)
+    else:
+        rows = ops.gather_rows(table, ids.reshape(-1, 1), out_dtype=output.dtype, **kwargs)
+        output.copy_(rows.view(output.shape))
+
+
 def _make_lookup_from_pinned(original: Callable[..., None]) -> Callable[..., None]:
-    """`Qwen4ExpPLEEmbeddingMethod.lookup_from_pinned`: this rank's rows of the pinned host table,
-    read by the GPU through its UVA view; rows another rank owns are zero."""
+    """`Qwen4ExpPLEEmbeddingMethod.lookup_from_pinned` (unquantized and FP8): this rank's rows of
+    the pinned host table, read by the GPU through its UVA view; rows another rank owns are zero.
+    FP8 rows come out dequantised (``lookup_dtype`` says so)."""
 
     def lookup_from_pinned(
         self: Any, layer: torch.nn.Module, ids: torch.Tensor, output: torch.Tensor
     ) -> None:
         table = layer._uva_weight
+        shard = layer.shard_indices
+        bounds = dict(vocab_start=shard.org_vocab_start_index, vocab_end=shard.org_vocab_end_index)
+        if _fp8_fused(layer):
+            _gather_into(output, table, ids.to(table.device), scale=layer.weight_scale, **bounds)
+            return None
         if (
             table.dtype not in _EXACT_TABLE_DTYPES
             or output.dtype != table.dtype
@@ -185,17 +251,149 @@ def _make_lookup_from_pinned(original: Callable[..., None]) -> Callable[..., Non
             or not output.is_contiguous()
         ):
             return original(self, layer, ids, output)
+        _gather_into(output, table, ids, **bounds)
+        return None
+
+    return lookup_from_pinned
+
+
+def _make_lookup_dtype(original: Callable[..., torch.dtype]) -> Callable[..., torch.dtype]:
+    """`Qwen4ExpPLEEmbeddingMethod.lookup_dtype`: the dtype pinned lookups write, which for a
+    fused FP8 table is the activation dtype, not fp8."""
+
+    def lookup_dtype(self: Any, layer: torch.nn.Module) -> torch.dtype:
+        return layer.params_dtype if _fp8_fused(layer) else original(self, layer)
+
+    return lookup_dtype
+
+
+def _make_fp8_dequantize(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`Qwen4ExpPLEFp8EmbeddingMethod.dequantize`: rows our gather already dequantised are only
+    cast (as vLLM's NVFP4 method does); vLLM's raw-byte rows are dequantised by vLLM."""
+
+    def dequantize(
+        self: Any, layer: torch.nn.Module, embeddings: torch.Tensor, output_dtype: torch.dtype
+    ) -> torch.Tensor:
+        if _fp8_fused(layer):
+            return embeddings.to(output_dtype)
+        return original(self, layer, embeddings, output_dtype)
+
+    return dequantize
+
+
+def _nvfp4_unserved(device: torch.device) -> bool:
+    """True where our build has no kernel for an NVFP4 table on ``device``. On ROCm that is an
+    error (vLLM itself refuses NVFP4 tables there; the plugin lifted the refusal for our
+    kernels), elsewhere vLLM's own lookup runs."""
+    if device.type in DEVICE_TYPES:
+        return False
+    if torch.version.hip is not None:
+        raise RuntimeError(
+            "NVFP4 PLE tables on ROCm run on qwen4exp_ext's kernels, but this build of "
+            f"qwen4exp_ext has none for {device} (backends {sorted(DEVICE_TYPES)}); reinstall "
+            "it with a ROCm torch: pip install --no-build-isolation qwen4exp_ext"
+        )
+    return True
+
+
+def _make_nvfp4_embedding(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`Qwen4ExpPLENvFp4EmbeddingMethod.embedding`: NVFP4 rows of the device table, decoded in
+    the gather (vLLM: its Triton lookup on a GPU, `dequantize_to_dtype` elsewhere)."""
+
+    def embedding(self: Any, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        weight = layer.weight
+        if _nvfp4_unserved(weight.device):
+            return original(self, layer, input_)
+        rows = ops.gather_rows(
+            weight,
+            input_.reshape(-1, 1).to(weight.device),
+            scale=layer.weight_scale_2,
+            block_scales=layer.weight_scale,
+            out_dtype=layer.params_dtype,
+        )
+        return rows.view(*input_.shape, layer.embedding_dim)
+
+    return embedding
+
+
+def _make_nvfp4_lookup_from_pinned(original: Callable[..., None]) -> Callable[..., None]:
+    """`Qwen4ExpPLENvFp4EmbeddingMethod.lookup_from_pinned`: this rank's NVFP4 rows and block
+    scales, both read from pinned host memory through their UVA views."""
+
+    def lookup_from_pinned(
+        self: Any, layer: torch.nn.Module, ids: torch.Tensor, output: torch.Tensor
+    ) -> None:
+        table = layer._uva_weight
+        if _nvfp4_unserved(table.device):
+            return original(self, layer, ids, output)
         shard = layer.shard_indices
-        ops.gather_rows(
+        _gather_into(
+            output,
             table,
-            ids.reshape(-1, 1),
+            ids.to(table.device),
+            scale=layer.weight_scale_2,
+            block_scales=self._uva_weight_scale,
             vocab_start=shard.org_vocab_start_index,
             vocab_end=shard.org_vocab_end_index,
-            output=output.view(-1, table.shape[1]),
         )
         return None
 
     return lookup_from_pinned
+
+
+class _NoNvfp4Refusal:
+    """Stands in for ``Qwen4ExpPLENvFp4EmbeddingMethod`` in the one place vLLM's AMD layer names
+    it: ``isinstance(method, <this>)``, which decides to raise NotImplementedError for NVFP4
+    tables on ROCm. No method is an instance of this class, so the AMD layer builds NVFP4
+    tables, and their lookups run on our kernels (the rows above)."""
+
+
+def _make_amd_nvfp4_check(original: type) -> type:
+    del original
+    return type("Qwen4ExpPLENvFp4EmbeddingMethod", (_NoNvfp4Refusal,), {})
+
+
+def _lift_amd_nvfp4_refusal() -> bool:
+    """Where the refusal may go: wherever our gather serves NVFP4 tables on the devices vLLM
+    uses, i.e. not a CPU-only build of ours under a ROCm torch."""
+    return "cuda" in DEVICE_TYPES or torch.version.hip is None
+
+
+def _make_amd_load_weights(original: Callable[..., set[str]]) -> Callable[..., set[str]]:
+    """AMD `Qwen4ExpNGramEmbedding.load_weights`: an NVFP4 table's shards (``weight`` and
+    ``weight_scale`` per shard, ``weight_scale_2`` once) are loaded by vLLM's NVIDIA
+    ``Qwen4ExpNGramEmbedding.load_weights``, the same loader over the same attributes, which
+    knows them; other tables by the AMD one, as before."""
+
+    def load_weights(self: Any, weights: Any) -> set[str]:
+        import importlib
+        import sys
+
+        common = sys.modules.get(EMBEDDING_MODULE)
+        method = getattr(getattr(self, "ngram_embedding", None), "embedding_method", None)
+        if common is None or not isinstance(method, common.Qwen4ExpPLENvFp4EmbeddingMethod):
+            return original(self, weights)
+        nvidia = importlib.import_module(NVIDIA_EMBEDDING_MODULE)
+        return nvidia.Qwen4ExpNGramEmbedding.load_weights(self, weights)
+
+    return load_weights
+
+
+def _make_allocate_pinned(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight`: the pinned table (and NVFP4
+    block scales) allocated at exactly their size (huge pages, prefaulted, NUMA-local to the GPU,
+    registered once), not rounded up to a power of two by torch's caching host allocator."""
+
+    def allocate_embedding_weight(
+        self: Any, num_embeddings: int, embedding_dim: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        if "cuda" not in DEVICE_TYPES:  # no registration without our GPU glue
+            return original(self, num_embeddings, embedding_dim, dtype)
+        from .. import host_table
+
+        return host_table.pinned_host_table(num_embeddings, embedding_dim, dtype)
+
+    return allocate_embedding_weight
 
 
 # ---- the table ------------------------------------------------------------------------------
@@ -209,7 +407,11 @@ class Swap:
     vLLM 0.33.0's, as :func:`signature_text` writes it; ``needs`` is the :mod:`qwen4exp_ext.ops`
     function the replacement calls (the row is skipped while our build lacks it);
     ``torch_op`` names the ``torch.ops.vllm`` op that vLLM registered with this very function
-    object, and ``torch_op_module`` the module that registers it.
+    object, and ``torch_op_module`` the module that registers it. ``rebind_consumers`` (module
+    owners) also replaces the copies other vLLM Qwen4Exp modules imported; ``applies`` says
+    whether the row applies to this build at all; ``what`` names a row that is not a function;
+    ``trigger`` is the vLLM module whose import applies the row (with the other rows of the same
+    trigger: all of them or none).
     """
 
     owner: str
@@ -219,9 +421,15 @@ class Swap:
     make: Callable[[Callable[..., Any]], Callable[..., Any]]
     torch_op: str | None = None
     torch_op_module: str | None = None
+    rebind_consumers: bool = True
+    applies: Callable[[], bool] | None = None
+    what: str | None = None
+    trigger: str = PLE_OPS_MODULE
 
     @property
     def label(self) -> str:
+        if self.what is not None:
+            return self.what
         cls = self.owner.partition(":")[2]
         return f"{cls}.{self.name}" if cls else self.name
 
@@ -266,5 +474,59 @@ SWAPS: tuple[Swap, ...] = (
         "gather_rows",
         "(self, layer, ids, output)",
         _make_lookup_from_pinned,
+    ),
+    Swap(
+        f"{EMBEDDING_MODULE}:Qwen4ExpPLEEmbeddingMethod",
+        "lookup_dtype",
+        "gather_rows",
+        "(self, layer)",
+        _make_lookup_dtype,
+    ),
+    Swap(
+        f"{EMBEDDING_MODULE}:Qwen4ExpPLEFp8EmbeddingMethod",
+        "dequantize",
+        "gather_rows",
+        "(self, layer, embeddings, output_dtype)",
+        _make_fp8_dequantize,
+    ),
+    Swap(
+        f"{EMBEDDING_MODULE}:Qwen4ExpPLENvFp4EmbeddingMethod",
+        "embedding",
+        "gather_rows",
+        "(self, layer, input_)",
+        _make_nvfp4_embedding,
+    ),
+    Swap(
+        f"{EMBEDDING_MODULE}:Qwen4ExpPLENvFp4EmbeddingMethod",
+        "lookup_from_pinned",
+        "gather_rows",
+        "(self, layer, ids, output)",
+        _make_nvfp4_lookup_from_pinned,
+    ),
+    Swap(
+        f"{EMBEDDING_MODULE}:Qwen4ExpPLEPinnedHostEmbedding",
+        "allocate_embedding_weight",
+        "gather_rows",
+        "(self, num_embeddings, embedding_dim, dtype)",
+        _make_allocate_pinned,
+    ),
+    Swap(
+        AMD_LAYER_MODULE,
+        "Qwen4ExpPLENvFp4EmbeddingMethod",
+        "gather_rows",
+        "()",
+        _make_amd_nvfp4_check,
+        rebind_consumers=False,
+        applies=_lift_amd_nvfp4_refusal,
+        what="amd.ple_layer NVFP4 refusal",
+        trigger=AMD_LAYER_MODULE,
+    ),
+    Swap(
+        f"{AMD_LAYER_MODULE}:Qwen4ExpNGramEmbedding",
+        "load_weights",
+        "gather_rows",
+        "(self, weights)",
+        _make_amd_load_weights,
+        trigger=AMD_LAYER_MODULE,
     ),
 )
