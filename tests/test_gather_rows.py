@@ -381,6 +381,13 @@ def make_nvfp4(rows: int, width: int, *, gen=None, row_stride=None, scale_stride
     return wide[:, :packed_width], raw_scales.view(torch.float8_e4m3fn)[:, :blocks]
 
 
+def gather_on(backend, table, ids, **kwargs):
+    """``backend.ops.gather_rows`` with every tensor argument moved to the backend's device."""
+    device = backend.device
+    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    return backend.ops.gather_rows(table.to(device), ids.to(device), **moved)
+
+
 NVFP4_SHAPES = [(1009, 160, 37, 5), (151, 16, 9, 16), (64, 48, 13, 3), (3, 32, 5, 2)]
 
 
@@ -389,7 +396,6 @@ NVFP4_SHAPES = [(1009, 160, 37, 5), (151, 16, 9, 16), (64, 48, 13, 3), (3, 32, 5
 def test_nvfp4_matches_reference(backend, shard):
     """Every out dtype and id dtype, on rows of 1, 2, 3 and 10 blocks (16 elements: no whole
     16-byte piece; 48: not a multiple of 32), ids out of range, shards."""
-    ops, device = backend.ops, backend.device
     gen = torch.Generator().manual_seed(hash(("nvfp4", shard)) % 2**31)
     for (rows, width, tokens, heads), out_dtype, id_dtype in itertools.product(
         NVFP4_SHAPES, OUT_DTYPES, ID_DTYPES
@@ -407,11 +413,12 @@ def test_nvfp4_matches_reference(backend, shard):
             vocab_end=end,
             out_dtype=out_dtype,
         )
-        got = ops.gather_rows(
-            table.to(device),
-            ids.to(device),
-            scale=scale.to(device),
-            block_scales=block_scales.to(device),
+        got = gather_on(
+            backend,
+            table,
+            ids,
+            scale=scale,
+            block_scales=block_scales,
             vocab_start=start,
             vocab_end=end,
             out_dtype=out_dtype,
@@ -425,7 +432,6 @@ def test_nvfp4_matches_reference(backend, shard):
 def test_nvfp4_every_code_and_scale_byte(backend, scale):
     """All 16 codes under all 256 block-scale bytes (NaN scales give NaN, overflow gives inf,
     tiny global scales give subnormals), every out dtype; unowned rows stay +0."""
-    ops, device = backend.ops, backend.device
     codes = torch.arange(16, dtype=torch.uint8)
     row = (codes[0::2] | (codes[1::2] << 4)).repeat(2)  # codes 0..15 twice: 32 elements
     table = row.repeat(256, 1)
@@ -437,12 +443,8 @@ def test_nvfp4_every_code_and_scale_byte(backend, scale):
         expected = reference.gather_rows(
             table, ids, scale=s, block_scales=block_scales, out_dtype=out_dtype
         )
-        got = ops.gather_rows(
-            table.to(device),
-            ids.to(device),
-            scale=s.to(device),
-            block_scales=block_scales.to(device),
-            out_dtype=out_dtype,
+        got = gather_on(
+            backend, table, ids, scale=s, block_scales=block_scales, out_dtype=out_dtype
         ).cpu()
         nan = torch.isnan(expected)
         assert bool(nan[0x7F].all()) and bool(torch.isnan(got[nan]).all())
@@ -562,12 +564,8 @@ def test_nvfp4_against_vllm_cpu_dequantize_to_dtype(backend, out_dtype):
     table, block_scales = table.contiguous(), block_scales.contiguous()
     scale = torch.tensor([0.37])
     ids = torch.arange(500)[:, None]
-    ours = backend.ops.gather_rows(
-        table.to(backend.device),
-        ids.to(backend.device),
-        scale=scale.to(backend.device),
-        block_scales=block_scales.to(backend.device),
-        out_dtype=out_dtype,
+    ours = gather_on(
+        backend, table, ids, scale=scale, block_scales=block_scales, out_dtype=out_dtype
     ).cpu()
     theirs = dequantize_to_dtype(table, block_scales, scale, out_dtype, swizzle=False)
     codes = torch.stack((table & 0xF, table >> 4), dim=-1).reshape(500, 160) & 7
