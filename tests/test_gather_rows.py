@@ -404,25 +404,15 @@ def test_nvfp4_matches_reference(backend, shard):
         scale = torch.tensor([0.37])
         start, end = shard_bounds(shard, rows)
         ids = random_ids(tokens, heads, end if end is not None else rows, id_dtype, gen)
-        expected = reference.gather_rows(
-            table,
-            ids,
+        args = dict(
             scale=scale,
             block_scales=block_scales,
             vocab_start=start,
             vocab_end=end,
             out_dtype=out_dtype,
         )
-        got = gather_on(
-            backend,
-            table,
-            ids,
-            scale=scale,
-            block_scales=block_scales,
-            vocab_start=start,
-            vocab_end=end,
-            out_dtype=out_dtype,
-        )
+        expected = reference.gather_rows(table, ids, **args)
+        got = gather_on(backend, table, ids, **args)
         assert got.dtype == (out_dtype or torch.bfloat16) and got.shape == (tokens, heads * width)
         assert_same(got, expected)
 
