@@ -4,8 +4,9 @@
 The table ([R_pad, d], R_pad = 320,001,536 rows for the released layer) can be placed
 
 - ``"device"``: in device memory (or CPU memory when ``device`` is the CPU);
-- ``"pinned"``: in host memory, registered once and read by the GPU over PCIe
-  (:func:`qwen4exp_ext.host_table.device_view`); ids and outputs live on the GPU;
+- ``"pinned"``: in host memory of exactly its size, registered once and read by the GPU over
+  PCIe (:func:`qwen4exp_ext.host_table.pinned_host_table`,
+  :func:`~qwen4exp_ext.host_table.device_view`); ids and outputs live on the GPU;
 - ``"cpu"``: in host memory on huge pages, gathered by the CPU kernel.
 
 Its storage is fp32/bf16/fp16, fp8 (with a per-tensor scale) or NVFP4 in vLLM's layout: packed
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from qwen4exp_ext import layout, ops, sharding
-from qwen4exp_ext.host_table import device_view, empty_host_table
+from qwen4exp_ext.host_table import device_view, empty_host_table, pinned_host_table
 from qwen4exp_ext.reference import NVFP4_BLOCK
 
 __all__ = ["NGramEmbedding"]
@@ -163,6 +164,10 @@ class NGramEmbedding(nn.Module):
         def allocate(width: int, storage: torch.dtype) -> torch.Tensor:
             if placement == "device" and compute_device.type != "cpu":
                 return torch.zeros(local_rows, width, dtype=storage, device=compute_device)
+            if placement == "pinned":
+                # Exactly the table's bytes, zeroed, NUMA-local to the GPU and registered once
+                # (device_view below reuses the registration).
+                return pinned_host_table(local_rows, width, storage, device=compute_device)
             # Host tables on huge pages; zero-filled here (first touch), loaded later.
             host = empty_host_table(local_rows, width, storage)
             host.view(torch.uint8).zero_()
