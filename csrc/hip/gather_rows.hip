@@ -129,36 +129,45 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (dst[u] == nullptr) continue;
-      OutT converted[kElems];
-      if (!owned[u]) {
-#pragma unroll
-        for (int e = 0; e < kElems; ++e) converted[e] = encode<Out>(0.0f);
-      } else if constexpr (kNvfp4) {
+      if constexpr (kNvfp4) {
+        // One scale block (16 elements) at a time: a whole piece's 32 converted elements would
+        // be live at once (sm_90: 128 registers, 16 warps per SM, for fp32 outputs).
         uint8_t raw[kVecBytes];
         memcpy(raw, &data[u], kVecBytes);
-        const float block_scale[2] = {fp8_e4m3fn_to_float(scale_bytes[u] & 0xFFu),
-                                      fp8_e4m3fn_to_float(scale_bytes[u] >> 8)};
 #pragma unroll
-        for (int e = 0; e < kElems; ++e) {
-          const uint32_t code = (raw[e / 2] >> ((e & 1) * 4)) & 0xFu;
-          converted[e] =
-              encode<Out>(nvfp4_value(code, block_scale[e / kNvfp4Block], global_scale));
+        for (int half = 0; half < 2; ++half) {
+          const float block_scale = fp8_e4m3fn_to_float((scale_bytes[u] >> (8 * half)) & 0xFFu);
+          OutT converted[kNvfp4Block];
+#pragma unroll
+          for (int e = 0; e < kNvfp4Block; ++e) {
+            const uint32_t code = (raw[half * kNvfp4Block / 2 + e / 2] >> ((e & 1) * 4)) & 0xFu;
+            // Unowned rows are +0 whatever the scale (0 · inf would be NaN).
+            converted[e] = owned[u] ? encode<Out>(nvfp4_value(code, block_scale, global_scale))
+                                    : encode<Out>(0.0f);
+          }
+          store_piece<Traits::kOutBytes / 2>(dst[u] + half * kNvfp4Block, converted);
         }
-      } else if constexpr (In == Out) {
-        memcpy(converted, &data[u], kVecBytes);
       } else {
-        InT raw[kElems];
-        memcpy(raw, &data[u], kVecBytes);
+        OutT converted[kElems];
+        if (!owned[u]) {
 #pragma unroll
-        for (int e = 0; e < kElems; ++e) {
-          if constexpr (is_fp8(In)) {
-            converted[e] = lut.value[raw[e]];
-          } else {
-            converted[e] = encode<Out>(decode<In>(raw[e]));
+          for (int e = 0; e < kElems; ++e) converted[e] = encode<Out>(0.0f);
+        } else if constexpr (In == Out) {
+          memcpy(converted, &data[u], kVecBytes);
+        } else {
+          InT raw[kElems];
+          memcpy(raw, &data[u], kVecBytes);
+#pragma unroll
+          for (int e = 0; e < kElems; ++e) {
+            if constexpr (is_fp8(In)) {
+              converted[e] = lut.value[raw[e]];
+            } else {
+              converted[e] = encode<Out>(decode<In>(raw[e]));
+            }
           }
         }
+        store_piece<Traits::kOutBytes>(dst[u], converted);
       }
-      store_piece<Traits::kOutBytes>(dst[u], converted);
     }
   }
 }
