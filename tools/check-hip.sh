@@ -12,6 +12,7 @@
 # ds_swizzle/permute/bpermute, permlane) in every one of their AMD functions, both ways: a wave
 # size that silently fell back to 1 would leave none.
 #   usage: tools/check-hip.sh [ARCH ...]     (default: gfx90a gfx940)
+# QWEN4EXP_HIP_ASM_DIR=DIR keeps each kernel's assembly (macros removed) as DIR/<kernel>-<arch>.s.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 archs=("$@")
@@ -58,9 +59,13 @@ for src in "$root"/csrc/hip/*.hip; do
         echo "check-hip: FAIL $name.hip has no $arch code object"; status=1; continue
       fi
       note=""
+      asm="$(compgen -G "$work/*amdgcn-amd-amdhsa*$arch*.s" | sed -n 1p)"
+      [ -n "$asm" ] || { echo "check-hip: FAIL no AMD assembly for $name.hip"; status=1; continue; }
+      # What ROCm 7.2 compiles is the kernel report's AMD input (tools/kernel_report.py --amd-asm).
+      if [ -n "${QWEN4EXP_HIP_ASM_DIR:-}" ] && [ "$macros" = removed ]; then
+        mkdir -p "$QWEN4EXP_HIP_ASM_DIR" && cp "$asm" "$QWEN4EXP_HIP_ASM_DIR/$name-$arch.s"
+      fi
       if [[ " ${REDUCING[*]} " == *" $name "* ]]; then
-        asm="$(compgen -G "$work/*amdgcn-amd-amdhsa*$arch*.s" | sed -n 1p)"
-        [ -n "$asm" ] || { echo "check-hip: FAIL no AMD assembly for $name.hip"; status=1; continue; }
         # Cross-lane instructions per kernel (a kernel's code runs from its label to .Lfunc_end).
         report="$(awk -v pattern="$CROSS_LANE" '
           /^_Z[^ :]*:/ { fn = substr($1, 1, length($1) - 1); count[fn] = 0; next }
