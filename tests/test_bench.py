@@ -58,9 +58,33 @@ def test_quick_run_writes_complete_json(tmp_path: Path) -> None:
         assert r["copy_bytes"] >= r["bytes"]
         assert all(r["gbps"][who] > 0 for who in TIMED)
         assert r["pct_of_copy"] > 0
+        # The roofline: the case's bytes at each GPU's datasheet HBM bandwidth (TB/s).
+        for gpu, tbps in {"MI300X": 5.3, "MI325X": 6.0, "MI355X": 8.0, "H200": 4.8}.items():
+            assert r["roofline_us"][gpu] == pytest.approx(r["bytes"] / (tbps * 1e12) * 1e6)
+        if report["device_type"] == "cpu":
+            assert r["pct_of_peak"] is None
     # The long prefill must cross document boundaries, or the EOS path goes untimed.
     by_case = {r["case"]: r for r in results}
     assert by_case["prefill_T8192_R4"]["params"]["eos_tokens"] > 0
+
+
+def test_percent_of_the_datasheet_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a listed GPU, ours as a % of its HBM peak: 2400 GB/s on an H200 (4.8 TB/s) is 50%; an
+    MI325X is not taken for another MI300-series part; an unlisted GPU or a CPU gives None."""
+    from qwen4exp_ext.bench import cli
+
+    gpu = torch.device("cuda")
+    for name, expected in (
+        ("NVIDIA H200", 50.0),
+        ("AMD Instinct MI325X", 40.0),
+        ("AMD Instinct MI300X", 2400 / 53),
+        ("AMD Instinct MI355X", 30.0),
+        ("NVIDIA A100-SXM4-80GB", None),
+    ):
+        monkeypatch.setattr(cli, "_device_name", lambda device, name=name: name)
+        got = cli._pct_of_peak(2400.0, gpu)
+        assert got == (None if expected is None else pytest.approx(expected)), name
+    assert cli._pct_of_peak(2400.0, torch.device("cpu")) is None
 
 
 def test_wrong_kernel_fails_the_check(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -1,7 +1,9 @@
 """Command line of ``qwen4exp-bench`` / ``python -m qwen4exp_ext.bench``.
 
 For every case of every selected op: check ours against the reference (exact equality), then time
-ours, the reference and a same-traffic ``copy_`` side by side, print one table row, and optionally
+ours, the reference and a same-traffic ``copy_`` side by side, print one table row (with the
+case's compulsory bytes, its minimum time at the HBM peak of each GPU in ``PEAK_TBPS``, and on a
+listed GPU the % of that GPU's datasheet peak that ours reaches), and optionally
 write everything to JSON tagged with the device, torch version, build info and date, so results
 from different machines and commits can be compared later. After an op's cases come its untimed
 sections (``registry.Section``: e.g. gather's pinned bytes per table format), printed as small
@@ -36,6 +38,10 @@ QUICK_REPEAT = 10
 CASE_BUDGET_S = 4.0
 MIN_REPEAT = 5
 
+# The memory roofline of the GPUs users serve on: datasheet HBM bandwidth, TB/s. A case's
+# minimum time on one is its compulsory bytes at that bandwidth.
+PEAK_TBPS = {"MI300X": 5.3, "MI325X": 6.0, "MI355X": 8.0, "H200": 4.8}
+
 COLUMNS = (
     ("op", 10, "s"),
     ("case", 18, "s"),
@@ -46,6 +52,9 @@ COLUMNS = (
     ("tokens/s", 9, "si"),
     ("GB/s", 8, ".3g"),
     ("% copy", 7, ".1f"),
+    ("MB", 8, ".4g"),
+    *((f"{gpu} µs", 10, ".3g") for gpu in PEAK_TBPS),
+    ("% peak", 7, "rs"),  # a right-aligned text: "-" where there is no listed GPU
 )
 
 
@@ -199,7 +208,24 @@ def _run_case(
         "copy_bytes": copy_bytes,
         "gbps": gbps,
         "pct_of_copy": 100.0 * gbps["ours"] / gbps["copy"],
+        "roofline_us": {gpu: case.nbytes / (tbps * 1e6) for gpu, tbps in PEAK_TBPS.items()},
+        "pct_of_peak": _pct_of_peak(gbps["ours"], device),
     }
+
+
+def _peak_tbps(device: torch.device) -> float | None:
+    """The datasheet bandwidth of the GPU this runs on, where it is one of PEAK_TBPS's."""
+    if device.type != "cuda":
+        return None
+    name = _device_name(device).upper().replace(" ", "")
+    return next((tbps for gpu, tbps in PEAK_TBPS.items() if gpu in name), None)
+
+
+def _pct_of_peak(gbps: float, device: torch.device) -> float | None:
+    """Our effective bandwidth as a % of the running GPU's datasheet peak (None on a CPU or an
+    unlisted GPU)."""
+    peak = _peak_tbps(device)
+    return None if peak is None else 100.0 * gbps / (peak * 1e3)
 
 
 def _check(case: Case) -> None:
@@ -261,6 +287,9 @@ def _table_values(result: dict[str, Any]) -> list[object]:
         result["tokens_per_s"]["ours"],
         result["gbps"]["ours"],
         result["pct_of_copy"],
+        result["bytes"] / 1e6,
+        *(result["roofline_us"][gpu] for gpu in PEAK_TBPS),
+        "-" if result["pct_of_peak"] is None else f"{result['pct_of_peak']:.1f}",
     ]
 
 
@@ -271,6 +300,8 @@ def _row(values: Sequence[object], header: bool = False) -> str:
             text = str(value)
         elif fmt == "si":
             text = _si(float(value))
+        elif fmt == "rs":
+            text = str(value)
         else:
             text = format(value, fmt)
         cells.append(text.ljust(width) if fmt == "s" else text.rjust(width))
