@@ -78,13 +78,25 @@ QWEN4EXP_DEVICE void store_floats(T* p, const float (&in)[VEC]) {
     p[0] = from_float<T>(in[0]);
   } else {
     static_assert(VEC * sizeof(T) == 16, "vector accesses are 16 bytes");
-    union {
-      uint4 raw;
-      T v[VEC];
-    } u;
+    // The 128-bit word is assembled with shifts, not through a union of 16-bit elements: hipcc
+    // built that union for fp16 in scratch memory (32 bytes per thread on gfx90a/gfx940, eight
+    // 16-bit stores and four 32-bit loads per chunk; tools/kernel_report.py).
+    uint32_t word[4];
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) u.v[i] = from_float<T>(in[i]);
-    *reinterpret_cast<uint4*>(p) = u.raw;
+    for (int w = 0; w < 4; ++w) {
+      if constexpr (sizeof(T) == 4) {
+        word[w] = float_to_bits(in[w]);
+      } else {
+        word[w] = static_cast<uint32_t>(from_float<T>(in[2 * w]).bits) |
+                  (static_cast<uint32_t>(from_float<T>(in[2 * w + 1]).bits) << 16);
+      }
+    }
+    uint4 raw;
+    raw.x = word[0];
+    raw.y = word[1];
+    raw.z = word[2];
+    raw.w = word[3];
+    *reinterpret_cast<uint4*>(p) = raw;
   }
 }
 
