@@ -47,7 +47,8 @@ inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at
                   output.size(1) == num_heads * width,
               "gather_rows: output must be [T, NH·d] = [", num_tokens, ", ", num_heads * width,
               "], got ", output.sizes());
-  TORCH_CHECK(gather_table_dtype(output.scalar_type(), &p.out_dtype) && is_output_dtype(p.out_dtype),
+  TORCH_CHECK(gather_table_dtype(output.scalar_type(), &p.out_dtype) &&
+                  is_output_dtype(p.out_dtype),
               "gather_rows: output must be float32, bfloat16 or float16, got ",
               output.scalar_type());
   TORCH_CHECK(output.stride(1) == 1 || output.size(1) <= 1,
@@ -82,8 +83,6 @@ inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at
                 bs.strides());
     TORCH_CHECK(bs.device() == device, "gather_rows: block_scales is on ", bs.device(),
                 " but table is on ", device);
-    TORCH_CHECK(scale.has_value(),
-                "gather_rows: an NVFP4 table needs its global fp32 scale (vLLM's weight_scale_2)");
     p.block_scales = static_cast<const uint8_t*>(bs.data_ptr());
     p.block_scales_row_stride = bs.stride(0);
   } else {
@@ -94,7 +93,9 @@ inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at
     p.block_scales_row_stride = 0;
   }
   if (is_fp8(p.table_dtype) || nvfp4) {
-    TORCH_CHECK(scale.has_value(), "gather_rows: an fp8 table needs its per-tensor scale");
+    TORCH_CHECK(scale.has_value(), "gather_rows: ",
+                nvfp4 ? "an NVFP4 table needs its global fp32 scale (vLLM's weight_scale_2)"
+                      : "an fp8 table needs its per-tensor scale");
     TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() == 1,
                 "gather_rows: scale must be one float32 element, got ", scale->scalar_type(),
                 " with shape ", scale->sizes());

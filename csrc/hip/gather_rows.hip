@@ -2,7 +2,7 @@
 // platform.h) for NVIDIA.
 //
 // The output [T, NH·d] is cut into 16-byte pieces of *table* row (8 bf16, 16 fp8, 4 fp32, 32
-// NVFP4 elements): consecutive threads take consecutive pieces, so the d·size bytes of one row are read
+// NVFP4 elements): consecutive threads take consecutive pieces, so the bytes of one row are read
 // by neighbouring lanes as one coalesced run and written likewise. Each thread first issues
 // kUnroll independent 16-byte loads (from up to kUnroll different rows) and only then converts and
 // stores: the gather is latency-bound, and loads in flight are what hide DRAM latency and, for a
@@ -39,7 +39,7 @@ struct PieceTraits {
   using InT = storage_t<In>;
   using OutT = storage_t<Out>;
   static constexpr int kElems = kVecBytes / static_cast<int>(sizeof(InT)) * elems_per_word(In);
-  static constexpr int kOutBytes = kElems * static_cast<int>(sizeof(OutT));  // 8, 16, 32 or 64
+  static constexpr int kOutBytes = kElems * static_cast<int>(sizeof(OutT));  // 8 to 128
 };
 
 // Writes the kOutBytes of one converted piece (dst is kOutBytes-aligned: the host checks it).
