@@ -69,8 +69,8 @@ class Kernel:
     problems: list[str] = field(default_factory=list)
 
 
-def run(cmd: list[str], cwd: Path | None = None) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+def run(cmd: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"kernel-report: {' '.join(cmd[:3])}... failed:\n{proc.stderr[-4000:]}")
     return proc.stdout + proc.stderr
@@ -124,8 +124,8 @@ def compile_amd(src: Path, arch: str, work: Path) -> Path:
         "-o",
         "kernel.o",
     ]
-    os.environ["HIP_PLATFORM"] = "amd"  # Debian's hipcc targets NVIDIA when it finds nvcc
-    run(cmd, cwd=out)
+    # Debian's hipcc targets NVIDIA when it finds nvcc.
+    run(cmd, cwd=out, env={**os.environ, "HIP_PLATFORM": "amd"})
     found = sorted(out.glob(f"*amdgcn-amd-amdhsa*{arch}*.s"))
     if not found:
         sys.exit(f"kernel-report: no AMD assembly for {src.name} ({arch})")
@@ -137,11 +137,11 @@ def parse_amd(asm: Path, op: str, arch: str) -> list[Kernel]:
     # Per-function code: label to .Lfunc_end; the compiler's occupancy comment follows each.
     code: dict[str, list[str]] = {}
     occupancy: dict[str, int] = {}
-    current = None
+    current = last = None
     for line in text.splitlines():
         label = re.match(r"^(_Z\S+):\s*(;.*)?$", line)
         if label:
-            current = label.group(1)
+            current = last = label.group(1)
             code[current] = []
             continue
         if line.startswith(".Lfunc_end"):
@@ -150,8 +150,8 @@ def parse_amd(asm: Path, op: str, arch: str) -> list[Kernel]:
         if current is not None:
             code[current].append(line)
         occ = re.match(r"^; Occupancy: (\d+)", line)
-        if occ and code:
-            occupancy[list(code)[-1]] = int(occ.group(1))
+        if occ and last is not None:
+            occupancy[last] = int(occ.group(1))
     kernels = []
     for block in re.split(r"\n  - ", text.split("amdhsa.kernels:", 1)[1])[1:]:
         fields = dict(re.findall(r"^\s*\.([a-z_]+):\s+(\S+)", "  " + block, re.M))

@@ -22,7 +22,9 @@ This module imports neither vLLM nor anything that does: the plugin hands it vLL
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -366,9 +368,6 @@ def _make_amd_load_weights(original: Callable[..., set[str]]) -> Callable[..., s
     knows them; other tables by the AMD one, as before."""
 
     def load_weights(self: Any, weights: Any) -> set[str]:
-        import importlib
-        import sys
-
         common = sys.modules.get(EMBEDDING_MODULE)
         method = getattr(getattr(self, "ngram_embedding", None), "embedding_method", None)
         if common is None or not isinstance(method, common.Qwen4ExpPLENvFp4EmbeddingMethod):
