@@ -6,6 +6,7 @@ No timing thresholds: shared CI machines are too noisy for them; the numbers onl
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -18,6 +19,7 @@ import torch
 
 import qwen4exp_ext
 from qwen4exp_ext import ops
+from qwen4exp_ext.bench import cli
 from qwen4exp_ext.bench.cli import QUICK_REPEAT, main
 
 NGRAM_IDS_CASES = {
@@ -28,35 +30,69 @@ NGRAM_IDS_CASES = {
     "prefill_T64_R1",
     "prefill_T8192_R4",
 }
-TIMED = ("ours", "ref", "copy")
+TIMED = ("ours", "oracle", "copy")
+THREADS = cli._thread_counts("1,all", torch.get_num_threads())  # [1] on a one-core machine
 
 
-def test_quick_run_writes_complete_json(tmp_path: Path) -> None:
-    path = tmp_path / "bench.json"
-    assert main(["ngram_ids", "--quick", "--json", str(path)]) == 0
+def _timed(q: dict) -> None:
+    assert 0 < q["min_us"] <= q["p20_us"] <= q["p50_us"] <= q["p80_us"]
+    assert q["n"] == QUICK_REPEAT
 
-    report = json.loads(path.read_text())
+
+@pytest.fixture(scope="module")
+def ngram_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One quick ``ngram_ids`` run at the default thread counts, with --json, --csv and --plot,
+    its stdout and stderr captured: shared by the tests of the report's outputs."""
+    out = tmp_path_factory.mktemp("bench")
+    paths = {ext: out / f"bench.{ext}" for ext in ("json", "csv", "png")}
+    printed, progress = io.StringIO(), io.StringIO()
+    before = torch.get_num_threads()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(progress):
+        argv = ["ngram_ids", "--quick", "--json", str(paths["json"])]
+        argv += ["--csv", str(paths["csv"])]
+        if importlib.util.find_spec("matplotlib") is not None:  # a test dependency
+            argv += ["--plot", str(paths["png"])]
+        assert main(argv) == 0
+    assert torch.get_num_threads() == before  # restored after every case
+    return {
+        "report": json.loads(paths["json"].read_text()),
+        "paths": paths,
+        "stdout": printed.getvalue(),
+        "stderr": progress.getvalue(),
+    }
+
+
+def test_quick_run_writes_complete_json(ngram_run: dict) -> None:
+    report = ngram_run["report"]
     for key in ("device", "device_type", "torch", "build_info", "date", "results", "sections"):
         assert key in report
     assert report["device"]
     assert report["device_type"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert report["torch"] == torch.__version__
+    assert report["thread_counts"] == THREADS
     results = report["results"]
     assert {r["case"] for r in results} == NGRAM_IDS_CASES
+    # Every case once per thread count, the counts of one case side by side.
+    assert [r["threads"] for r in results] == THREADS * len(NGRAM_IDS_CASES)
     for r in results:
         assert r["op"] == "ngram_ids"
         assert r["check"] is True
         for who in TIMED:
-            q = r[who]
-            assert 0 < q["min_us"] <= q["p20_us"] <= q["p50_us"] <= q["p80_us"]
-            assert q["n"] == QUICK_REPEAT
-        assert r["speedup"] > 0
+            _timed(r[who])
+        # The headline baseline, transformers' own hashing, timed beside ours and the oracle.
+        assert r["baseline"] == "transformers"
+        assert set(r["baselines"]) == {"transformers"}
+        _timed(r["baselines"]["transformers"])
+        ours_p50 = r["ours"]["p50_us"]
+        assert r["speedup"] == pytest.approx(r["baselines"]["transformers"]["p50_us"] / ours_p50)
+        assert r["speedups"] == {"transformers": pytest.approx(r["speedup"])}
+        assert r["speedup_vs_oracle"] == pytest.approx(r["oracle"]["p50_us"] / ours_p50)
         assert r["tokens"] == r["params"]["T"] > 0
-        assert r["tokens_per_s"]["ours"] > 0 and r["tokens_per_s"]["ref"] > 0
+        assert all(r["tokens_per_s"][who] > 0 for who in ("ours", "oracle", "transformers"))
         # ids in (int32) + ids out (16 int64 heads) at the least
         assert r["bytes"] >= r["tokens"] * (4 + 16 * 8)
         assert r["copy_bytes"] >= r["bytes"]
-        assert all(r["gbps"][who] > 0 for who in TIMED)
+        assert all(r["gbps"][who] > 0 for who in (*TIMED, "transformers"))
         assert r["pct_of_copy"] > 0
         # The roofline: the case's bytes at each GPU's datasheet HBM bandwidth (TB/s).
         for gpu, tbps in {"MI300X": 5.3, "MI325X": 6.0, "MI355X": 8.0, "H200": 4.8}.items():
@@ -66,6 +102,90 @@ def test_quick_run_writes_complete_json(tmp_path: Path) -> None:
     # The long prefill must cross document boundaries, or the EOS path goes untimed.
     by_case = {r["case"]: r for r in results}
     assert by_case["prefill_T8192_R4"]["params"]["eos_tokens"] > 0
+
+
+def test_table_shows_the_baseline_and_the_oracle(ngram_run: dict) -> None:
+    lines = ngram_run["stdout"].splitlines()
+    header = next(line for line in lines if line.startswith("op "))
+    for column in ("thr", "ours p50 µs", "baseline", "base p50 µs", "speedup", "oracle p50 µs"):
+        assert column in header
+    rows = [line.split() for line in lines if line.startswith("ngram_ids ")]
+    assert len(rows) == len(NGRAM_IDS_CASES) * len(THREADS)
+    assert all(row[5] == "transformers" for row in rows)
+    assert sorted({int(row[2]) for row in rows}) == sorted(THREADS)
+
+
+def test_progress_lines_on_stderr(ngram_run: dict) -> None:
+    """Not a terminal: one plain line per case and thread count, numbered within the op."""
+    lines = ngram_run["stderr"].splitlines()
+    total = len(NGRAM_IDS_CASES) * len(THREADS)
+    assert f"[1/{total}] ngram_ids decode_T1 (1 thread)..." in lines
+    assert any(line.startswith(f"[{total}/{total}] ngram_ids prefill_T8192_R4 (") for line in lines)
+    assert "\r" not in ngram_run["stderr"]
+
+
+def test_progress_rewrites_one_line_on_a_terminal() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    progress = cli._Progress(stream)
+    progress.show("[1/2] op a (1 thread)...")
+    progress.show("[2/2] op b (1 thread)...")
+    progress.clear()
+    text = stream.getvalue()
+    assert "\n" not in text
+    assert text.count("\r\x1b[K") == 3 and text.endswith("\r\x1b[K")
+
+
+def test_csv_has_a_row_per_case_and_thread_count(ngram_run: dict) -> None:
+    import csv
+
+    with ngram_run["paths"]["csv"].open() as f:
+        rows = list(csv.DictReader(f))
+    results = ngram_run["report"]["results"]
+    assert len(rows) == len(results) == len(NGRAM_IDS_CASES) * len(THREADS)
+    for row, r in zip(rows, results, strict=True):
+        assert (row["op"], row["case"], int(row["threads"])) == (r["op"], r["case"], r["threads"])
+        assert row["baseline"] == "transformers"
+        assert float(row["speedup"]) == pytest.approx(r["speedup"])
+        assert float(row["pct_of_copy"]) == pytest.approx(r["pct_of_copy"])
+        for who, key in (("ours", "ours"), ("oracle", "oracle"), ("copy", "copy")):
+            assert float(row[f"p50_us_{who}"]) == pytest.approx(r[key]["p50_us"])
+        assert float(row["p50_us_transformers"]) == pytest.approx(
+            r["baselines"]["transformers"]["p50_us"]
+        )
+
+
+def test_plot_is_a_png(ngram_run: dict) -> None:
+    pytest.importorskip("matplotlib")
+    data = ngram_run["paths"]["png"].read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_plot_without_matplotlib_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(SystemExit) as exc:
+        main(["ngram_ids", "--quick", "--plot", str(tmp_path / "p.png")])
+    assert exc.value.code == 2
+    assert "matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_thread_counts() -> None:
+    assert cli._thread_counts("1,all", 8) == [1, 8]
+    assert cli._thread_counts("all", 8) == [8]
+    assert cli._thread_counts("2, 1 ,2", 8) == [2, 1]
+    assert cli._thread_counts("1,all", 1) == [1]
+    for bad in ("0", "x", "1,", "-1"):
+        with pytest.raises(ValueError):
+            cli._thread_counts(bad, 8)
+    with pytest.raises(SystemExit) as exc:
+        main(["ngram_ids", "--quick", "--threads", "0"])
+    assert exc.value.code == 2
 
 
 def test_percent_of_the_datasheet_peak(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,7 +217,8 @@ def test_wrong_kernel_fails_the_check(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
     monkeypatch.setattr(ops, "ngram_ids", off_by_one)
     path = tmp_path / "bench.json"
-    assert main(["ngram_ids", "--quick", "--device", "cpu", "--json", str(path)]) == 1
+    argv = ["ngram_ids", "--quick", "--device", "cpu", "--threads", "1", "--json", str(path)]
+    assert main(argv) == 1
     assert not path.exists()
 
 
@@ -122,19 +243,29 @@ def test_module_help_runs() -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "ngram_ids" in proc.stdout and "--quick" in proc.stdout
+    for word in ("ngram_ids", "gather_rows", "ple_gate", "ple_conv", "--quick", "--threads"):
+        assert word in proc.stdout
 
 
-# --- gather: NVFP4 cases and pinned bytes per layer ----------------------------------------------
+# --- gather_rows: NVFP4 cases, id patterns, pinned bytes per layer --------------------------------
 
 GATHER_ROWS = 4096  # a small table: the quick run checks and times every case in seconds
+GATHER_PREFILL = (
+    1024  # T of the prefill cases here (8192 in the bench): the same code, 1/8 the time
+)
 NVFP4_CASES = {
     "decode_T1_nvfp4",
     "decode_T8_nvfp4",
     "decode_T64_nvfp4",
     "decode_T256_nvfp4",
-    "prefill_T8192_nvfp4",
-    "prefill_T8192_nvfp4_vs_index_select",
+    f"prefill_T{GATHER_PREFILL}_nvfp4",
+}
+# bf16 rows beyond the fresh ids of every case: hot (repeated), duplicate-heavy, sorted.
+ID_PATTERN_CASES = {
+    "decode_T64_bf16_repeated": "repeated",
+    f"prefill_T{GATHER_PREFILL}_bf16_repeated": "repeated",
+    f"prefill_T{GATHER_PREFILL}_bf16_dup1024": "dup1024",
+    f"prefill_T{GATHER_PREFILL}_bf16_sorted": "sorted",
 }
 RELEASED_ROWS = 320_001_536  # R_pad of one released PLE layer (tests/test_layout.py)
 D = 160
@@ -143,12 +274,17 @@ NH = 16
 
 @pytest.fixture(scope="module")
 def gather_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
-    """One quick ``gather`` run (JSON report and printed output), shared by the tests below."""
+    """One quick ``gather_rows`` run (JSON report and printed output) on all threads only (the
+    thread counts are ngram_run's), shared by the tests below."""
+    from qwen4exp_ext.bench import gather_rows
+
     path = tmp_path_factory.mktemp("bench") / "gather.json"
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
         mp.setenv("QWEN4EXP_BENCH_GATHER_ROWS", str(GATHER_ROWS))
-        assert main(["gather", "--quick", "--json", str(path)]) == 0
+        mp.setattr(gather_rows, "PREFILL_TOKENS", GATHER_PREFILL)
+        argv = ["gather_rows", "--quick", "--threads", "all", "--json", str(path)]
+        assert main(argv) == 0
     return json.loads(path.read_text()), printed.getvalue()
 
 
@@ -158,31 +294,35 @@ def test_gather_nvfp4_cases_run_checked(gather_report: tuple[dict, str]) -> None
     expected = set(NVFP4_CASES)
     if report["device_type"] == "cuda":
         expected |= {f"pinned_decode_T{t}_nvfp4" for t in (1, 8, 64, 256)}
-        expected.add("pinned_prefill_T8192_nvfp4")
+        expected.add(f"pinned_prefill_T{GATHER_PREFILL}_nvfp4")
     assert expected <= set(by_case)
     for name in expected:
         r = by_case[name]
         assert r["check"] is True
         assert all(r[who]["n"] == QUICK_REPEAT for who in TIMED)
+        assert r["baseline"] == "index_select"
+        assert set(r["baselines"]) == {"index_select", "embedding"}
         assert r["params"]["rows"] == GATHER_ROWS
         t = r["tokens"]
         # int64 ids read, d/2 packed bytes + d/16 e4m3 block scales read per row, bf16 out written.
         assert r["bytes"] == t * NH * 8 + t * NH * (D // 2 + D // 16) + t * NH * D * 2
         assert name in printed
     # Same rows in every format: the NVFP4 case reads 90 of the bf16 case's 320 bytes a row.
-    bf16 = by_case["prefill_T8192_bf16"]
+    bf16 = by_case[f"prefill_T{GATHER_PREFILL}_bf16"]
     assert bf16["params"]["rows"] == GATHER_ROWS
-    assert bf16["bytes"] - by_case["prefill_T8192_nvfp4"]["bytes"] == 8192 * NH * (320 - 90)
+    nvfp4 = by_case[f"prefill_T{GATHER_PREFILL}_nvfp4"]
+    assert bf16["bytes"] - nvfp4["bytes"] == GATHER_PREFILL * NH * (320 - 90)
 
 
 def test_gather_nvfp4_check_compares_with_the_reference(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from qwen4exp_ext import reference
-    from qwen4exp_ext.bench import gather
+    from qwen4exp_ext.bench import gather_rows
 
     monkeypatch.setenv("QWEN4EXP_BENCH_GATHER_ROWS", str(GATHER_ROWS))
-    nvfp4 = [c for c in gather.cases(torch.device("cpu")) if c.name in NVFP4_CASES]
+    monkeypatch.setattr(gather_rows, "PREFILL_TOKENS", GATHER_PREFILL)
+    nvfp4 = [c for c in gather_rows.cases(torch.device("cpu")) if c.name in NVFP4_CASES]
     assert {c.name for c in nvfp4} == NVFP4_CASES
     assert all(case.check() is None for case in nvfp4)
 
@@ -207,6 +347,60 @@ def test_gather_nvfp4_check_compares_with_the_reference(
     assert all(p is not None and "reference.gather_rows" in p for p in problems)
 
 
+def test_gather_every_case_against_index_select(gather_report: tuple[dict, str]) -> None:
+    """The headline baseline of every case is index_select into a preallocated output, timed and
+    checked beside ours and the oracle; the table names it."""
+    report, printed = gather_report
+    for r in report["results"]:
+        assert r["op"] == "gather_rows" and r["check"] is True
+        assert r["baseline"] == "index_select"
+        assert next(iter(r["baselines"])) == "index_select"
+        for q in r["baselines"].values():
+            _timed(q)
+        assert r["speedup"] == pytest.approx(
+            r["baselines"]["index_select"]["p50_us"] / r["ours"]["p50_us"]
+        )
+        # F.embedding stays as a second baseline, except on the huge-page table.
+        expected = {"index_select"} if "hugepages" in r["case"] else {"index_select", "embedding"}
+        assert set(r["baselines"]) == expected
+    names = {r["case"] for r in report["results"]}
+    rows = [line.split() for line in printed.splitlines()]
+    rows = [row for row in rows if row[:1] == ["gather_rows"] and row[1] in names]
+    assert len(rows) == len(names) and all(row[5] == "index_select" for row in rows)
+
+
+def test_gather_id_patterns(gather_report: tuple[dict, str]) -> None:
+    report, printed = gather_report
+    by_case = {r["case"]: r for r in report["results"]}
+    assert set(ID_PATTERN_CASES) <= set(by_case)
+    for name, pattern in ID_PATTERN_CASES.items():
+        r = by_case[name]
+        assert r["params"]["ids"] == pattern and r["check"] is True
+        assert name in printed
+        fresh = by_case[name.rsplit("_", 1)[0]]
+        assert fresh["params"]["ids"] == "fresh"
+        assert r["bytes"] == fresh["bytes"]  # the same lookups, only the ids differ
+    prefill = f"prefill_T{GATHER_PREFILL}_bf16"
+    assert by_case[f"{prefill}_repeated"]["params"]["id_batches"] == 1
+    assert by_case["decode_T64_bf16_repeated"]["params"]["id_batches"] == 1
+    # 1024 rows drawn from a 4096-row table: a few draws coincide.
+    assert 700 < by_case[f"{prefill}_dup1024"]["params"]["distinct_rows"] <= 1024
+
+
+def test_gather_id_batches_of_each_pattern() -> None:
+    from qwen4exp_ext.bench import gather_rows
+
+    gen = torch.Generator().manual_seed(0)
+    fresh = torch.randint(0, 1 << 20, (3, 64, NH), generator=gen)
+    sorted_ = gather_rows._patterned_ids("sorted", fresh, 1 << 20, gen)
+    assert sorted_.shape == fresh.shape
+    for batch, original in zip(sorted_, fresh, strict=True):
+        assert torch.equal(batch.flatten(), original.flatten().sort().values)
+    assert torch.equal(gather_rows._patterned_ids("repeated", fresh, 1 << 20, gen), fresh[:1])
+    dup = gather_rows._patterned_ids("dup1024", fresh, 1 << 20, gen)
+    assert dup.shape == (2, 64, NH) and dup.unique().numel() <= 1024
+
+
 def _next_power_of_two(n: int) -> int:
     p = 1
     while p < n:
@@ -217,7 +411,7 @@ def _next_power_of_two(n: int) -> int:
 def test_gather_pinned_bytes_per_layer(gather_report: tuple[dict, str]) -> None:
     report, printed = gather_report
     (section,) = [s for s in report["sections"] if s["name"] == "pinned_bytes"]
-    assert section["op"] == "gather"
+    assert section["op"] == "gather_rows"
     rows = {r["format"]: r for r in section["rows"]}
     assert set(rows) == {"bf16", "fp8", "nvfp4"}
     allocations = {
@@ -250,3 +444,104 @@ def test_gather_pinned_bytes_measured(gather_report: tuple[dict, str]) -> None:
     for r in section["rows"]:
         assert r["torch_pin_memory_bytes"] >= r["table_bytes"]
         assert r["table_bytes"] <= r["pinned_host_table_bytes"] < r["table_bytes"] + 2 * 4096
+
+
+# --- ple_gate and ple_conv, on shapes shrunk from the released ones -------------------------------
+
+
+def _small_gate(monkeypatch: pytest.MonkeyPatch):
+    from qwen4exp_ext.bench import ple_gate
+
+    monkeypatch.setattr(ple_gate, "WIDTH", 64)
+    monkeypatch.setattr(ple_gate, "CHANNELS", 64 * ple_gate.STREAMS)
+    monkeypatch.setattr(ple_gate, "DECODE_TOKENS", (8,))
+    monkeypatch.setattr(ple_gate, "SPEC_QUERY_LENS", (2,))
+    monkeypatch.setattr(ple_gate, "SPEC_REQUESTS", 4)
+    monkeypatch.setattr(ple_gate, "PREFILL_TOKENS", 64)
+    return ple_gate
+
+
+def _small_conv(monkeypatch: pytest.MonkeyPatch):
+    from qwen4exp_ext.bench import ple_conv
+
+    monkeypatch.setattr(ple_conv, "CHANNELS", 48)
+    monkeypatch.setattr(ple_conv, "DECODE_REQUESTS", (ple_conv.DIM_FIRST_DECODE_REQUESTS,))
+    monkeypatch.setattr(ple_conv, "SPEC_QUERY_LENS", (3,))
+    monkeypatch.setattr(ple_conv, "SPEC_REQUESTS", 4)
+    monkeypatch.setattr(ple_conv, "PREFILL_TOKENS", 40)
+    monkeypatch.setattr(ple_conv, "PREFILL_REQUESTS", 4)
+    return ple_conv
+
+
+def _quick_report(op: str, tmp_path: Path) -> dict:
+    path = tmp_path / f"{op}.json"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main([op, "--quick", "--threads", "1", "--json", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+def test_ple_gate_against_transformers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    pytest.importorskip("transformers.models.qwen4_exp")
+    _small_gate(monkeypatch)
+    results = _quick_report("ple_gate", tmp_path)["results"]
+    names = {"decode_T8", "spec_q2_R4", "prefill_T64"}
+    assert {r["case"] for r in results} == names | {f"{n}_fast" for n in names}
+    for r in results:
+        assert r["op"] == "ple_gate" and r["check"] is True and r["threads"] == 1
+        assert r["baseline"] == "transformers"
+        _timed(r["baselines"]["transformers"])
+        _timed(r["oracle"])
+
+
+def test_ple_gate_check_covers_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transformers gate that computes something else fails the check (so its time would not
+    be a like-for-like baseline), though ours still matches the oracle."""
+    pytest.importorskip("transformers.models.qwen4_exp")
+    ple_gate = _small_gate(monkeypatch)
+    real = ple_gate._transformers_gate
+
+    def off(weights):
+        gate = real(weights)
+        return lambda *args: tuple(t * 1.25 for t in gate(*args))
+
+    monkeypatch.setattr(ple_gate, "_transformers_gate", off)
+    for case in ple_gate.cases(torch.device("cpu")):
+        problem = case.check()
+        assert problem is not None and "transformers" in problem, case.name
+
+
+def test_ple_conv_both_state_layouts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    ple_conv = _small_conv(monkeypatch)
+    results = _quick_report("ple_conv", tmp_path)["results"]
+    by_case = {r["case"]: r for r in results}
+    assert set(by_case) == {
+        "decode_R64",
+        "spec_q3_R4",
+        "prefill_T40_R4",
+        "decode_R64_ds",
+        "prefill_T40_R4_ds",
+    }
+    for name, r in by_case.items():
+        assert r["check"] is True
+        assert r["params"]["state_layout"] == ("DS" if name.endswith("_ds") else "SD")
+        assert r["baseline"] == "conv1d"
+        assert {"conv1d", "conv1d_fp32"} <= set(r["baselines"])
+        for q in r["baselines"].values():
+            _timed(q)
+    # The two layouts: window-first is a transposed view (channel stride 1), dim-first is
+    # contiguous [slots, C, W] (window stride 1, channel stride W).
+    storage = torch.zeros(3, 11, ple_conv.CHANNELS)
+    sd = ple_conv._Contender(torch.zeros(1), storage, "SD").state
+    ds = ple_conv._Contender(torch.zeros(1), storage, "DS").state
+    assert sd.shape == ds.shape == (3, ple_conv.CHANNELS, 11)
+    assert sd.stride()[1:] == (1, ple_conv.CHANNELS)
+    assert ds.stride()[1:] == (11, 1)
+
+
+def test_ple_conv_check_covers_conv1d(monkeypatch: pytest.MonkeyPatch) -> None:
+    ple_conv = _small_conv(monkeypatch)
+    real = torch.nn.functional.conv1d
+    monkeypatch.setattr(ple_conv.F, "conv1d", lambda *a, **k: real(*a, **k) * 1.5)
+    for case in ple_conv.cases(torch.device("cpu")):
+        problem = case.check()
+        assert problem is not None and "conv1d" in problem, case.name

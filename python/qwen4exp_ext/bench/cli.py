@@ -1,54 +1,66 @@
 """Command line of ``qwen4exp-bench`` / ``python -m qwen4exp_ext.bench``.
 
-For every case of every selected op: check ours against the reference (exact equality), then time
-ours, the reference and a same-traffic ``copy_`` side by side, print one table row (with the
-case's compulsory bytes, its minimum time at the HBM peak of each GPU in ``PEAK_TBPS``, and on a
-listed GPU the % of that GPU's datasheet peak that ours reaches), and optionally
-write everything to JSON tagged with the device, torch version, build info and date, so results
-from different machines and commits can be compared later. After an op's cases come its untimed
-sections (``registry.Section``: e.g. gather's pinned bytes per table format), printed as small
-tables of their own and written to the JSON under "sections".
+For every case of every selected op, at each thread count of ``--threads``
+(``torch.set_num_threads``, restored afterwards): check ours against the oracle
+(``reference.py``) and against every baseline (what a user would run without our kernel; see
+``registry.Case``), then time ours, the oracle, the baselines and a same-traffic ``copy_`` side
+by side in one interleaved loop, print one table row (the headline baseline and the speedup over
+it, the oracle's time, the case's compulsory bytes, its minimum time at the HBM peak of each GPU
+in ``PEAK_TBPS``, and on a listed GPU the % of that GPU's datasheet peak that ours reaches), and
+optionally write everything to JSON tagged with the device, torch version, build info and date,
+so results from different machines and commits can be compared later; ``--csv`` writes one row
+per case and thread count, ``--plot`` a PNG of the % of copy bandwidth. After an op's cases come
+its untimed sections (``registry.Section``: e.g. gather_rows' pinned bytes per table format),
+printed as small tables of their own and written to the JSON under "sections". A progress line
+on stderr names the case being checked and timed (rewritten in place on a terminal).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import math
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
 import qwen4exp_ext
 from qwen4exp_ext import ops
+from qwen4exp_ext.bench.compare import exact_mismatch
 from qwen4exp_ext.bench.registry import OP_MODULES, Case, Section, load_cases, load_sections
-from qwen4exp_ext.bench.timing import roofline_copy, time_interleaved
+from qwen4exp_ext.bench.timing import Quantiles, roofline_copy, time_interleaved
 
 DEFAULT_REPEAT = 500
 QUICK_REPEAT = 10
 # Without --repeat, each case gets as many rounds as fit this many seconds (MIN_REPEAT to
-# DEFAULT_REPEAT): the eager references of the big shapes take seconds per call on a CPU, the
+# DEFAULT_REPEAT): the eager baselines of the big shapes take seconds per call on a CPU, the
 # kernels microseconds, and a fixed count would make the default run take hours.
 CASE_BUDGET_S = 4.0
 MIN_REPEAT = 5
+DEFAULT_THREADS = "1,all"
 
 # The memory roofline of the GPUs users serve on: datasheet HBM bandwidth, TB/s. A case's
 # minimum time on one is its compulsory bytes at that bandwidth.
 PEAK_TBPS = {"MI300X": 5.3, "MI325X": 6.0, "MI355X": 8.0, "H200": 4.8}
 
 COLUMNS = (
-    ("op", 10, "s"),
-    ("case", 18, "s"),
+    ("op", 11, "s"),
+    ("case", 28, "s"),
+    ("thr", 3, "d"),
     ("T", 6, "d"),
     ("ours p50 µs", 12, ".2f"),
-    ("ref p50 µs", 12, ".2f"),
+    ("baseline", 12, "s"),
+    ("base p50 µs", 12, ".2f"),
     ("speedup", 8, ".2f"),
+    ("oracle p50 µs", 13, ".2f"),
     ("tokens/s", 9, "si"),
     ("GB/s", 8, ".3g"),
     ("% copy", 7, ".1f"),
@@ -59,7 +71,7 @@ COLUMNS = (
 
 
 class CheckFailed(Exception):
-    """Our kernel disagrees with the reference on a case; timing a wrong kernel means nothing."""
+    """Our kernel disagrees with the oracle or a baseline; timing a wrong kernel means nothing."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,6 +85,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--device cuda: torch sees no CUDA/ROCm device")
     if args.repeat is not None and args.repeat < 1:
         parser.error("--repeat must be >= 1")
+    all_threads = torch.get_num_threads()
+    try:
+        thread_counts = _thread_counts(args.threads, all_threads)
+    except ValueError as err:
+        parser.error(f"--threads {args.threads}: {err}")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401 - only checked here, used by _write_plot
+        except ImportError:
+            parser.error(
+                "--plot needs matplotlib, which is not installed "
+                "(pip install matplotlib, or the package's [test] extra)"
+            )
     device = torch.device(
         "cuda"
         if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -86,30 +111,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     shown = repeat if repeat is not None else f"auto ({CASE_BUDGET_S:g} s per case)"
     print(
         f"device: {_device_name(device)} ({device.type}), torch {torch.__version__}, "
-        f"repeat {shown}, warmup {warmup}"
+        f"repeat {shown}, warmup {warmup}, threads {','.join(map(str, thread_counts))}"
     )
     print(_row([name for name, _, _ in COLUMNS], header=True))
+    progress = _Progress(sys.stderr)
     results = []
     sections: list[dict[str, Any]] = []
     for op in args.ops or list(OP_MODULES):
-        for case in load_cases(op, device):
-            try:
-                result = _run_case(case, device, warmup, repeat, args.check)
-            except CheckFailed as err:
-                print(f"CHECK FAILED {case.op}/{case.name}: {err}", file=sys.stderr)
-                return 1
-            results.append(result)
-            print(_row(_table_values(result)), flush=True)
+        progress.show(f"[{op}] building cases...")
+        cases = load_cases(op, device)
+        total = len(cases) * len(thread_counts)
+        done = 0
+        for case in cases:
+            for threads in thread_counts:
+                done += 1
+                progress.show(
+                    f"[{done}/{total}] {case.op} {case.name} ({_threads_text(threads)})..."
+                )
+                try:
+                    with _num_threads(threads):
+                        result = _run_case(case, device, warmup, repeat, args.check)
+                except CheckFailed as err:
+                    progress.clear()
+                    print(
+                        f"CHECK FAILED {case.op}/{case.name} ({_threads_text(threads)}): {err}",
+                        file=sys.stderr,
+                    )
+                    return 1
+                result["threads"] = threads
+                results.append(result)
+                progress.clear()
+                print(_row(_table_values(result)), flush=True)
+        del cases
         for section in load_sections(op, device):
+            progress.clear()
             print(_section_text(section), flush=True)
             sections.append(
                 {k: getattr(section, k) for k in ("op", "name", "note")}
                 | {"rows": [dict(r) for r in section.rows]}
             )
+    progress.clear()
 
     if args.json is not None:
         report = {
             **_environment(device),
+            "thread_counts": thread_counts,
             "repeat": shown,
             "warmup": warmup,
             "results": results,
@@ -118,14 +164,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
+    if args.csv is not None:
+        _write_csv(results, args.csv)
+        print(f"wrote {args.csv}")
+    if args.plot is not None:
+        _write_plot(results, args.plot, f"{_device_name(device)} ({device.type})")
+        print(f"wrote {args.plot}")
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qwen4exp-bench",
-        description="Time qwen4exp_ext kernels against the eager reference, side by side, "
-        "and against a same-run copy of the same bytes (the memory roofline).",
+        description="Time qwen4exp_ext kernels against what a user would run otherwise (eager "
+        "transformers, torch.index_select, F.conv1d, vLLM) and the plain-PyTorch oracle, side "
+        "by side, and against a same-run copy of the same bytes (the memory roofline).",
     )
     # Validated by hand: argparse rejects an empty nargs="*" list against choices on Python 3.11.
     parser.add_argument(
@@ -138,6 +191,27 @@ def _parser() -> argparse.ArgumentParser:
         help="auto = cuda (CUDA or ROCm) if available, else cpu",
     )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
+    parser.add_argument(
+        "--csv",
+        type=Path,
+        metavar="PATH",
+        help="also write one CSV row per case and thread count: the table's numbers and every "
+        "contender's p50",
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PATH",
+        help="also draw the %% of copy bandwidth of every case and thread count, grouped by op, "
+        "as a PNG (needs matplotlib)",
+    )
+    parser.add_argument(
+        "--threads",
+        default=DEFAULT_THREADS,
+        metavar="N[,N...]",
+        help="torch thread counts to run every case at, comma-separated; 'all' is torch's "
+        f"default ({torch.get_num_threads()} here) (default: {DEFAULT_THREADS})",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -154,12 +228,70 @@ def _parser() -> argparse.ArgumentParser:
         "--check",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="assert ours == reference on each case before timing",
+        help="check ours against the oracle and every baseline on each case before timing",
     )
     return parser
 
 
-def _auto_repeat(fns: dict[str, Any], device: torch.device, warmup: int) -> int:
+def _thread_counts(spec: str, all_threads: int) -> list[int]:
+    """'1,all' -> [1, all_threads], duplicates dropped (on a one-core machine that is [1])."""
+    counts: list[int] = []
+    for item in spec.split(","):
+        item = item.strip().lower()
+        n = all_threads if item == "all" else int(item) if item.isdigit() else 0
+        if n < 1:
+            raise ValueError(f"{item!r} is neither a thread count >= 1 nor 'all'")
+        if n not in counts:
+            counts.append(n)
+    return counts
+
+
+def _threads_text(n: int) -> str:
+    return f"{n} thread" if n == 1 else f"{n} threads"
+
+
+class _num_threads:  # noqa: N801 - used as a context manager, like torch's own
+    """torch.set_num_threads(n) for the block, the previous count restored after it."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.previous = torch.get_num_threads()
+
+    def __enter__(self) -> None:
+        self.previous = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.previous)
+
+
+class _Progress:
+    """One progress line on ``stream``: rewritten in place (\\r) on a terminal, else one plain
+    line per update, so a log shows where a long run was."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        isatty = getattr(stream, "isatty", None)
+        self.tty = bool(isatty and isatty())
+        self.shown = False
+
+    def show(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[K" + text)
+            self.shown = True
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def clear(self) -> None:
+        """Erase the line (on a terminal) before the table prints over it."""
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.shown = False
+
+
+def _auto_repeat(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int) -> int:
     """Runs the warm-up rounds and returns how many rounds fit CASE_BUDGET_S (timed on the last
     warm-up round), clamped to [MIN_REPEAT, DEFAULT_REPEAT]."""
     round_s = 0.0
@@ -179,37 +311,48 @@ def _run_case(
     if check:
         _check(case)
     copy, copy_bytes = roofline_copy(case.nbytes, device)
-    fns = {"ours": case.ours, "ref": case.ref, "copy": copy}
+    fns: dict[str, Callable[[], object]] = {
+        "ours": case.ours,
+        **case.baselines,
+        "oracle": case.oracle,
+        "copy": copy,
+    }
     if repeat is None:
         repeat = _auto_repeat(fns, device, warmup)
         warmup = 0  # done
     times = time_interleaved(fns, device, warmup, repeat)
-    ours, ref, copy_t = times["ours"], times["ref"], times["copy"]
-    gbps = {
-        "ours": case.nbytes / (ours.p50_us * 1e3),
-        "ref": case.nbytes / (ref.p50_us * 1e3),
-        "copy": copy_bytes / (copy_t.p50_us * 1e3),
-    }
+    ours, oracle, copy_t = times["ours"], times["oracle"], times["copy"]
+    baselines = {name: times[name] for name in case.baselines}
+    headline = baselines[case.baseline]
+    timed = {"ours": ours, **baselines, "oracle": oracle}
+
+    def gbps(q: Quantiles, nbytes: int = case.nbytes) -> float:
+        return nbytes / (q.p50_us * 1e3)
+
+    rates = {name: gbps(q) for name, q in timed.items()} | {"copy": gbps(copy_t, copy_bytes)}
     return {
         "op": case.op,
         "case": case.name,
+        "threads": torch.get_num_threads(),
         "tokens": case.tokens,
         "params": dict(case.params),
         "check": True if check else None,
         "ours": asdict(ours),
-        "ref": asdict(ref),
+        "baseline": case.baseline,
+        "baselines": {name: asdict(q) for name, q in baselines.items()},
+        "oracle": asdict(oracle),
         "copy": asdict(copy_t),
-        "speedup": ref.p50_us / ours.p50_us,
-        "tokens_per_s": {
-            "ours": case.tokens / (ours.p50_us * 1e-6),
-            "ref": case.tokens / (ref.p50_us * 1e-6),
-        },
+        # The headline: what a user gains over what they would run otherwise.
+        "speedup": headline.p50_us / ours.p50_us,
+        "speedups": {name: q.p50_us / ours.p50_us for name, q in baselines.items()},
+        "speedup_vs_oracle": oracle.p50_us / ours.p50_us,
+        "tokens_per_s": {name: case.tokens / (q.p50_us * 1e-6) for name, q in timed.items()},
         "bytes": case.nbytes,
         "copy_bytes": copy_bytes,
-        "gbps": gbps,
-        "pct_of_copy": 100.0 * gbps["ours"] / gbps["copy"],
+        "gbps": rates,
+        "pct_of_copy": 100.0 * rates["ours"] / rates["copy"],
         "roofline_us": {gpu: case.nbytes / (tbps * 1e6) for gpu, tbps in PEAK_TBPS.items()},
-        "pct_of_peak": _pct_of_peak(gbps["ours"], device),
+        "pct_of_peak": _pct_of_peak(rates["ours"], device),
     }
 
 
@@ -229,23 +372,16 @@ def _pct_of_peak(gbps: float, device: torch.device) -> float | None:
 
 
 def _check(case: Case) -> None:
+    """The case's own check, or exact equality of ours with the oracle and every baseline."""
     if case.check is not None:
         problem = case.check()
-        if problem is not None:
-            raise CheckFailed(problem)
-        return
-    ours, ref = case.ours(), case.ref()
-    if ours.shape != ref.shape or ours.dtype != ref.dtype:
-        raise CheckFailed(
-            f"ours is {ours.dtype}{list(ours.shape)}, reference is {ref.dtype}{list(ref.shape)}"
-        )
-    if not torch.equal(ours, ref):
-        bad = (ours != ref).nonzero()
-        first = tuple(bad[0].tolist())
-        raise CheckFailed(
-            f"{bad.shape[0]} of {ref.numel()} elements differ; first at {first}: "
-            f"ours {ours[first].item()}, reference {ref[first].item()}"
-        )
+    else:
+        ours = case.ours().clone()  # a baseline may share nothing with it, but be safe
+        problem = exact_mismatch("output", ours, case.oracle(), "the oracle")
+        for name, fn in case.baselines.items():
+            problem = problem or exact_mismatch("output", ours, fn(), name)
+    if problem is not None:
+        raise CheckFailed(problem)
 
 
 def _environment(device: torch.device) -> dict[str, Any]:
@@ -280,10 +416,13 @@ def _table_values(result: dict[str, Any]) -> list[object]:
     return [
         result["op"],
         result["case"],
+        result["threads"],
         result["tokens"],
         result["ours"]["p50_us"],
-        result["ref"]["p50_us"],
+        result["baseline"],
+        result["baselines"][result["baseline"]]["p50_us"],
         result["speedup"],
+        result["oracle"]["p50_us"],
         result["tokens_per_s"]["ours"],
         result["gbps"]["ours"],
         result["pct_of_copy"],
@@ -314,6 +453,102 @@ def _si(x: float) -> str:
         if abs(x) >= factor:
             return f"{x / factor:.3g}{suffix}"
     return f"{x:.3g}"
+
+
+def _csv_rows(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[str, object]]]:
+    """The table's numbers per case and thread count, then p50_us_<name> of every contender
+    (ours, each baseline, the oracle, the copy; blank where a case has no such baseline)."""
+    contenders: dict[str, None] = {"ours": None}
+    for r in results:
+        contenders |= dict.fromkeys(r["baselines"])
+    contenders |= {"oracle": None, "copy": None}
+    fields = [
+        "op",
+        "case",
+        "threads",
+        "tokens",
+        "ours_p50_us",
+        "baseline",
+        "baseline_p50_us",
+        "speedup",
+        "oracle_p50_us",
+        "speedup_vs_oracle",
+        "tokens_per_s",
+        "gbps",
+        "pct_of_copy",
+        "mb",
+        *(f"{gpu}_roofline_us" for gpu in PEAK_TBPS),
+        "pct_of_peak",
+        *(f"p50_us_{name}" for name in contenders),
+    ]
+    rows = []
+    for r in results:
+        p50 = {name: q["p50_us"] for name, q in r["baselines"].items()}
+        p50 |= {who: r[who]["p50_us"] for who in ("ours", "oracle", "copy")}
+        rows.append(
+            {
+                "op": r["op"],
+                "case": r["case"],
+                "threads": r["threads"],
+                "tokens": r["tokens"],
+                "ours_p50_us": r["ours"]["p50_us"],
+                "baseline": r["baseline"],
+                "baseline_p50_us": r["baselines"][r["baseline"]]["p50_us"],
+                "speedup": r["speedup"],
+                "oracle_p50_us": r["oracle"]["p50_us"],
+                "speedup_vs_oracle": r["speedup_vs_oracle"],
+                "tokens_per_s": r["tokens_per_s"]["ours"],
+                "gbps": r["gbps"]["ours"],
+                "pct_of_copy": r["pct_of_copy"],
+                "mb": r["bytes"] / 1e6,
+                **{f"{gpu}_roofline_us": r["roofline_us"][gpu] for gpu in PEAK_TBPS},
+                "pct_of_peak": "" if r["pct_of_peak"] is None else r["pct_of_peak"],
+                **{f"p50_us_{name}": p50.get(name, "") for name in contenders},
+            }
+        )
+    return fields, rows
+
+
+def _write_csv(results: Sequence[dict[str, Any]], path: Path) -> None:
+    fields, rows = _csv_rows(results)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _write_plot(results: Sequence[dict[str, Any]], path: Path, title: str) -> None:
+    """% of copy per case, one horizontal bar per thread count, one panel per op (Agg canvas:
+    no display and no pyplot state needed)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    ops_ = list(dict.fromkeys(r["op"] for r in results))
+    threads = sorted({r["threads"] for r in results})
+    by_key = {(r["op"], r["case"], r["threads"]): r["pct_of_copy"] for r in results}
+    names = {op: list(dict.fromkeys(r["case"] for r in results if r["op"] == op)) for op in ops_}
+    heights = [max(1, len(names[op])) for op in ops_] or [1]
+    fig = Figure(figsize=(10, 1.2 + 0.3 * sum(heights) * max(1, len(threads)) ** 0.5))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(heights), 1, squeeze=False, gridspec_kw={"height_ratios": heights})
+    bar = 0.8 / max(1, len(threads))
+    for ax, op in zip(axes[:, 0], ops_, strict=False):
+        cases = names[op]
+        for j, n in enumerate(threads):
+            values = [by_key.get((op, case, n), math.nan) for case in cases]
+            offsets = [i - 0.4 + bar * (j + 0.5) for i in range(len(cases))]
+            ax.barh(offsets, values, height=bar, label=_threads_text(n))
+        ax.set_yticks(range(len(cases)), cases, fontsize=7)
+        ax.invert_yaxis()
+        ax.axvline(100.0, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(op, fontsize=9, loc="left")
+        ax.set_xlabel("% of a same-run copy of the same bytes", fontsize=8)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"qwen4exp-bench: {title}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
 
 
 def _section_text(section: Section) -> str:

@@ -3,6 +3,21 @@
 Decode batches are R = T requests of one token each, every request with its own random context;
 prefill batches are long chunks with EOS tokens sprinkled in, so the document-boundary path runs.
 T = 64 and T = 8192 as single prefill shapes are the sizes the acceptance criterion quotes.
+
+Baseline ("transformers"): transformers 5.18's own hashing, ``Qwen4ExpTextNGramEmbedding.forward``
+(modeling_qwen4_exp.py) of the released config, run as it is with its ``nn.Embedding`` swapped for
+a module that hands the row ids back, so that only the hashing is timed. That forward has no
+hash function of its own to call: the shifts, multiplies, XORs and remainders sit inline, and it
+takes a padded [B, L] batch, not our flat varlen one. A user adapts as follows: the R requests of
+a case have equal lengths, so the batch is [R, L]; each request's two context tokens (which
+transformers would take from its cache, ``conv_states[2]``) are prepended to its chunk, with no
+cache (the module then starts from EOS, which the prepended context follows), and the first
+N-1 outputs of each row (those of the context tokens) are dropped. Its buffers (multipliers,
+prime head sizes, offsets) are transformers' own, computed from the config, and the check
+requires them, and its ids, to equal ours exactly. Decode R = 256 is then [256, 3]: the
+baseline hashes three positions per token where ours hashes one (the context it needs anyway).
+
+The oracle is ``reference.ngram_ids``; ours and the oracle write into preallocated outputs.
 """
 
 from __future__ import annotations
@@ -10,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from qwen4exp_ext import layout, ops, reference
+from qwen4exp_ext.bench.compare import exact_mismatch
 from qwen4exp_ext.bench.registry import Case
 
 # Released config, SPEC.md §1.
@@ -41,13 +57,57 @@ def cases(device: torch.device) -> list[Case]:
         torch.tensor(head_layout.sizes, dtype=torch.int64),
         torch.tensor(head_layout.offsets, dtype=torch.int64),
     )
+    hashing = _transformers_hashing(device)
     shapes = [(f"decode_T{t}", t, t, 0.0) for t in DECODE_TOKENS] + [
         (f"prefill_T{t}_R{r}", t, r, PREFILL_EOS_RATE) for t, r in PREFILL_SHAPES
     ]
     return [
-        _case(name, tokens, requests, eos_rate, constants, device)
+        _case(name, tokens, requests, eos_rate, constants, hashing, device)
         for name, tokens, requests, eos_rate in shapes
     ]
+
+
+class _RowIds(torch.nn.Module):
+    """Stands in for the n-gram ``nn.Embedding``: returns the row ids it is asked to look up
+    (``weight`` only tells the forward which device to send them to)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(0, device=device), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+
+def _transformers_hashing(device: torch.device) -> torch.nn.Module:
+    """transformers' Qwen4ExpTextNGramEmbedding of the released layer 0, ids out."""
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextNGramEmbedding
+
+    config = Qwen4ExpTextConfig(
+        vocab_size=VOCAB_SIZE,
+        ngram_size=NGRAM_SIZE,
+        heads_per_ngram=HEADS_PER_NGRAM,
+        ngram_vocab_size_base=NGRAM_VOCAB_SIZE_BASE,
+        make_ngram_vocab_size_divisible_by=PAD_TO,
+        seed=SEED,
+        eos_token_id=EOS_TOKEN_ID,
+    )
+    # On the meta device the 320M-row embedding costs nothing; it is replaced below, and the
+    # hashing buffers are rebuilt for real from the module's own recipe (and Python lists).
+    with torch.device("meta"):
+        module = Qwen4ExpTextNGramEmbedding(
+            config, embedding_dim=NGRAM_HEADS, layer_idx=0, ple_layer_index=LAYER_INDEX
+        )
+    module.ngram_embedding = _RowIds(device)
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
+
+    module.layer_multipliers = hf._build_layer_multipliers(
+        module.unigram_vocab_size, module.ngram_size, module.ple_layer_index, module.seed
+    ).to(device)
+    module.ngram_heads_vocab_sizes = torch.tensor(module.head_vocab_sizes, device=device)
+    module.ngram_heads_offsets = torch.tensor(module.head_offsets, device=device)
+    return module.eval()
 
 
 def _case(
@@ -56,6 +116,7 @@ def _case(
     requests: int,
     eos_rate: float,
     constants: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    hashing: torch.nn.Module,
     device: torch.device,
 ) -> Case:
     # Inputs are drawn on the CPU from a fixed seed, so every device hashes the same batch.
@@ -72,13 +133,36 @@ def _case(
     out_ours = torch.full((tokens, NGRAM_HEADS), -1, dtype=torch.int64, device=device)
     out_ref = torch.full((tokens, NGRAM_HEADS), -2, dtype=torch.int64, device=device)
     args = (*inputs, EOS_TOKEN_ID, HEADS_PER_NGRAM)
+    # transformers' input: each request's context, then its chunk, one row per request.
+    batch = torch.cat((ngram_context, input_ids.view(requests, -1)), dim=1).to(device)
+    context_len = NGRAM_SIZE - 1
 
     # Looked up at call time (not bound here), so a test can substitute a broken kernel.
     def ours() -> torch.Tensor:
         return ops.ngram_ids(*args, output=out_ours)
 
-    def ref() -> torch.Tensor:
+    def oracle() -> torch.Tensor:
         return reference.ngram_ids(*args, output=out_ref)
+
+    @torch.no_grad()
+    def transformers() -> torch.Tensor:
+        ids = hashing(batch, None)  # [R, N-1 + L, NH] flattened to [R, (N-1 + L)·NH]
+        return ids.view(requests, -1, NGRAM_HEADS)[:, context_len:].reshape(tokens, NGRAM_HEADS)
+
+    def check() -> str | None:
+        theirs = (
+            hashing.layer_multipliers,
+            hashing.ngram_heads_vocab_sizes,
+            hashing.ngram_heads_offsets,
+        )
+        names = ("multipliers", "head sizes", "offsets")
+        for what, mine, hf in zip(names, inputs[3:], theirs, strict=True):
+            if not torch.equal(mine, hf.to(mine)):
+                return f"{what}: ours {mine.tolist()}, transformers {hf.tolist()}"
+        got = ours().clone()
+        return exact_mismatch("ids", got, oracle(), "the oracle") or exact_mismatch(
+            "ids", got, transformers(), "transformers"
+        )
 
     nbytes = sum(t.numel() * t.element_size() for t in (*inputs, out_ours))
     eos_count = int((input_ids == EOS_TOKEN_ID).sum())
@@ -88,6 +172,8 @@ def _case(
         tokens=tokens,
         nbytes=nbytes,
         ours=ours,
-        ref=ref,
+        oracle=oracle,
+        baselines={"transformers": transformers},
         params={"T": tokens, "R": requests, "eos_tokens": eos_count},
+        check=check,
     )

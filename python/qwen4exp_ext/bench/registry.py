@@ -1,10 +1,10 @@
 """The ops the benchmark knows, the shape of one benchmark case, and of an untimed section.
 
 An op joins by writing a module with ``cases(device) -> list[Case]`` and adding one line to
-``OP_MODULES``; it may also define ``sections(device) -> list[Section]``: figures that belong in
-its report but are no race between contenders (arithmetic, memory measurements). A module is
-imported only when its op runs, so benchmarking one op never depends on another op's module (or
-its kernel) importing cleanly.
+``OP_MODULES`` (keyed by the op's name, as ``torch.ops.qwen4exp`` spells it); it may also define
+``sections(device) -> list[Section]``: figures that belong in its report but are no race between
+contenders (arithmetic, memory measurements). A module is imported only when its op runs, so
+benchmarking one op never depends on another op's module (or its kernel) importing cleanly.
 """
 
 from __future__ import annotations
@@ -17,20 +17,26 @@ import torch
 
 OP_MODULES: dict[str, str] = {
     "ngram_ids": "qwen4exp_ext.bench.ngram_ids",
-    "gather": "qwen4exp_ext.bench.gather",
-    "gate": "qwen4exp_ext.bench.gate",
-    "conv": "qwen4exp_ext.bench.conv",
+    "gather_rows": "qwen4exp_ext.bench.gather_rows",
+    "ple_gate": "qwen4exp_ext.bench.ple_gate",
+    "ple_conv": "qwen4exp_ext.bench.ple_conv",
 }
+
+# Contender names the CLI owns; a baseline may not take one.
+RESERVED = ("ours", "oracle", "copy")
 
 
 @dataclass(frozen=True)
 class Case:
-    """One shape of one op, with its inputs already built and bound into two closures.
+    """One shape of one op, with its inputs already built and bound into closures.
 
-    ``ours`` and ``ref`` must return the op's output so the CLI can check them against each other;
-    they write into preallocated buffers, as vLLM's callers do, so timing excludes the allocator.
-    ``nbytes`` is the op's compulsory memory traffic (each input read once, the output written
-    once): the numerator of its effective bandwidth.
+    ``ours`` (our kernel), ``oracle`` (``reference.py``, the plain-PyTorch statement of the spec)
+    and each of ``baselines`` (what a user would run without our kernel: eager transformers,
+    ``torch.index_select``, ``F.conv1d``, vLLM's kernel; the first is the headline, the one the
+    speedup column divides by) return the op's output, so the CLI can check them against each
+    other. Ours and the baselines write into preallocated buffers where their API allows, as
+    vLLM's callers do, so timing excludes the allocator. ``nbytes`` is the op's compulsory memory
+    traffic (each input read once, the output written once): the numerator of its bandwidth.
     """
 
     op: str
@@ -38,12 +44,25 @@ class Case:
     tokens: int
     nbytes: int
     ours: Callable[[], torch.Tensor]
-    ref: Callable[[], torch.Tensor]
-    params: Mapping[str, int]
+    oracle: Callable[[], torch.Tensor]
+    baselines: Mapping[str, Callable[[], torch.Tensor]]
+    params: Mapping[str, object]
     # Optional comparison that replaces the CLI's exact one (ops whose contract is a stated
-    # tolerance, or whose result is more than one tensor): runs both contenders from the same
-    # inputs and returns a description of the disagreement, or None.
+    # tolerance, or whose result is more than one tensor): runs ours, the oracle and every
+    # baseline from the same inputs and returns a description of the disagreement, or None.
     check: Callable[[], str | None] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.baselines:
+            raise ValueError(f"{self.op}/{self.name}: a case needs at least one baseline")
+        clash = set(self.baselines) & set(RESERVED)
+        if clash:
+            raise ValueError(f"{self.op}/{self.name}: baseline names {sorted(clash)} are taken")
+
+    @property
+    def baseline(self) -> str:
+        """The headline baseline's name."""
+        return next(iter(self.baselines))
 
 
 def load_cases(op: str, device: torch.device) -> list[Case]:

@@ -1,33 +1,49 @@
-"""``gather`` cases: ``gather_rows`` at the released row shape (NH = 16 heads of d = 160) over
-decode (T = 1..256) and prefill (T = 8192) batches, bf16, fp8 and NVFP4 tables, against
-``torch.nn.functional.embedding`` (+ vLLM's eager dequant for fp8 and NVFP4) and, for the
-acceptance shape, against ``torch.index_select(..., out=)``.
+"""``gather_rows`` cases: ``gather_rows`` at the released row shape (NH = 16 heads of d = 160)
+over decode (T = 1..256) and prefill (T = 8192) batches, bf16, fp8 and NVFP4 tables.
+
+Baselines, what vLLM runs without our kernel: "index_select" (the headline),
+``torch.index_select(table, 0, ids.flatten(), out=preallocated)``, and "embedding",
+``F.embedding(ids, table)``; each followed by vLLM's eager dequantisation for fp8
+(``row.to(out) * scale.to(out)``, indexing the table's byte view) and NVFP4 (below). The oracle
+is ``reference.gather_rows``. The check requires ours to equal every baseline and the oracle.
 
 The released table has 320M rows (102 GB in bf16): far more than a CI host has, so the table
 here has QWEN4EXP_BENCH_GATHER_ROWS rows (default 4M on CPU = 1.28 GB bf16, 64M on a GPU), the
 same number of rows in every format (so the NVFP4 table, d/2 packed bytes and d/16 block scales a
 row, is ~9/32 of the bf16 table's bytes).
 Every row of a table that size is a cache (and TLB) miss, like the released one: the timing is
-the same latency-bound regime. Each case cycles through enough different id batches to touch
-COLD_BYTES of rows per cycle (far above any last-level cache), so no timed call finds its rows
-still cached by an earlier one — a real decode step reads rows the last step did not. On the
-CPU the ``hugepages`` case reads a copy of the bf16 table on transparent huge pages, the way
-``NGramEmbedding(placement="cpu")`` allocates it (``host_table.empty_host_table``).
+the same latency-bound regime. The ids (params "ids") are:
+
+- fresh (every case; no suffix): each case cycles through enough different id batches to touch
+  COLD_BYTES of rows per cycle (far above any last-level cache), so no timed call finds its rows
+  still cached by an earlier one — a real decode step reads rows the last step did not. One
+  cursor serves every contender: each timed call, whoever makes it, reads the next batch.
+- repeated (``*_repeated``: bf16, decode T = 64 and prefill): the same batch every call, so
+  after the first call its rows are hot in the cache.
+- dup1024 (``*_dup1024``: bf16 prefill): every id drawn from the same DUPLICATE_ROWS random
+  rows (two batches cycling), so each row is looked up ~128 times a batch, from cache.
+- sorted (``*_sorted``: bf16 prefill): fresh batches, each sorted ascending (all T·NH ids).
+
+On the CPU the ``hugepages`` case reads a copy of the bf16 table on transparent huge pages, the
+way ``NGramEmbedding(placement="cpu")`` allocates it (``host_table.empty_host_table``), fresh
+ids, against ``index_select`` only.
 
 NVFP4 (vLLM's layout, see ``reference.gather_rows``): a uint8 table [rows, d/2] of E2M1 codes,
-float8_e4m3fn block scales [rows, d/16] and a global fp32 scale. Its baseline is what vLLM runs
-without our kernel: ``F.embedding`` of the packed rows and of the block scales, then the
-dequantisation in eager torch, ``(e2m1 · block scale · scale).to(out)``. That baseline is written
-here, so the check compares ours with it *and* with ``reference.gather_rows``.
+float8_e4m3fn block scales [rows, d/16] and a global fp32 scale. Its baselines look up the
+packed rows and the block scales, then dequantise in eager torch,
+``(e2m1 · block scale · scale).to(out)``; they are written here, so the check holds them, and
+ours, to ``reference.gather_rows`` too.
 
-Bytes (the GB/s and "% copy" columns) count the compulsory traffic: the ids read, each looked-up
-row read (NVFP4: d/2 packed bytes + d/16 scale bytes), the output written.
+Bytes (the GB/s and "% copy" columns) count the traffic of the lookups: the ids read, each
+looked-up row read (NVFP4: d/2 packed bytes + d/16 scale bytes), the output written. For the
+repeated and dup1024 ids the rows come from cache, so their GB/s is lookup bandwidth, not DRAM
+traffic.
 
 The CLI's "% copy" column is the share of a same-run copy of the same bytes (CPU: memcpy; GPU:
 device-to-device copy, ~HBM peak). On a GPU the ``pinned_*`` cases read a table in pinned host
-memory (bf16; NVFP4 rows and block scales, both through ``host_table.device_view``); compare
-them with ``h2d_copy`` (params: the measured host-to-device bandwidth of a pinned copy of the
-same bytes, GB/s).
+memory (bf16; NVFP4 rows and block scales, both through ``host_table.device_view``), their
+baselines and the oracle the same table resident on the device; compare them with ``h2d_copy``
+(params: the measured host-to-device bandwidth of a pinned copy of the same bytes, GB/s).
 
 Untimed sections (``sections``):
 
@@ -41,20 +57,21 @@ Untimed sections (``sections``):
   pins: each allocation rounded up to a 4 KiB page (on a 64 KiB-page kernel, 64 KiB: < 64 KiB
   more per allocation).
 - ``pinned_bytes_measured`` (GPU only): the same comparison for a small table of
-  MEASURED_ROWS rows, allocated both ways and measured with ``host_table.footprint`` (the bytes
-  of the kernel mappings that hold it).
+  MEASURED_ROWS rows, allocated both ways and measured with ``host_table.footprint``.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from qwen4exp_ext import ops, reference
+from qwen4exp_ext.bench.compare import exact_mismatch
 from qwen4exp_ext.bench.registry import Case, Section
 
 NUM_HEADS = 16
@@ -66,6 +83,10 @@ NVFP4_SCALE = 0.0123
 NVFP4_BLOCK = reference.NVFP4_BLOCK
 INPUT_SEED = 0
 COLD_BYTES = 256 << 20  # rows touched per cycle of id batches: several times any LLC
+DUPLICATE_ROWS = 1024
+# The id patterns beyond "fresh", for the bf16 table: decode at this T, and the prefill.
+REPEATED_DECODE_TOKENS = 64
+PREFILL_ID_PATTERNS = ("repeated", "dup1024", "sorted")
 
 # R_pad of one released PLE layer: layout.head_vocab_layout(20_000_000, 16, 0, 128).padded_rows
 # (checked in tests/test_layout.py); layout.py has the construction, not the released config.
@@ -124,15 +145,17 @@ def cases(device: torch.device) -> list[Case]:
         ),
     }
     del raw
+    more_ids = {REPEATED_DECODE_TOKENS: ("repeated",), PREFILL_TOKENS: PREFILL_ID_PATTERNS}
     out: list[Case] = []
     for kind, table in tables.items():
         for tokens in (*DECODE_TOKENS, PREFILL_TOKENS):
             phase = "decode" if tokens in DECODE_TOKENS else "prefill"
+            name = f"{phase}_T{tokens}_{kind}"
             ids = _id_batches(rows, tokens, table.row_bytes, gen, device)
-            out.append(_case(f"{phase}_T{tokens}_{kind}", table, ids, "embedding"))
-            if tokens == PREFILL_TOKENS:
-                name = f"{phase}_T{tokens}_{kind}_vs_index_select"
-                out.append(_case(name, table, ids, "index_select"))
+            out.append(_case(name, table, ids, "fresh"))
+            for pattern in more_ids.get(tokens, ()) if kind == "bf16" else ():
+                patterned = _patterned_ids(pattern, ids, rows, gen)
+                out.append(_case(f"{name}_{pattern}", table, patterned, pattern))
     if device.type == "cpu":
         from qwen4exp_ext.host_table import empty_host_table
 
@@ -140,8 +163,8 @@ def cases(device: torch.device) -> list[Case]:
         huge = empty_host_table(rows, HEAD_DIM, torch.bfloat16)
         huge.copy_(bf16)
         ids = _id_batches(rows, PREFILL_TOKENS, HEAD_DIM * 2, gen, device)
-        name = f"prefill_T{PREFILL_TOKENS}_bf16_hugepages_vs_index_select"
-        out.append(_case(name, _Table("bf16", huge), ids, "index_select"))
+        name = f"prefill_T{PREFILL_TOKENS}_bf16_hugepages"
+        out.append(_case(name, _Table("bf16", huge), ids, "fresh", embedding=False))
     if device.type == "cuda":
         out += _pinned_cases([tables["bf16"], tables["nvfp4"]], gen, device)
     return out
@@ -153,6 +176,19 @@ def _id_batches(rows: int, tokens: int, row_bytes: int, gen, device) -> torch.Te
     return torch.randint(0, rows, (batches, tokens, NUM_HEADS), generator=gen).to(device)
 
 
+def _patterned_ids(pattern: str, fresh: torch.Tensor, rows: int, gen) -> torch.Tensor:
+    """The [S, T, NH] id batches of ``pattern`` (module docstring), from the fresh ones."""
+    if pattern == "repeated":
+        return fresh[:1].clone()
+    if pattern == "sorted":
+        return fresh.reshape(fresh.shape[0], -1).sort(dim=1).values.reshape(fresh.shape)
+    if pattern == "dup1024":
+        distinct = torch.randint(0, rows, (DUPLICATE_ROWS,), generator=gen)
+        picks = torch.randint(0, DUPLICATE_ROWS, (2, *fresh.shape[1:]), generator=gen)
+        return distinct[picks].to(fresh.device)
+    raise ValueError(f"unknown id pattern {pattern!r}")
+
+
 def _e2m1_values(device: torch.device) -> torch.Tensor:
     """fp32 [16]: the value of each E2M1 code (bit 3 the sign: -0.0 for code 8), made once per
     case so that the timed baseline does no host-to-device copy of it."""
@@ -160,7 +196,14 @@ def _e2m1_values(device: torch.device) -> torch.Tensor:
     return torch.cat((magnitudes, -magnitudes))
 
 
-def _case(name, table: _Table, batches, baseline: str, table_for_ref: _Table | None = None) -> Case:
+def _case(
+    name: str,
+    table: _Table,
+    batches: torch.Tensor,
+    pattern: str,
+    table_for_ref: _Table | None = None,
+    embedding: bool = True,
+) -> Case:
     tokens = batches.shape[1]
     device = batches.device
     out_dtype = torch.bfloat16
@@ -192,6 +235,15 @@ def _case(name, table: _Table, batches, baseline: str, table_for_ref: _Table | N
             output=ours_out,
         )
 
+    def run_oracle(i: int) -> torch.Tensor:
+        return reference.gather_rows(
+            ref_table.rows,
+            batches[i],
+            scale=ref_table.scale,
+            block_scales=ref_table.block_scales,
+            out_dtype=out_dtype,
+        )
+
     def finish(rows_: torch.Tensor, scales_: torch.Tensor | None) -> torch.Tensor:
         if fp8:
             rows_ = rows_.view(torch.float8_e4m3fn).to(out_dtype) * scale_out
@@ -204,22 +256,23 @@ def _case(name, table: _Table, batches, baseline: str, table_for_ref: _Table | N
             rows_ = (values * ref_table.scale).to(out_dtype)
         return rows_.reshape(tokens, NUM_HEADS * HEAD_DIM)
 
-    if baseline == "embedding":
+    def run_index_select(i: int) -> torch.Tensor:
+        ids = flat_batches[i]
+        scales_ = None
+        if nvfp4:
+            scales_ = torch.index_select(lookup_scales, 0, ids, out=scales_out)
+        return finish(torch.index_select(lookup_table, 0, ids, out=select_out), scales_)
 
-        def run_ref(i: int) -> torch.Tensor:
-            scales_ = F.embedding(batches[i], lookup_scales) if nvfp4 else None
-            return finish(F.embedding(batches[i], lookup_table), scales_)
-    else:
+    def run_embedding(i: int) -> torch.Tensor:
+        scales_ = F.embedding(batches[i], lookup_scales) if nvfp4 else None
+        return finish(F.embedding(batches[i], lookup_table), scales_)
 
-        def run_ref(i: int) -> torch.Tensor:
-            ids = flat_batches[i]
-            scales_ = None
-            if nvfp4:
-                scales_ = torch.index_select(lookup_scales, 0, ids, out=scales_out)
-            return finish(torch.index_select(lookup_table, 0, ids, out=select_out), scales_)
+    runs: dict[str, Callable[[int], torch.Tensor]] = {"index_select": run_index_select}
+    if embedding:
+        runs["embedding"] = run_embedding
 
-    # One cursor for both contenders: every timed call, ours or the reference's, reads the next
-    # batch, so neither finds rows the other has just pulled into the cache.
+    # One cursor for every contender: each timed call, ours or another's, reads the next batch,
+    # so none finds rows another has just pulled into the cache (with fresh ids).
     cursor = [0]
 
     def next_batch() -> int:
@@ -227,22 +280,16 @@ def _case(name, table: _Table, batches, baseline: str, table_for_ref: _Table | N
         return cursor[0]
 
     def check() -> str | None:
-        ours, ref = run_ours(0).clone(), run_ref(0)
-        if not torch.equal(ours, ref):
-            return f"{int((ours != ref).sum())} of {ref.numel()} elements differ from the baseline"
-        if nvfp4:
-            # The NVFP4 baseline is written here: hold it (and ours) to the spec's reference too.
-            spec = reference.gather_rows(
-                ref_table.rows,
-                batches[0],
-                scale=ref_table.scale,
-                block_scales=ref_table.block_scales,
-                out_dtype=out_dtype,
-            )
-            if not torch.equal(ours, spec):
-                bad = int((ours != spec).sum())
-                return f"{bad} of {spec.numel()} elements differ from reference.gather_rows"
-        return None
+        ours = run_ours(0).clone()
+        for who, run in runs.items():
+            problem = exact_mismatch("rows", ours, run(0), who)
+            if problem is not None:
+                return problem
+        # The baselines are written here: hold them (and ours) to the spec's reference too.
+        return exact_mismatch("rows", ours, run_oracle(0), "reference.gather_rows")
+
+    def bind(run: Callable[[int], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        return lambda: run(next_batch())
 
     ids_numel = tokens * NUM_HEADS
     nbytes = (
@@ -250,22 +297,27 @@ def _case(name, table: _Table, batches, baseline: str, table_for_ref: _Table | N
         + ids_numel * table.row_bytes
         + ours_out.numel() * ours_out.element_size()
     )
+    params: dict[str, object] = {
+        "T": tokens,
+        "NH": NUM_HEADS,
+        "d": HEAD_DIM,
+        "rows": table.rows.shape[0],
+        "row_bytes": table.row_bytes,
+        "ids": pattern,
+        "id_batches": batches.shape[0],
+    }
+    if pattern == "dup1024":
+        params["distinct_rows"] = int(batches.unique().numel())
     return Case(
-        op="gather",
+        op="gather_rows",
         name=name,
         tokens=tokens,
         nbytes=nbytes,
-        ours=lambda: run_ours(next_batch()),
-        ref=lambda: run_ref(next_batch()),
+        ours=bind(run_ours),
+        oracle=bind(run_oracle),
+        baselines={who: bind(run) for who, run in runs.items()},
         check=check,
-        params={
-            "T": tokens,
-            "NH": NUM_HEADS,
-            "d": HEAD_DIM,
-            "rows": table.rows.shape[0],
-            "row_bytes": table.row_bytes,
-            "id_batches": batches.shape[0],
-        },
+        params=params,
     )
 
 
@@ -290,7 +342,7 @@ def _pinned_cases(device_tables: list[_Table], gen, device) -> list[Case]:
                 f"pinned_{phase}_T{tokens}_{host.kind}",
                 view,
                 ids,
-                "embedding",
+                "fresh",
                 table_for_ref=device_table,
             )
             params = {**case.params, "h2d_copy_gbps": round(h2d, 2)}
@@ -404,7 +456,7 @@ _PINNED_COLUMNS = (
 def sections(device: torch.device) -> list[Section]:
     out = [
         Section(
-            op="gather",
+            op="gather_rows",
             name="pinned_bytes",
             note=f"host bytes pinned per layer of the released table ({RELEASED_ROWS:,} rows "
             f"x d={HEAD_DIM}; NVFP4 = rows + block scales), computed: torch rounds each "
@@ -417,7 +469,7 @@ def sections(device: torch.device) -> list[Section]:
     if device.type == "cuda":
         out.append(
             Section(
-                op="gather",
+                op="gather_rows",
                 name="pinned_bytes_measured",
                 note=f"the same for a {MEASURED_ROWS:,}-row table, allocated both ways: "
                 "mapping bytes from host_table.footprint",
