@@ -278,7 +278,7 @@ def test_cpu_gather_stream_bytes_switch(monkeypatch):
         assert ops.cpu_gather_stream_bytes() == -1
         return
     monkeypatch.delenv(name, raising=False)
-    assert ops.cpu_gather_stream_bytes() >= 1 << 20  # the last-level cache
+    assert ops.cpu_gather_stream_bytes() >= 1 << 20  # what this process can keep in cache
     monkeypatch.setenv(name, "12345")
     assert ops.cpu_gather_stream_bytes() == 12345
     for bad in ("-1", "1e6", "12 MB", "x"):

@@ -67,24 +67,77 @@ __attribute__((always_inline)) inline void prefetch_bytes(const char* begin, int
   }
 }
 
-// --- fp8 dequantisation: a 256-entry table lookup per byte ------------------------------------
+// --- fp8 dequantisation ----------------------------------------------------------------------
 //
-// Every fp8 byte has one possible output (its value times the scale, rounded to the output type),
-// so each call builds all 256 and the row conversion is a table lookup per byte. One lookup at a
-// time costs ~1 ns per element, which made the fp8 gather compute-bound (prefill: 10 ms against
-// 4.2 ms for the bf16 gather of twice the bytes). With AVX-512 the table lives in registers and
-// vpermi2w / vpermi2ps look up 32 (16-bit outputs) or 16 (fp32) bytes per instruction: the 256
-// entries are 4 (8) slices of 64 (32), one permute per slice, then the upper index bits pick the
-// slice with masked blends. Bit-identical to the scalar lookup by construction (same table).
-// Measured on the CI host, T = 64 x 16 rows of 160 from a cached table: fp8 -> bf16 went from
-// 3.0x to 1.3x the time of the bf16 copy; fp8 -> fp32 (8 permutes per 16) only from 2.7x to 2.3x.
-// Cold 4M-row tables, prefill T = 8192: fp8 6.6 ms next to bf16 5.3 ms (it was 10-16 ms).
+// Every fp8 byte has one possible output (its value times the scale, rounded to the output type).
+// Two ways to compute it, bit-identical by construction (the same decode, one fp32 product, the
+// same rounding):
+// - decoded in simd.h's vectors (AVX2, AVX-512 or baseline clones): the byte's fp32 bits from
+//   its fields (fp8_e4m3fn_to_float's formula, with selects for subnormals and NaN), times the
+//   scale, rounded as a conversion rounds; the path of every CPU without AVX-512BW. A 256-entry
+//   lookup one byte at a time, which this replaced, cost ~1 ns per element and made the fp8
+//   gather slower than the bf16 one of twice the bytes.
+// - with AVX-512BW, from a 256-entry table of outputs built per call and held in registers:
+//   vpermi2w / vpermi2ps look up 32 (16-bit outputs) or 16 (fp32) bytes per instruction; the 256
+//   entries are 4 (8) slices of 64 (32), one permute per slice, then the upper index bits pick
+//   the slice with masked blends. Measured on an AVX-512 host, T = 64 x 16 rows of 160 from a
+//   cached table: fp8 -> bf16 1.3x the time of the bf16 copy (3.0x with the byte-wise lookup).
 
-template <typename OutT>
-void lut_rows_scalar(const uint8_t* __restrict src, OutT* __restrict dst, int64_t n,
-                     const OutT* __restrict lut) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = lut[src[i]];
+template <GatherDtype In>  // an fp8 format
+QWEN4EXP_ALWAYS_INLINE simd::f32x8 fp8x8_to_f32(const uint8_t* src) {
+  using simd::u32x8;
+  constexpr bool kFn = In == GatherDtype::kFp8E4M3FN;
+  // Byte j of the little-endian word, lane j (a widening __builtin_convertvector of the 8 bytes
+  // compiles to byte-by-byte inserts).
+  uint64_t packed;
+  std::memcpy(&packed, src, sizeof(packed));
+  const uint32_t lo = static_cast<uint32_t>(packed), hi = static_cast<uint32_t>(packed >> 32);
+  const u32x8 b = (u32x8{lo, lo, lo, lo, hi, hi, hi, hi} >> u32x8{0, 8, 16, 24, 0, 8, 16, 24}) &
+                  0xFFu;
+  const u32x8 sign = (b & 0x80u) << 24;
+  const u32x8 magnitude = b & 0x7Fu;  // exponent and mantissa fields
+  // Normal: the fields shifted into fp32's, the exponent rebiased (e4m3fn bias 7, fnuz 8).
+  const u32x8 normal = sign | ((magnitude << 20) + ((kFn ? 120u : 119u) << 23));
+  // Subnormal (exponent 0): m·2^-9 (fnuz: 2^-10), exact and normal in fp32.
+  // (Converted as signed: the unsigned conversion costs a split into halves and an FMA.)
+  const simd::f32x8 sub = __builtin_convertvector(simd::i32x8(b & 7u), simd::f32x8) *
+                          (kFn ? 0.001953125f : 0.0009765625f);
+  u32x8 bits = magnitude < 8u ? (sign | simd::as_u32(sub)) : normal;
+  if constexpr (kFn) {
+    bits = magnitude == 0x7Fu ? (sign | 0x7FC00000u) : bits;  // S.1111.111: NaN
+  } else {
+    bits = b == 0x80u ? simd::splat_u(0x7FC00000u) : bits;  // negative zero's code: NaN
+  }
+  return simd::as_f32(bits);
 }
+
+template <GatherDtype In, typename OutV>
+QWEN4EXP_ALWAYS_INLINE void fp8_rows_body(const uint8_t* __restrict src, OutV* __restrict dst,
+                                          int64_t n, float scale_out) {
+  const simd::f32x8 scale = simd::splat(scale_out);
+  int64_t i = 0;
+  for (; i + simd::kLanes <= n; i += simd::kLanes) {
+    simd::store(dst + i, fp8x8_to_f32<In>(src + i) * scale);
+  }
+  if (i < n) {
+    const int rest = static_cast<int>(n - i);
+    uint8_t tail[simd::kLanes] = {};
+    std::memcpy(tail, src + i, static_cast<size_t>(rest));
+    simd::store_n(dst + i, fp8x8_to_f32<In>(tail) * scale, rest);
+  }
+}
+
+#define QWEN4EXP_FP8_ROWS(NAME, IN, OUT)                                                     \
+  QWEN4EXP_CPU_CLONES void NAME(const uint8_t* src, OUT* dst, int64_t n, float scale_out) { \
+    fp8_rows_body<IN>(src, dst, n, scale_out);                                               \
+  }
+QWEN4EXP_FP8_ROWS(fp8_e4m3fn_rows_f32, GatherDtype::kFp8E4M3FN, float)
+QWEN4EXP_FP8_ROWS(fp8_e4m3fn_rows_bf16, GatherDtype::kFp8E4M3FN, bf16_t)
+QWEN4EXP_FP8_ROWS(fp8_e4m3fn_rows_f16, GatherDtype::kFp8E4M3FN, f16_t)
+QWEN4EXP_FP8_ROWS(fp8_e4m3fnuz_rows_f32, GatherDtype::kFp8E4M3FNUZ, float)
+QWEN4EXP_FP8_ROWS(fp8_e4m3fnuz_rows_bf16, GatherDtype::kFp8E4M3FNUZ, bf16_t)
+QWEN4EXP_FP8_ROWS(fp8_e4m3fnuz_rows_f16, GatherDtype::kFp8E4M3FNUZ, f16_t)
+#undef QWEN4EXP_FP8_ROWS
 
 #if QWEN4EXP_X86_AVX512
 #define QWEN4EXP_AVX512 __attribute__((target("avx512f")))
@@ -276,14 +329,31 @@ void nvfp4_rows(const uint8_t* src, const uint8_t* scales, storage_t<Out>* dst, 
   if constexpr (Out == GatherDtype::kF16) nvfp4_rows_f16(src, scales, out, n, g, scale_values);
 }
 
+template <GatherDtype In, GatherDtype Out>  // In an fp8 format
+void fp8_rows(const uint8_t* src, storage_t<Out>* dst, int64_t n, float scale_out) {
+  auto* out = reinterpret_cast<simd_t<Out>*>(dst);
+  constexpr bool kFn = In == GatherDtype::kFp8E4M3FN;
+  if constexpr (Out == GatherDtype::kF32) {
+    (kFn ? fp8_e4m3fn_rows_f32 : fp8_e4m3fnuz_rows_f32)(src, out, n, scale_out);
+  }
+  if constexpr (Out == GatherDtype::kBF16) {
+    (kFn ? fp8_e4m3fn_rows_bf16 : fp8_e4m3fnuz_rows_bf16)(src, out, n, scale_out);
+  }
+  if constexpr (Out == GatherDtype::kF16) {
+    (kFn ? fp8_e4m3fn_rows_f16 : fp8_e4m3fnuz_rows_f16)(src, out, n, scale_out);
+  }
+}
+
 // Converts `width` elements of one table row; `scales` is the row's NVFP4 block scales (unused,
 // and null, for other formats). An NVFP4 `src` may start at any multiple of kNvfp4Block elements.
 template <GatherDtype In, GatherDtype Out>
 struct RowConverter {
   using InT = storage_t<In>;
   using OutT = storage_t<Out>;
-  std::array<OutT, 256> lut{};  // fp8 only
-  void (*lut_rows)(const uint8_t*, OutT*, int64_t, const OutT*) = &lut_rows_scalar<OutT>;
+  float scale_out = 0.0f;  // fp8 only: the per-tensor scale rounded to Out
+  // fp8 with AVX-512BW only: the 256 outputs, and the in-register lookup over them.
+  std::array<OutT, 256> lut{};
+  void (*lut_rows)(const uint8_t*, OutT*, int64_t, const OutT*) = nullptr;
   float global_scale = 0.0f;              // NVFP4 only
   const float* scale_values = nullptr;    // NVFP4 only: e4m3fn_values()
 
@@ -293,13 +363,14 @@ struct RowConverter {
       scale_values = e4m3fn_values();
     }
     if constexpr (is_fp8(In)) {
-      // Every fp8 byte has one possible output: build all 256 once per call.
-      const float scale_out = round_scale<Out>(*p.scale);
-      for (int b = 0; b < 256; ++b) {
-        lut[b] = dequantize<In, Out>(static_cast<uint8_t>(b), scale_out);
-      }
+      scale_out = round_scale<Out>(*p.scale);
 #if QWEN4EXP_X86_AVX512
-      if (cpu_has_avx512bw_vl()) lut_rows = &lut_rows_avx512;
+      if (cpu_has_avx512bw_vl()) {
+        for (int b = 0; b < 256; ++b) {
+          lut[b] = dequantize<In, Out>(static_cast<uint8_t>(b), scale_out);
+        }
+        lut_rows = &lut_rows_avx512;
+      }
 #endif
     }
   }
@@ -311,78 +382,125 @@ struct RowConverter {
     } else if constexpr (In == Out) {
       std::memcpy(dst, src, static_cast<size_t>(width) * sizeof(InT));
     } else if constexpr (is_fp8(In)) {
-      lut_rows(src, dst, width, lut.data());
+      if (lut_rows != nullptr) {
+        lut_rows(src, dst, width, lut.data());
+      } else {
+        fp8_rows<In, Out>(src, dst, width, scale_out);
+      }
     } else {
       convert_rows<In, Out>(src, dst, width);
     }
   }
 };
 
-// --- The streaming path ---------------------------------------------------------------------
+// --- The streaming path --------------------------------------------------------------------
 //
-// When the output is larger than the last-level cache, two things change. (1) Its lines would be
-// read from DRAM before being overwritten (read-for-ownership) and evicted again before anyone
-// reads them: streaming (non-temporal) stores write whole lines straight to memory instead, a
-// third less DRAM traffic. (2) Rows need not be read in output order any more, since stores no
-// longer go through the cache: each block of items is counting-sorted by table address first, so
-// the row reads sweep the table upwards — consecutive rows share page-table lines and DRAM pages,
-// and the page walk that every random row of a multi-GB table costs gets cheaper. Measured on the
-// CI host (Zen 4 in a VM, 2 cores), T = 8192 × 16 bf16 rows of 160 from a 4M-row table, medians
-// of 12, same runs: cached path 3.7-5.0 ms, streaming in output order 3.3-3.6 ms, sorted and
-// streaming 2.9-3.3 ms (index_select 5.3-7.9 ms; a copy of the same bytes 2.5-2.8 ms).
-//
-// AVX-512 only: 64-byte streaming stores write a whole line in one instruction. With 16-byte
-// (SSE2) or 32-byte (AVX) streaming stores the same loop measured slower than the cached path
-// there (5.2 and 5.5 ms against 3.7-5.0), so other CPUs keep the cached path.
-#if QWEN4EXP_X86_AVX512
+// An output larger than what this process's threads can keep in cache (a prefill) would have
+// its lines read from DRAM before being overwritten (read-for-ownership) and evicted again before
+// anyone reads them: streaming (non-temporal) stores write whole lines straight to memory
+// instead, a third less DRAM traffic; 64-byte stores with AVX-512, 32-byte ones with AVX
+// (x86-64 CPUs without AVX, and other architectures, keep the cached path).
+// With 64-byte stores each block of items is also counting-sorted by table row first and copied
+// in table order: the row reads sweep the table upwards, consecutive rows share page-table lines
+// and DRAM pages, and the page walk that every random row of a multi-GB table costs gets cheaper.
+// Measured, T = 8192 x 16 bf16 rows of 160 from a 4M-row table, medians, each line one run:
+// - Zen 4 VM, AVX-512, 2 cores: cached path 3.7-5.0 ms, streaming in output order 3.3-3.6,
+//   sorted and streaming 2.9-3.3 (index_select 5.3-7.9; a copy of the same bytes 2.5-2.8).
+// - EPYC VM, AVX2, 2 cores, 4 KiB pages: fresh ids, cached 4.9 ms, 32-byte streaming in output
+//   order 4.9, sorted 8.3 against cached 7.1 in another run (the scattered 32-byte stores cost
+//   more than the sort saves); ids from 1024 rows (every row cached: the output is the
+//   traffic), cached 2.35 ms, streaming in output order 1.79 (index_select 2.36).
 
-// Items per sorted block: 32768 rows of 320 bytes (10 MiB) spread over a 4M-row table put a
+// Items per block: 32768 rows of 320 bytes (10 MiB) spread over a 4M-row table put a
 // row every ~40 KiB; bigger blocks sort better but start the copy later and balance worse. At
 // least two blocks per thread (as on the cached path: a thread whose core is busy takes fewer),
 // down to 1024 items, so that a many-core host still puts every core to work.
 constexpr int64_t kStreamBlockItems = 32768;
 constexpr int64_t kStreamMinBlockItems = 1024;
-// Conversions are staged through an L1-resident buffer of this many bytes, then streamed out.
+// Conversions are staged through an L1-resident buffer of this many bytes, then written out.
 constexpr int64_t kStageBytes = 2048;
 
-// Writes `bytes` at `dst`, copied from `src` (or zeros, with kZeros; `src` is then unused):
-// whole 64-byte lines of `dst` with streaming stores, the unaligned head and tail (if any) with
-// ordinary ones. `src` may be unaligned. The common case (a row of whole, aligned lines: d = 160
-// bf16) has its own plain loop: going through the head/tail arithmetic made the whole gather
-// ~20% slower on the CI host (3.9-4.4 ms against 3.1-3.4).
+// How the streaming path writes rows: streaming stores 32 or 64 bytes wide (plain ones where the
+// CPU has neither).
+enum class RowStores { kPlain, kStream32, kStream64 };
+
+// n bytes at dst from src, or zeros with kZeros (src then unused, may be null).
 template <bool kZeros>
-QWEN4EXP_AVX512 __attribute__((always_inline)) inline void stream_out(char* dst, const char* src,
-                                                                     int64_t bytes) {
-  // The 64 bytes at offset `at`, and the plain copy of `n` bytes at `at` (src untouched when
-  // kZeros: it may be null).
-  const auto line = [src](int64_t at) QWEN4EXP_AVX512 __attribute__((always_inline)) {
-    if constexpr (kZeros) {
-      return _mm512_setzero_si512();
-    } else {
-      return _mm512_loadu_si512(src + at);
-    }
-  };
-  const auto plain = [dst, src](int64_t at, int64_t n) __attribute__((always_inline)) {
-    if constexpr (kZeros) {
-      std::memset(dst + at, 0, static_cast<size_t>(n));
-    } else {
-      std::memcpy(dst + at, src + at, static_cast<size_t>(n));
-    }
-  };
-  if (((reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes)) & 63) == 0) {
-    for (int64_t i = 0; i < bytes; i += 64) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), line(i));
-    }
-    return;
+__attribute__((always_inline)) inline void plain_bytes(char* dst, const char* src, int64_t n) {
+  if (n <= 0) return;
+  if constexpr (kZeros) {
+    std::memset(dst, 0, static_cast<size_t>(n));
+  } else {
+    std::memcpy(dst, src, static_cast<size_t>(n));
   }
-  const int64_t head =
-      std::min<int64_t>(bytes, static_cast<int64_t>(-reinterpret_cast<uintptr_t>(dst) & 63));
-  plain(0, head);
-  int64_t i = head;
-  for (; i + 64 <= bytes; i += 64) {
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), line(i));
+}
+
+#if QWEN4EXP_X86_AVX512  // x86-64: the streaming stores, each compiled for its instruction set
+
+// Writing `bytes` at `dst` with kWide-byte streaming stores: whole aligned pieces [head, end)
+// streamed, the unaligned head [0, head) and tail [end, bytes) (if any) written with ordinary
+// stores.
+template <int kWide>
+struct StreamSplit {
+  int64_t head, end;
+  StreamSplit(const char* dst, int64_t bytes) {
+    head = std::min<int64_t>(bytes,
+                             static_cast<int64_t>(-reinterpret_cast<uintptr_t>(dst) & (kWide - 1)));
+    end = head + (bytes - head) / kWide * kWide;
   }
-  plain(i, bytes - i);
+};
+
+// `bytes` at `dst`, copied from `src` (or zeros, with kZeros; `src` is then unused, may be
+// null), `src` unaligned or not. One row per call, not inlined into the copy loop (whose
+// instruction set is the baseline's): a call costs a few ns against the tens of a cold
+// 320-byte row.
+template <bool kZeros>
+__attribute__((target("avx512f"))) void stream_row64(char* dst, const char* src, int64_t bytes) {
+  const StreamSplit<64> split(dst, bytes);
+  plain_bytes<kZeros>(dst, src, split.head);
+  for (int64_t i = split.head; i < split.end; i += 64) {
+    const __m512i v = kZeros ? _mm512_setzero_si512() : _mm512_loadu_si512(src + i);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), v);
+  }
+  plain_bytes<kZeros>(dst + split.end, kZeros ? nullptr : src + split.end, bytes - split.end);
+}
+
+template <bool kZeros>
+__attribute__((target("avx"))) void stream_row32(char* dst, const char* src, int64_t bytes) {
+  const StreamSplit<32> split(dst, bytes);
+  plain_bytes<kZeros>(dst, src, split.head);
+  for (int64_t i = split.head; i < split.end; i += 32) {
+    const __m256i v = kZeros ? _mm256_setzero_si256()
+                             : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), v);
+  }
+  plain_bytes<kZeros>(dst + split.end, kZeros ? nullptr : src + split.end, bytes - split.end);
+}
+
+bool cpu_has_avx() {
+  static const bool has = __builtin_cpu_supports("avx");
+  return has;
+}
+#endif  // QWEN4EXP_X86_AVX512
+
+// The widest streaming stores this CPU has.
+RowStores best_row_stores() {
+#if QWEN4EXP_X86_AVX512
+  if (cpu_has_avx512f()) return RowStores::kStream64;
+  if (cpu_has_avx()) return RowStores::kStream32;
+#endif
+  return RowStores::kPlain;
+}
+
+// `bytes` at `dst` from `src`, or zeros with kZeros.
+template <bool kZeros>
+__attribute__((always_inline)) inline void write_row(RowStores stores, char* dst, const char* src,
+                                                     int64_t bytes) {
+#if QWEN4EXP_X86_AVX512
+  if (stores == RowStores::kStream64) return stream_row64<kZeros>(dst, src, bytes);
+  if (stores == RowStores::kStream32) return stream_row32<kZeros>(dst, src, bytes);
+#endif
+  plain_bytes<kZeros>(dst, src, bytes);
 }
 
 // A worker's sort buffers, kept across calls (no page faults on 0.5 MiB per block).
@@ -401,17 +519,19 @@ template <GatherDtype In, GatherDtype Out>
 struct StreamJob {
   GatherRowsParams p;
   const RowConverter<In, Out>* convert;
+  RowStores stores;
+  bool sort;  // copy each block's rows in table order (else in output order)
   int64_t items, block_items, blocks, shift, buckets;
   std::atomic<int64_t>* next_block;
 };
 
-// One worker: takes blocks from the shared counter until none are left. A named function, not
-// the parallel_for lambda, so that it is compiled for AVX-512 (a lambda gets the baseline target).
+// One worker: takes blocks from the shared counter until none are left.
 template <GatherDtype In, GatherDtype Out>
-QWEN4EXP_AVX512 void stream_worker(const StreamJob<In, Out>& job) {
+void stream_worker(const StreamJob<In, Out>& job) {
   using InT = storage_t<In>;
   using OutT = storage_t<Out>;
   const GatherRowsParams& q = job.p;
+  const RowStores stores = job.stores;
   const char* const table = static_cast<const char*>(q.table);
   char* const output = static_cast<char*>(q.output);
   const int64_t nh = q.num_heads;
@@ -430,7 +550,7 @@ QWEN4EXP_AVX512 void stream_worker(const StreamJob<In, Out>& job) {
   int32_t* const order = s.order.data();
   int32_t* const bucket_next = s.bucket_next.data();
 
-  auto item_output = [&](int64_t item) QWEN4EXP_AVX512 {
+  auto item_output = [&](int64_t item) __attribute__((always_inline)) {
     if (dense_output) return output + item * out_row_bytes;
     const int64_t t = item / nh;
     return output + t * out_token_bytes + (item - t * nh) * out_row_bytes;
@@ -448,17 +568,25 @@ QWEN4EXP_AVX512 void stream_worker(const StreamJob<In, Out>& job) {
       if (row >= 0) {
         ++bucket_next[(row >> shift) + 1];
       } else {
-        stream_out<true>(output + t * out_token_bytes + h * out_row_bytes, nullptr, out_row_bytes);
+        write_row<true>(stores, output + t * out_token_bytes + h * out_row_bytes, nullptr,
+                        out_row_bytes);
       }
       if (++h == nh) h = 0, ++t;
     }
     for (int64_t b = 0; b < job.buckets; ++b) bucket_next[b + 1] += bucket_next[b];
     const int64_t owned = bucket_next[job.buckets];
-    for (int64_t i = 0; i < count; ++i) {
-      if (row_of[i] >= 0) order[bucket_next[row_of[i] >> shift]++] = static_cast<int32_t>(i);
+    if (job.sort) {
+      for (int64_t i = 0; i < count; ++i) {
+        if (row_of[i] >= 0) order[bucket_next[row_of[i] >> shift]++] = static_cast<int32_t>(i);
+      }
+    } else {
+      int64_t next = 0;
+      for (int64_t i = 0; i < count; ++i) {
+        if (row_of[i] >= 0) order[next++] = static_cast<int32_t>(i);
+      }
     }
     // Copy in table order, prefetching kPrefetchDistance rows ahead as the cached path does.
-    const auto prefetch_row = [&](int64_t row) QWEN4EXP_AVX512 __attribute__((always_inline)) {
+    const auto prefetch_row = [&](int64_t row) __attribute__((always_inline)) {
       prefetch_bytes(table + row * table_row_bytes, row_bytes);
       if constexpr (In == GatherDtype::kNvfp4) {
         prefetch_bytes(reinterpret_cast<const char*>(q.block_scales) +
@@ -476,7 +604,7 @@ QWEN4EXP_AVX512 void stream_worker(const StreamJob<In, Out>& job) {
                                   : nullptr;
       char* dst = item_output(begin + i);
       if constexpr (In == Out) {
-        stream_out<false>(dst, src, row_bytes);
+        write_row<false>(stores, dst, src, row_bytes);
       } else {
         constexpr int64_t kStage = kStageBytes / static_cast<int64_t>(sizeof(OutT));
         static_assert(kStage % kNvfp4Block == 0, "NVFP4 chunks must start on a block");
@@ -486,17 +614,20 @@ QWEN4EXP_AVX512 void stream_worker(const StreamJob<In, Out>& job) {
           const auto* chunk = reinterpret_cast<const InT*>(src) + c / elems_per_word(In);
           (*job.convert)(chunk, scales == nullptr ? nullptr : scales + c / kNvfp4Block, stage, n);
           constexpr int64_t kOut = sizeof(OutT);
-          stream_out<false>(dst + c * kOut, reinterpret_cast<const char*>(stage), n * kOut);
+          write_row<false>(stores, dst + c * kOut, reinterpret_cast<const char*>(stage), n * kOut);
         }
       }
     }
   }
+#if QWEN4EXP_X86_AVX512
   // Streaming stores are weakly ordered: make them visible before this worker reports done.
-  _mm_sfence();
+  if (stores != RowStores::kPlain) _mm_sfence();
+#endif
 }
 
 template <GatherDtype In, GatherDtype Out>
-void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out>& convert) {
+void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out>& convert,
+                        RowStores stores) {
   const int64_t items = p.num_tokens * p.num_heads;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t block_items = std::clamp<int64_t>((items + 2 * threads - 1) / (2 * threads),
@@ -509,6 +640,8 @@ void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out
   std::atomic<int64_t> next_block{0};
   const StreamJob<In, Out> job{p,
                                &convert,
+                               stores,
+                               stores == RowStores::kStream64,
                                items,
                                block_items,
                                (items + block_items - 1) / block_items,
@@ -518,51 +651,89 @@ void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out
   at::parallel_for(0, job.blocks, 1, [&](int64_t, int64_t) { stream_worker(job); });
 }
 
-#endif  // QWEN4EXP_X86_AVX512
+// What one thread of this process can count on keeping in cache: its core's L2 plus its share
+// of the L3, from sysfs (cpu0's caches; sizes like "32768K"). The L3 share is the L3 over the
+// CPUs that sysfs says share it, capped at kL3ShareCap: inside a VM sysfs lists only the VM's
+// own CPUs next to the whole socket's L3 (a 2-CPU VM on a 480 MiB-L3 Xeon sees 240 MiB each),
+// and the tenants on the other cores use the rest. (sysconf(_SC_LEVEL3_CACHE_SIZE) is no
+// substitute: on EPYC it reports every CCD's L3 together.)
+constexpr int64_t kL3ShareCap = int64_t{4} << 20;  // the L3 per core of a Zen 4 CCD, the most
+                                                    // of a common x86 server part
+struct CacheShare {
+  int64_t l2 = int64_t{1} << 20;  // per core, where sysfs has nothing
+  int64_t l3 = int64_t{2} << 20;  // per CPU
+};
 
-// The last-level cache of one core, from sysfs ("32768K"); 32 MiB where it cannot be read.
-// (sysconf(_SC_LEVEL3_CACHE_SIZE) is no substitute: on EPYC it reports every CCD's L3 together.)
-[[maybe_unused]] int64_t last_level_cache_bytes() {
-  static const int64_t bytes = [] {
-    int64_t best = 0;
+int64_t sysfs_cache_bytes(const std::string& size) {
+  int64_t value = std::strtoll(size.c_str(), nullptr, 10);
+  const char unit = size.empty() ? '\0' : size.back();
+  if (unit == 'K') value <<= 10;
+  if (unit == 'M') value <<= 20;
+  return value;
+}
+
+// CPUs in a sysfs list such as "0-3,8-11".
+int64_t sysfs_cpu_count(const std::string& list) {
+  int64_t count = 0;
+  const char* p = list.c_str();
+  while (*p != '\0') {
+    char* end = nullptr;
+    const long first = std::strtol(p, &end, 10);
+    if (end == p) break;
+    long last = first;
+    p = end;
+    if (*p == '-') {
+      last = std::strtol(p + 1, &end, 10);
+      p = end;
+    }
+    count += std::max<long>(0, last - first + 1);
+    if (*p == ',') ++p;
+  }
+  return count;
+}
+
+const CacheShare& cache_share() {
+  static const CacheShare share = [] {
+    CacheShare s;
     for (int index = 0; index < 8; ++index) {
       const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index);
-      std::ifstream level_file(dir + "/level"), size_file(dir + "/size"), type_file(dir + "/type");
+      std::ifstream level_file(dir + "/level"), size_file(dir + "/size"), type_file(dir + "/type"),
+          shared_file(dir + "/shared_cpu_list");
       int level = 0;
-      std::string size, type;
+      std::string size, type, shared;
       if (!(level_file >> level) || !(size_file >> size) || !(type_file >> type)) continue;
-      if (type == "Instruction" || size.empty()) continue;
-      int64_t value = std::strtoll(size.c_str(), nullptr, 10);
-      const char unit = size.back();
-      if (unit == 'K') value <<= 10;
-      if (unit == 'M') value <<= 20;
-      if (level >= 2 && value > best) best = value;
+      if (type == "Instruction") continue;
+      const int64_t bytes = sysfs_cache_bytes(size);
+      if (bytes <= 0) continue;
+      const int64_t sharing = (shared_file >> shared) ? std::max<int64_t>(1, sysfs_cpu_count(shared)) : 1;
+      if (level == 2) s.l2 = bytes / sharing;
+      if (level == 3) s.l3 = std::min(kL3ShareCap, bytes / sharing);
     }
-    return best > 0 ? best : int64_t{32} << 20;
+    return s;
   }();
-  return bytes;
+  return share;
 }
 
 }  // namespace
 
 // Outputs of at least this many bytes take the streaming path; -1 where it is not available
-// (no AVX-512, or not x86-64). QWEN4EXP_CPU_GATHER_STREAM_BYTES overrides the default, the
-// last-level cache size; read on every call, like QWEN4EXP_DEBUG_CHECKS, so tests can force
-// either path.
+// (no streaming stores: not x86-64, or no AVX). The default is what this process's threads can
+// keep in cache (cache_share: per thread the core's L2 and its share of the L3);
+// QWEN4EXP_CPU_GATHER_STREAM_BYTES overrides it, read on every call, like QWEN4EXP_DEBUG_CHECKS,
+// so tests can force either path.
 int64_t cpu_gather_stream_bytes() {
-#if QWEN4EXP_X86_AVX512
-  if (!cpu_has_avx512f()) return -1;
+  if (best_row_stores() == RowStores::kPlain) return -1;
   const char* value = std::getenv("QWEN4EXP_CPU_GATHER_STREAM_BYTES");
-  if (value == nullptr || *value == '\0') return last_level_cache_bytes();
+  if (value == nullptr || *value == '\0') {
+    const CacheShare& share = cache_share();
+    return std::max<int64_t>(1, at::get_num_threads()) * (share.l2 + share.l3);
+  }
   char* end = nullptr;
   errno = 0;
   const long long bytes = std::strtoll(value, &end, 10);
   TORCH_CHECK_VALUE(errno == 0 && *end == '\0' && bytes >= 0,
               "QWEN4EXP_CPU_GATHER_STREAM_BYTES must be a byte count >= 0, got '", value, "'");
   return bytes;
-#else
-  return -1;
-#endif
 }
 
 namespace {
@@ -581,14 +752,12 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
   using InT = storage_t<In>;
   using OutT = storage_t<Out>;
   const RowConverter<In, Out> convert(p);
-#if QWEN4EXP_X86_AVX512
-  const int64_t stream_bytes_from = cpu_gather_stream_bytes();
   const int64_t out_bytes =
       p.num_tokens * p.num_heads * p.width * static_cast<int64_t>(sizeof(OutT));
+  const int64_t stream_bytes_from = cpu_gather_stream_bytes();
   if (stream_bytes_from >= 0 && out_bytes >= stream_bytes_from) {
-    return gather_rows_streaming<In, Out>(p, convert);
+    return gather_rows_streaming<In, Out>(p, convert, best_row_stores());
   }
-#endif
   // Locals, not loads through `p`: the row copies write through char-typed pointers, which may
   // alias anything, so the compiler would reload every field of `p` after each row.
   const char* const table = static_cast<const char*>(p.table);

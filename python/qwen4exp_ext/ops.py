@@ -132,8 +132,8 @@ class KernelOps:
         (:func:`qwen4exp_ext.host_table.device_view`): read zero-copy over PCIe.
 
         On the CPU an output of at least :func:`cpu_gather_stream_bytes` bytes (a prefill) is
-        written with streaming stores, rows read in table order: it bypasses the cache, which it
-        would not fit in anyway. Same values either way.
+        written with streaming stores: it bypasses the cache, which it would not fit in anyway.
+        Same values either way.
         """
         if table.dim() != 2:
             raise ValueError(
@@ -496,7 +496,9 @@ CPU_GATHER_STREAM_BYTES_ENV = "QWEN4EXP_CPU_GATHER_STREAM_BYTES"
 
 def cpu_gather_stream_bytes() -> int:
     """The output size in bytes from which the CPU ``gather_rows`` takes its streaming path
-    (rows read in table order, written with non-temporal stores); -1 where this CPU has none
-    (it needs AVX-512). Default: the last-level cache size; ``QWEN4EXP_CPU_GATHER_STREAM_BYTES``
-    in the environment overrides it (0: every call streams), read on every call."""
+    (rows written with non-temporal stores; with AVX-512 also read in table order); -1 where
+    this CPU has none (it needs x86-64 with AVX). Default: what this process's threads can keep
+    in cache (per thread its core's L2 and its share of the L3, at most 4 MiB of it);
+    ``QWEN4EXP_CPU_GATHER_STREAM_BYTES`` in the environment overrides it (0: every call
+    streams), read on every call."""
     return int(torch.ops.qwen4exp.cpu_gather_stream_bytes())
