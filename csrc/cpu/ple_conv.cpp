@@ -121,10 +121,11 @@ struct ConvCtx {
 // ---- the channel loop of one token ------------------------------------------------------------
 
 // y for eight channels [c, c+lanes) of one token: the K taps summed in order from +0, rounded
-// to T, SiLU. Taps are contiguous rows unless `contiguous` is false (a dim-first state).
+// to T, SiLU. taps[k] points at channel c0 (the chunk's first; c = c0 + i); they are contiguous
+// rows unless `contiguous` is false (a dim-first state).
 template <typename T, bool kFull>
 QWEN4EXP_ALWAYS_INLINE simd::f32x8 conv8(const ConvCtx<T>& ctx, const Tap<T>* taps,
-                                         bool contiguous, int64_t c, int lanes) {
+                                         bool contiguous, int64_t c, int64_t i, int lanes) {
   using simd::f32x8;
   const int64_t channels = ctx.p.channels;
   f32x8 acc = simd::splat(0.0f);
@@ -132,10 +133,10 @@ QWEN4EXP_ALWAYS_INLINE simd::f32x8 conv8(const ConvCtx<T>& ctx, const Tap<T>* ta
     const float* w = ctx.weights + k * channels + c;
     f32x8 tap;
     if (contiguous) {
-      tap = kFull ? simd::load(taps[k].ptr + c) : simd::load_partial(taps[k].ptr + c, lanes);
+      tap = kFull ? simd::load(taps[k].ptr + i) : simd::load_partial(taps[k].ptr + i, lanes);
     } else {
       T gathered[simd::kLanes] = {};
-      for (int j = 0; j < lanes; ++j) gathered[j] = taps[k].ptr[(c + j) * taps[k].stride];
+      for (int j = 0; j < lanes; ++j) gathered[j] = taps[k].ptr[(i + j) * taps[k].stride];
       tap = simd::load(gathered);
     }
     acc += (kFull ? simd::load(w) : simd::load_partial(w, lanes)) * tap;
@@ -169,12 +170,12 @@ QWEN4EXP_ALWAYS_INLINE void finish8(T* residual, const T* outer, simd::f32x8 y, 
   }
 }
 
-// residual[c0, c0+n) of one token from its K taps. `produce` false writes y = 0 (vLLM's
-// inactive rows), still through the fused residuals. Two groups of eight channels per step
-// keep two independent exp/divide chains in flight.
+// residual[c0, c0+n) of one token from its K taps, each pointing at channel c0 (chunk-relative).
+// `produce` false writes y = 0 (vLLM's inactive rows), still through the fused residuals. Two
+// groups of eight channels per step keep two independent exp/divide chains in flight.
 template <typename T>
-QWEN4EXP_ALWAYS_INLINE void conv_chunk(const ConvCtx<T>& ctx, const Tap<T>* taps, int64_t c0,
-                                       int n, bool produce, T* residual, const T* outer) {
+QWEN4EXP_ALWAYS_INLINE void conv_chunk_at(const ConvCtx<T>& ctx, const Tap<T>* taps, int64_t c0,
+                                          int n, bool produce, T* residual, const T* outer) {
   using simd::f32x8;
   using simd::kLanes;
   bool contiguous = true;
@@ -183,17 +184,31 @@ QWEN4EXP_ALWAYS_INLINE void conv_chunk(const ConvCtx<T>& ctx, const Tap<T>* taps
   int i = 0;
   for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
     const int64_t c = c0 + i;
-    const f32x8 y0 = produce ? conv8<T, true>(ctx, taps, contiguous, c, kLanes) : zero;
-    const f32x8 y1 = produce ? conv8<T, true>(ctx, taps, contiguous, c + kLanes, kLanes) : zero;
+    const f32x8 y0 = produce ? conv8<T, true>(ctx, taps, contiguous, c, i, kLanes) : zero;
+    const f32x8 y1 =
+        produce ? conv8<T, true>(ctx, taps, contiguous, c + kLanes, i + kLanes, kLanes) : zero;
     finish8<T, true>(residual, outer, y0, c, kLanes);
     finish8<T, true>(residual, outer, y1, c + kLanes, kLanes);
   }
   for (; i < n; i += kLanes) {
     const int lanes = std::min(kLanes, n - i);
     const int64_t c = c0 + i;
-    const f32x8 y = produce ? conv8<T, false>(ctx, taps, contiguous, c, lanes) : zero;
+    const f32x8 y = produce ? conv8<T, false>(ctx, taps, contiguous, c, i, lanes) : zero;
     finish8<T, false>(residual, outer, y, c, lanes);
   }
+}
+
+// The same with taps that point at channel 0 (whole rows or state entries).
+template <typename T>
+QWEN4EXP_ALWAYS_INLINE void conv_chunk(const ConvCtx<T>& ctx, const Tap<T>* taps, int64_t c0,
+                                       int n, bool produce, T* residual, const T* outer) {
+  Tap<T> at[kMaxConvKernel] = {};
+  if (produce) {
+    for (int k = 0; k < ctx.p.kernel_size; ++k) {
+      at[k] = Tap<T>{taps[k].ptr + c0 * taps[k].stride, taps[k].stride};
+    }
+  }
+  conv_chunk_at(ctx, at, c0, n, produce, residual, outer);
 }
 
 // dst[c] = src[c] (or 0) for c in [c0, c0+n): one state entry, channel-strided.
@@ -211,13 +226,22 @@ QWEN4EXP_ALWAYS_INLINE void copy_entry(T* dst, int64_t dst_stride, const T* src,
 
 // ---- decode -----------------------------------------------------------------------------------
 
+// A dim-first state (vLLM's VLLM_SSM_CONV_STATE_LAYOUT=DS: [slots, C, W], window stride 1)
+// keeps each channel's window together, so a tap is a column C·W elements long. Decode copies
+// the chunk's K-1 tap columns into window-first rows first (a strided gather lane by lane into
+// the vector made decode at R = 64 4.7x slower than with a window-first state), and when the
+// window is the whole channel row (W = S) shifts the state with one memmove of the chunk's
+// n·S - 1 elements plus a store of x per channel.
 template <typename T>
 QWEN4EXP_ALWAYS_INLINE void decode_tokens(const ConvCtx<T>& ctx, int64_t begin, int64_t end) {
   const PleConvParams& p = ctx.p;
   const int K = p.kernel_size;
   const int S = p.state_len;
   const int64_t cs = p.state_channel_stride;
+  const bool dim_first = cs != 1 && p.state_window_stride == 1;
+  const bool shift_by_memmove = dim_first && cs == S && S > 0;
   Tap<T> taps[kMaxConvKernel];
+  alignas(64) T columns[kMaxConvKernel - 1][kChunk];  // dim-first: the taps of one chunk
   for (int64_t t = begin; t < end; ++t) {
     const int64_t row = conv_physical_row(p, t);
     const int64_t slot = p.state_indices[t];
@@ -234,9 +258,26 @@ QWEN4EXP_ALWAYS_INLINE void decode_tokens(const ConvCtx<T>& ctx, int64_t begin, 
     const T* outer = ctx.outer_row(row);
     for (int64_t c0 = 0; c0 < p.channels; c0 += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, p.channels - c0));
-      conv_chunk(ctx, taps, c0, n, live, residual, outer);
+      if (read && dim_first) {
+        Tap<T> at[kMaxConvKernel];
+        for (int k = 0; k + 1 < K; ++k) {
+          const T* column = taps[k].ptr + c0 * cs;
+          for (int i = 0; i < n; ++i) columns[k][i] = column[i * cs];
+          at[k] = Tap<T>{columns[k], 1};
+        }
+        at[K - 1] = Tap<T>{x + c0, 1};
+        conv_chunk_at(ctx, at, c0, n, true, residual, outer);
+      } else {
+        conv_chunk(ctx, taps, c0, n, live, residual, outer);
+      }
       if (!live) continue;
       // Shift the window by one and append x (zeros ++ x without an initial state).
+      if (read && shift_by_memmove) {
+        T* window = ctx.state_entry(slot, 0) + c0 * cs;
+        std::memmove(window, window + 1, sizeof(T) * (static_cast<size_t>(n) * S - 1));
+        for (int i = 0; i < n; ++i) window[i * cs + S - 1] = x[c0 + i];
+        continue;
+      }
       for (int i = 0; i + 1 < S; ++i) {
         copy_entry(ctx.state_entry(slot, i), cs, read ? ctx.state_entry(slot, i + 1) : nullptr,
                    cs, c0, n);
