@@ -60,9 +60,10 @@ fi
 echo "== memcheck exit $memcheck_status (86: a memory error; 124: ran out of time)"
 
 echo "== benchmark"
+# --threads all: host threads do not change GPU kernel times; "1,all" would double the run.
 device="$("$PY" -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "-"))')"
-"$PY" -m qwen4exp_ext.bench --device cuda --json "$out/bench-$(date +%F)-$device.json" 2>&1 \
-  | tee "$out/bench.log"
+"$PY" -m qwen4exp_ext.bench --device cuda --threads all \
+  --json "$out/bench-$(date +%F)-$device.json" 2>&1 | tee "$out/bench.log"
 bench_status=${PIPESTATUS[0]}
 echo "== tests exit $tests_status, memcheck exit $memcheck_status, bench exit $bench_status"
 [ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ] &&
