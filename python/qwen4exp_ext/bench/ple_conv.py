@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from qwen4exp_ext import ops, reference
 from qwen4exp_ext.bench.compare import close_mismatch, exact_mismatch
-from qwen4exp_ext.bench.registry import Case
+from qwen4exp_ext.bench.registry import Case, vllm_ple_op
 
 # Released config, SPEC.md §1.
 CHANNELS = 10240
@@ -63,15 +63,6 @@ RESIDUAL_ATOL = 2.0**-5
 RESIDUAL_RTOL = 2.0**-7
 
 
-def _vllm_ple_conv():
-    """vLLM's own Triton ple_conv, or None when vLLM cannot be imported (it needs a GPU build)."""
-    try:
-        from vllm.models.qwen4_exp.common.ops.ple import ple_conv
-    except Exception:  # noqa: BLE001 - any import failure means "no vLLM to compare with"
-        return None
-    return ple_conv
-
-
 def cases(device: torch.device) -> list[Case]:
     shapes = [(f"decode_R{r}", "decode", [1] * r, 1) for r in DECODE_REQUESTS]
     shapes += [
@@ -85,7 +76,7 @@ def cases(device: torch.device) -> list[Case]:
         1,
     )
     shapes.append(prefill)
-    vllm_conv = _vllm_ple_conv() if device.type == "cuda" else None
+    vllm_conv = vllm_ple_op("ple_conv") if device.type == "cuda" else None
     out = [_case(*shape, "SD", device, vllm_conv) for shape in shapes]
     dim_first = [s for s in shapes if s[0] == f"decode_R{DIM_FIRST_DECODE_REQUESTS}"] + [prefill]
     out += [_case(name + "_ds", *rest, "DS", device, vllm_conv) for name, *rest in dim_first]

@@ -33,7 +33,7 @@ import torch
 
 from qwen4exp_ext import ops, reference
 from qwen4exp_ext.bench.compare import close_mismatch
-from qwen4exp_ext.bench.registry import Case
+from qwen4exp_ext.bench.registry import Case, vllm_ple_op
 
 # Released config, SPEC.md §1.
 WIDTH = 2560  # H
@@ -59,20 +59,11 @@ RTOL = {"vllm": 2.0**-6, "fp32": 2.0**-7}
 TRANSFORMERS_FAST_RTOL = 2.0**-3
 
 
-def _vllm_ple_gate():
-    """vLLM's own Triton ple_gate, or None when vLLM cannot be imported (it needs a GPU build)."""
-    try:
-        from vllm.models.qwen4_exp.common.ops.ple import ple_gate
-    except Exception:  # noqa: BLE001 - any import failure means "no vLLM to compare with"
-        return None
-    return ple_gate
-
-
 def cases(device: torch.device) -> list[Case]:
     shapes = [(f"decode_T{t}", t) for t in DECODE_TOKENS]
     shapes += [(f"spec_q{q}_R{SPEC_REQUESTS}", SPEC_REQUESTS * q) for q in SPEC_QUERY_LENS]
     shapes += [(f"prefill_T{PREFILL_TOKENS}", PREFILL_TOKENS)]
-    vllm_gate = _vllm_ple_gate() if device.type == "cuda" else None
+    vllm_gate = vllm_ple_op("ple_gate") if device.type == "cuda" else None
     out = []
     for name, tokens in shapes:
         for rounding in ("vllm", "fp32"):

@@ -88,3 +88,13 @@ def load_sections(op: str, device: torch.device) -> list[Section]:
     module = importlib.import_module(OP_MODULES[op])
     sections = getattr(module, "sections", None)
     return [] if sections is None else sections(device)
+
+
+def vllm_ple_op(name: str):
+    """vLLM's own Triton PLE op ``name`` (``ple_gate``, ``ple_conv``), or None when vLLM cannot
+    be imported (it needs a GPU build)."""
+    try:
+        from vllm.models.qwen4_exp.common.ops import ple
+    except Exception:  # noqa: BLE001 - any import failure means "no vLLM to compare with"
+        return None
+    return getattr(ple, name)
