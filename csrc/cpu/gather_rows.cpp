@@ -5,13 +5,13 @@
 // order and, kPrefetchDistance items ahead, issues software prefetches for every cache line of the
 // row it will need: that keeps many misses in flight per core instead of one row at a time, which
 // is what F.embedding / index_select do. The rows themselves are then plain copies (same dtype),
-// one table lookup per byte (fp8: a 256-entry table of already-scaled, already-rounded outputs),
-// a vectorised decode of two E2M1 codes per byte with the row's block scales (NVFP4), or a
-// decode/round loop (other conversions). All offsets are int64: the released table holds
-// 51.2 billion elements.
+// a vectorised fp8 decode (or, with AVX-512BW, an in-register table of already-scaled,
+// already-rounded outputs), a vectorised decode of two E2M1 codes per byte with the row's block
+// scales (NVFP4), or a vectorised decode/round loop (other conversions). All offsets are int64:
+// the released table holds 51.2 billion elements.
 //
-// An output larger than the last-level cache (a prefill) takes the streaming path instead, where
-// the CPU has AVX-512: see "The streaming path" below.
+// An output larger than this process's threads can keep in cache (a prefill) takes the
+// streaming path instead, where the CPU has AVX: see "The streaming path" below.
 #include <ATen/Parallel.h>
 #include <torch/all.h>
 
@@ -26,8 +26,9 @@
 #include <type_traits>
 #include <vector>
 
-// The AVX-512 paths (streaming stores, in-register fp8 tables) are compiled on x86-64 with
-// per-function target attributes and chosen at run time: the wheel itself stays baseline x86-64.
+// The x86 paths (AVX and AVX-512 streaming stores, AVX-512 in-register fp8 tables) are compiled on
+// x86-64 with per-function target attributes and chosen at run time: the wheel itself stays
+// baseline x86-64.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define QWEN4EXP_X86_AVX512 1
@@ -545,7 +546,7 @@ void stream_worker(const StreamJob<In, Out>& job) {
   StreamScratch& s = stream_scratch();
   s.row_of.resize(static_cast<size_t>(job.block_items));
   s.order.resize(static_cast<size_t>(job.block_items));
-  s.bucket_next.resize(static_cast<size_t>(job.buckets + 1));
+  if (job.sort) s.bucket_next.resize(static_cast<size_t>(job.buckets + 1));
   int64_t* const row_of = s.row_of.data();
   int32_t* const order = s.order.data();
   int32_t* const bucket_next = s.bucket_next.data();
@@ -559,33 +560,32 @@ void stream_worker(const StreamJob<In, Out>& job) {
        block = job.next_block->fetch_add(1, std::memory_order_relaxed)) {
     const int64_t begin = block * job.block_items;
     const int64_t count = std::min(job.items - begin, job.block_items);
-    // Resolve ids, write the zero rows now, count the owned rows per bucket of table rows.
-    std::fill(bucket_next, bucket_next + job.buckets + 1, 0);
+    // Resolve ids and write the zero rows now. The owned rows are listed in output order, or
+    // (sorting) counted per bucket of table rows and then counting-sorted into table order.
+    if (job.sort) std::fill(bucket_next, bucket_next + job.buckets + 1, 0);
+    int64_t owned = 0;
     int64_t t = begin / nh, h = begin - t * nh;
     for (int64_t i = 0; i < count; ++i) {
       const int64_t row = q.local_row(q.id_at(t, h));
       row_of[i] = row;
-      if (row >= 0) {
-        ++bucket_next[(row >> shift) + 1];
-      } else {
+      if (row < 0) {
         write_row<true>(stores, output + t * out_token_bytes + h * out_row_bytes, nullptr,
                         out_row_bytes);
+      } else if (job.sort) {
+        ++bucket_next[(row >> shift) + 1];
+      } else {
+        order[owned++] = static_cast<int32_t>(i);
       }
       if (++h == nh) h = 0, ++t;
     }
-    for (int64_t b = 0; b < job.buckets; ++b) bucket_next[b + 1] += bucket_next[b];
-    const int64_t owned = bucket_next[job.buckets];
     if (job.sort) {
+      for (int64_t b = 0; b < job.buckets; ++b) bucket_next[b + 1] += bucket_next[b];
+      owned = bucket_next[job.buckets];
       for (int64_t i = 0; i < count; ++i) {
         if (row_of[i] >= 0) order[bucket_next[row_of[i] >> shift]++] = static_cast<int32_t>(i);
       }
-    } else {
-      int64_t next = 0;
-      for (int64_t i = 0; i < count; ++i) {
-        if (row_of[i] >= 0) order[next++] = static_cast<int32_t>(i);
-      }
     }
-    // Copy in table order, prefetching kPrefetchDistance rows ahead as the cached path does.
+    // Copy in that order, prefetching kPrefetchDistance rows ahead as the cached path does.
     const auto prefetch_row = [&](int64_t row) __attribute__((always_inline)) {
       prefetch_bytes(table + row * table_row_bytes, row_bytes);
       if constexpr (In == GatherDtype::kNvfp4) {
@@ -627,7 +627,7 @@ void stream_worker(const StreamJob<In, Out>& job) {
 
 template <GatherDtype In, GatherDtype Out>
 void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out>& convert,
-                        RowStores stores) {
+                           RowStores stores) {
   const int64_t items = p.num_tokens * p.num_heads;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t block_items = std::clamp<int64_t>((items + 2 * threads - 1) / (2 * threads),
@@ -657,8 +657,8 @@ void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out
 // own CPUs next to the whole socket's L3 (a 2-CPU VM on a 480 MiB-L3 Xeon sees 240 MiB each),
 // and the tenants on the other cores use the rest. (sysconf(_SC_LEVEL3_CACHE_SIZE) is no
 // substitute: on EPYC it reports every CCD's L3 together.)
-constexpr int64_t kL3ShareCap = int64_t{4} << 20;  // the L3 per core of a Zen 4 CCD, the most
-                                                    // of a common x86 server part
+// 4 MiB: the L3 per core of a Zen 4 CCD, more than a Xeon gives a core (V-Cache parts have more).
+constexpr int64_t kL3ShareCap = int64_t{4} << 20;
 struct CacheShare {
   int64_t l2 = int64_t{1} << 20;  // per core, where sysfs has nothing
   int64_t l3 = int64_t{2} << 20;  // per CPU
@@ -705,7 +705,8 @@ const CacheShare& cache_share() {
       if (type == "Instruction") continue;
       const int64_t bytes = sysfs_cache_bytes(size);
       if (bytes <= 0) continue;
-      const int64_t sharing = (shared_file >> shared) ? std::max<int64_t>(1, sysfs_cpu_count(shared)) : 1;
+      const int64_t sharing =
+          (shared_file >> shared) ? std::max<int64_t>(1, sysfs_cpu_count(shared)) : 1;
       if (level == 2) s.l2 = bytes / sharing;
       if (level == 3) s.l3 = std::min(kL3ShareCap, bytes / sharing);
     }
