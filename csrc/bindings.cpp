@@ -10,6 +10,7 @@
 #include <string>
 
 #include "schemas.h"
+#include "switches.h"
 
 namespace qwen4exp {
 int64_t cpu_gather_stream_bytes();  // csrc/cpu/gather_rows.cpp
@@ -21,9 +22,16 @@ int64_t cpu_gather_stream_bytes();  // csrc/cpu/gather_rows.cpp
 
 TORCH_LIBRARY(qwen4exp, m) {
   qwen4exp::define_kernel_ops(m);
+  qwen4exp::switches::define_switch_ops(m);
   // The output size (bytes) from which the CPU gather takes its streaming path (sorted reads,
   // non-temporal stores; csrc/cpu/gather_rows.cpp), -1 where this CPU or build has none.
   m.def("cpu_gather_stream_bytes() -> int", &qwen4exp::cpu_gather_stream_bytes);
+  // Sets that size (-1: the default, from the cache sizes) and returns the setting it replaces.
+  m.def("set_cpu_gather_stream_bytes(int bytes) -> int", [](int64_t bytes) -> int64_t {
+    TORCH_CHECK_VALUE(bytes >= -1, "set_cpu_gather_stream_bytes: bytes must be >= 0 (or -1 for "
+                      "the default), got ", bytes);
+    return qwen4exp::switches::cpu_gather_stream_bytes.exchange(bytes);
+  });
   // SPEC §4, pinned host tables: pins (or host-registers) a CPU tensor's memory once and returns
   // a view of it on `device` (hip/cudaHostGetDevicePointer) that kernels read over PCIe. GPU
   // builds only (csrc/gpu/host_table.cpp).

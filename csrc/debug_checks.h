@@ -4,30 +4,24 @@
 // and break CUDA-graph capture. So values that only the data shows (query_start_loc layout,
 // state_indices, token_indices, head sizes) are not errors there: every kernel is written so that
 // such values read and write nothing out of bounds (skipped rows and slots, -1 ids that gather as
-// zero rows; see each kernel). With QWEN4EXP_DEBUG_CHECKS=1 in the environment (or inside
-// `with qwen4exp_ext.debug_checks():`), the GPU glue instead copies the index tensors to the
-// host and runs the same value checks as the CPU path, so bad data raises the CPU's error. The
-// copy syncs the stream; during CUDA-graph capture the checks are skipped (a capture cannot
-// hold a host copy), so they run again on the next eager call.
+// zero rows; see each kernel). With the checks on (csrc/switches.h: QWEN4EXP_DEBUG_CHECKS=1 at
+// import, qwen4exp_ext.set_debug_checks, or `with qwen4exp_ext.debug_checks():`), the GPU glue
+// instead copies the index tensors to the host and runs the same value checks as the CPU path,
+// so bad data raises the CPU's error. The copy syncs the stream; during CUDA-graph capture the
+// checks are skipped (a capture cannot hold a host copy), so they run again on the next eager
+// call.
 #pragma once
 
 #include <torch/all.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
 #include "gpu/glue.h"
+#include "switches.h"
 
 namespace qwen4exp {
 
-// Read on every call (a getenv is a few hundred ns next to a kernel launch), so Python can turn
-// the checks on and off at run time through os.environ.
-inline bool debug_checks_enabled() {
-  const char* value = std::getenv("QWEN4EXP_DEBUG_CHECKS");
-  if (value == nullptr || *value == '\0' || std::strcmp(value, "0") == 0) return false;
-  return !glue::capturing();
-}
+inline bool debug_checks_enabled() { return switches::debug_checks() && !glue::capturing(); }
 
 // Host copies of index tensors, kept alive for the duration of one check.
 class HostIndexCopies {

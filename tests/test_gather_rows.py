@@ -36,9 +36,11 @@ FP8_NAN_BYTES = {torch.float8_e4m3fn: (0x7F, 0xFF), torch.float8_e4m3fnuz: (0x80
 def cpu_gather_path(path: str):
     """Within the block the CPU gather takes ``path``: "cached" or "streaming" (where the CPU
     has one: ops.cpu_gather_stream_bytes() != -1)."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv(ops.CPU_GATHER_STREAM_BYTES_ENV, {"cached": str(2**62), "streaming": "0"}[path])
+    previous = ops.set_cpu_gather_stream_bytes({"cached": 2**62, "streaming": 0}[path])
+    try:
         yield
+    finally:
+        ops.set_cpu_gather_stream_bytes(previous)
 
 
 def _cpu_paths() -> list[str]:
@@ -270,23 +272,27 @@ def test_many_blocks_wide_rows_and_zero_rows(backend, table_dtype, cpu_path):
             assert torch.all(buffer[:, :1] == 3) and torch.all(buffer[:, 1 + heads * width :] == 3)
 
 
-def test_cpu_gather_stream_bytes_switch(monkeypatch):
-    """The threshold reads the environment on every call; a bad value is a clear error."""
-    name = ops.CPU_GATHER_STREAM_BYTES_ENV
-    if "streaming" not in CPU_PATHS:
-        monkeypatch.setenv(name, "0")
-        assert ops.cpu_gather_stream_bytes() == -1
-        return
-    monkeypatch.delenv(name, raising=False)
-    assert ops.cpu_gather_stream_bytes() >= 1 << 20  # what this process can keep in cache
-    monkeypatch.setenv(name, "12345")
-    assert ops.cpu_gather_stream_bytes() == 12345
-    for bad in ("-1", "1e6", "12 MB", "x"):
-        monkeypatch.setenv(name, bad)
-        with pytest.raises(ValueError, match=name):
-            ops.cpu_gather_stream_bytes()
-        with pytest.raises(ValueError, match=name):
-            ops.gather_rows(torch.zeros(4, 2), torch.tensor([[1]]))
+def test_cpu_gather_stream_bytes_switch():
+    """The threshold is set through ops.set_cpu_gather_stream_bytes (None: the default, from the
+    cache sizes), which returns the setting it replaces; a bad value is a clear error. The
+    environment is read at import only (tests/test_switches.py)."""
+    previous = ops.set_cpu_gather_stream_bytes(None)
+    try:
+        if "streaming" not in CPU_PATHS:
+            assert ops.set_cpu_gather_stream_bytes(0) is None
+            assert ops.cpu_gather_stream_bytes() == -1
+            return
+        assert ops.cpu_gather_stream_bytes() >= 1 << 20  # what this process can keep in cache
+        assert ops.set_cpu_gather_stream_bytes(12345) is None
+        assert ops.cpu_gather_stream_bytes() == 12345
+        assert ops.set_cpu_gather_stream_bytes(0) == 12345
+        assert ops.cpu_gather_stream_bytes() == 0
+        for bad in (-1, 1.5, "12 MB", True):
+            with pytest.raises(ValueError, match="stream_bytes must be an int >= 0 or None"):
+                ops.set_cpu_gather_stream_bytes(bad)
+        assert ops.cpu_gather_stream_bytes() == 0
+    finally:
+        ops.set_cpu_gather_stream_bytes(previous)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)

@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -37,6 +36,7 @@
 #endif
 
 #include "../gather_rows_args.h"
+#include "../switches.h"
 #include "simd.h"
 
 namespace qwen4exp {
@@ -719,22 +719,14 @@ const CacheShare& cache_share() {
 
 // Outputs of at least this many bytes take the streaming path; -1 where it is not available
 // (no streaming stores: not x86-64, or no AVX). The default is what this process's threads can
-// keep in cache (cache_share: per thread the core's L2 and its share of the L3);
-// QWEN4EXP_CPU_GATHER_STREAM_BYTES overrides it, read on every call, like QWEN4EXP_DEBUG_CHECKS,
-// so tests can force either path.
+// keep in cache (cache_share: per thread the core's L2 and its share of the L3); Python sets
+// another (csrc/switches.h), so tests can force either path.
 int64_t cpu_gather_stream_bytes() {
   if (best_row_stores() == RowStores::kPlain) return -1;
-  const char* value = std::getenv("QWEN4EXP_CPU_GATHER_STREAM_BYTES");
-  if (value == nullptr || *value == '\0') {
-    const CacheShare& share = cache_share();
-    return std::max<int64_t>(1, at::get_num_threads()) * (share.l2 + share.l3);
-  }
-  char* end = nullptr;
-  errno = 0;
-  const long long bytes = std::strtoll(value, &end, 10);
-  TORCH_CHECK_VALUE(errno == 0 && *end == '\0' && bytes >= 0,
-              "QWEN4EXP_CPU_GATHER_STREAM_BYTES must be a byte count >= 0, got '", value, "'");
-  return bytes;
+  const int64_t set = switches::cpu_gather_stream_bytes.load(std::memory_order_relaxed);
+  if (set >= 0) return set;
+  const CacheShare& share = cache_share();
+  return std::max<int64_t>(1, at::get_num_threads()) * (share.l2 + share.l3);
 }
 
 namespace {

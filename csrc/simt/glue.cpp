@@ -13,9 +13,13 @@
 #include "../gpu/ple_conv_gpu.cpp"
 #include "../gpu/ple_gate_gpu.cpp"
 #include "../schemas.h"
+#include "../switches.h"
 
 #define QWEN4EXP_SIMT_LIBRARY_EXPANDED(library, m) TORCH_LIBRARY(library, m)
-QWEN4EXP_SIMT_LIBRARY_EXPANDED(QWEN4EXP_GLUE_LIBRARY, m) { qwen4exp::define_kernel_ops(m); }
+QWEN4EXP_SIMT_LIBRARY_EXPANDED(QWEN4EXP_GLUE_LIBRARY, m) {
+  qwen4exp::define_kernel_ops(m);
+  qwen4exp::switches::define_switch_ops(m);
+}
 
 #define QWEN4EXP_SIMT_CAT(a, b) a##b
 #define QWEN4EXP_SIMT_PYINIT(wave) QWEN4EXP_SIMT_CAT(PyInit__simt, wave)

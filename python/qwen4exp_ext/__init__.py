@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
 import torch
 
+
 from . import (
     _kernels,  # noqa: F401  (loading the library registers torch.ops.qwen4exp)
+    _switches,
     ops,
 )
 
-__all__ = ["build_info", "debug_checks", "ops"]
+__all__ = ["build_info", "debug_checks", "debug_checks_enabled", "ops", "set_debug_checks"]
 __version__ = "0.1.0"
 
 
@@ -38,12 +38,9 @@ def build_info() -> dict[str, Any]:
     return info
 
 
-DEBUG_CHECKS_ENV = "QWEN4EXP_DEBUG_CHECKS"
-
-
-@contextlib.contextmanager
-def debug_checks(enabled: bool = True) -> Iterator[None]:
-    """Within the block, GPU calls also check index *values* and raise on bad ones.
+def debug_checks(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Within the block, GPU calls from this thread also check index *values* and raise on bad
+    ones.
 
     On a GPU the kernels never read index data on the host (it would sync the stream and break
     CUDA-graph capture), so a bad ``query_start_loc`` layout, an out-of-range ``state_indices``
@@ -51,15 +48,22 @@ def debug_checks(enabled: bool = True) -> Iterator[None]:
     read and write nothing out of bounds (skipped rows and slots; ids of -1, which gather as zero
     rows). With the checks on, each GPU call copies those index tensors to the host (a sync) and
     raises the same error the CPU path raises. Skipped while a CUDA graph is being captured.
-    The same switch for a whole process: ``QWEN4EXP_DEBUG_CHECKS=1`` in the environment. Token
-    ids and gather ids are data, never errors, with or without the checks (SPEC §3, §4).
+
+    Like ``torch.no_grad``, the block holds for the calling thread only (``enabled=False`` turns
+    the checks off there); blocks nest. For every thread: :func:`set_debug_checks`, or
+    ``QWEN4EXP_DEBUG_CHECKS=1`` in the environment when the package is imported (also for
+    processes it starts). Token ids and gather ids are data, never errors, with or without the
+    checks (SPEC §3, §4).
     """
-    previous = os.environ.get(DEBUG_CHECKS_ENV)
-    os.environ[DEBUG_CHECKS_ENV] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[DEBUG_CHECKS_ENV]
-        else:
-            os.environ[DEBUG_CHECKS_ENV] = previous
+    return _switches.debug_checks(enabled)
+
+
+def set_debug_checks(enabled: bool) -> None:
+    """Turns the debug checks (:func:`debug_checks`) on or off for the whole process, except
+    inside a thread's ``debug_checks`` block."""
+    _switches.set_debug_checks(enabled)
+
+
+def debug_checks_enabled() -> bool:
+    """Whether GPU calls from this thread run the debug checks now."""
+    return _switches.debug_checks_enabled()

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from . import _switches
+
 __all__ = [
     "KernelOps",
     "cpu_gather_stream_bytes",
@@ -22,6 +24,7 @@ __all__ = [
     "ngram_ids",
     "ple_conv",
     "ple_gate",
+    "set_cpu_gather_stream_bytes",
 ]
 
 _FP8_TABLE_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -58,6 +61,7 @@ class KernelOps:
         self._ple_gate_out_op = library.ple_gate_out.default
         self._ple_conv_op = library.ple_conv.default
         _register_fakes(namespace)
+        _switches.attach(namespace)
 
     def __repr__(self) -> str:
         return f"KernelOps({self.namespace!r})"
@@ -491,14 +495,32 @@ ple_gate = _kernels.ple_gate
 ple_conv = _kernels.ple_conv
 
 
-CPU_GATHER_STREAM_BYTES_ENV = "QWEN4EXP_CPU_GATHER_STREAM_BYTES"
-
-
 def cpu_gather_stream_bytes() -> int:
     """The output size in bytes from which the CPU ``gather_rows`` takes its streaming path
     (rows written with non-temporal stores; with AVX-512 also read in table order); -1 where
     this CPU has none (it needs x86-64 with AVX). Default: what this process's threads can keep
-    in cache (per thread its core's L2 and its share of the L3, at most 4 MiB of it);
-    ``QWEN4EXP_CPU_GATHER_STREAM_BYTES`` in the environment overrides it (0: every call
-    streams), read on every call."""
+    in cache (per thread its core's L2 and its share of the L3, at most 4 MiB of it); another
+    comes from :func:`set_cpu_gather_stream_bytes`, or from ``QWEN4EXP_CPU_GATHER_STREAM_BYTES``
+    in the environment when the package is imported."""
     return int(torch.ops.qwen4exp.cpu_gather_stream_bytes())
+
+
+def set_cpu_gather_stream_bytes(stream_bytes: int | None) -> int | None:
+    """Sets the size :func:`cpu_gather_stream_bytes` reports (0: every call streams; None: the
+    default, from the cache sizes) for the whole process; returns the setting it replaces."""
+    if stream_bytes is not None and (
+        isinstance(stream_bytes, bool) or not isinstance(stream_bytes, int) or stream_bytes < 0
+    ):
+        raise ValueError(
+            "set_cpu_gather_stream_bytes: stream_bytes must be an int >= 0 or None, got "
+            f"{stream_bytes!r}"
+        )
+    previous = torch.ops.qwen4exp.set_cpu_gather_stream_bytes(
+        -1 if stream_bytes is None else stream_bytes
+    )
+    return None if previous < 0 else int(previous)
+
+
+_stream_bytes_from_env = _switches.cpu_gather_stream_bytes_from_env()
+if _stream_bytes_from_env is not None:
+    set_cpu_gather_stream_bytes(_stream_bytes_from_env)
