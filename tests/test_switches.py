@@ -126,3 +126,15 @@ def test_a_bad_stream_threshold_in_the_environment_fails_the_import(value):
     assert run.returncode != 0
     assert "QWEN4EXP_CPU_GATHER_STREAM_BYTES must be a byte count >= 0" in run.stderr
     assert repr(value) in run.stderr
+
+
+def test_a_binary_built_for_another_torch_is_refused_at_import():
+    code = """
+import torch
+torch.__version__ = "1.99.0"
+import qwen4exp_ext
+"""
+    run = run_python(code)
+    assert run.returncode != 0
+    assert "ImportError: qwen4exp_ext was built against torch" in run.stderr
+    assert "but torch 1.99.0 is running" in run.stderr

@@ -14,11 +14,36 @@ from typing import Any
 import torch
 
 
-from . import (
-    _kernels,  # noqa: F401  (loading the library registers torch.ops.qwen4exp)
-    _switches,
-    ops,
-)
+def _major_minor(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+
+
+def _load_kernels() -> None:
+    """Loads the compiled kernels (which registers torch.ops.qwen4exp), and refuses a binary
+    built against another torch major.minor: torch's C++ ABI changes between them, so it would
+    fail later and less clearly (a missing symbol, or a crash)."""
+    rebuild = (
+        "rebuild qwen4exp_ext against it (pip install --no-build-isolation --no-deps "
+        "--force-reinstall <its source>)"
+    )
+    try:
+        from . import _kernels  # noqa: F401
+    except (ImportError, OSError) as error:
+        raise ImportError(
+            f"qwen4exp_ext: its kernels do not load under torch {torch.__version__} ({error}); if "
+            f"they were built against another torch, {rebuild}"
+        ) from error
+    built = json.loads(torch.ops.qwen4exp.build_info())["torch"]
+    if _major_minor(built) != _major_minor(str(torch.__version__)):
+        raise ImportError(
+            f"qwen4exp_ext was built against torch {built} but torch {torch.__version__} is "
+            f"running; {rebuild}"
+        )
+
+
+_load_kernels()
+
+from . import _switches, ops  # noqa: E402  (they bind the library loaded above)
 
 __all__ = ["build_info", "debug_checks", "debug_checks_enabled", "ops", "set_debug_checks"]
 __version__ = "0.1.0"
