@@ -1,4 +1,4 @@
-// CPU kernel for gather_rows (SPEC.md §4).
+// CPU kernel for gather_rows (SPEC §4).
 //
 // A random row of a table far larger than the caches is a DRAM miss (and usually a TLB miss): the
 // gather is latency-bound, not bandwidth-bound. So each worker walks its (token, head) items in

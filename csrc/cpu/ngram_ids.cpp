@@ -1,4 +1,4 @@
-// CPU kernel for ngram_ids (SPEC.md §3).
+// CPU kernel for ngram_ids (SPEC §3).
 //
 // Parallel over tokens. Tokens arrive sorted by request, so each worker binary-searches the
 // request of its first token once and then walks forward; per token it builds the window once,

@@ -1,4 +1,4 @@
-// CPU kernel for ple_conv (SPEC.md §6).
+// CPU kernel for ple_conv (SPEC §6).
 //
 // One pass over the tokens computes every output from the *old* state (parallel over tokens;
 // per token the K taps are row pointers — an input row, a state column or a zero row — and the

@@ -1,4 +1,4 @@
-// CPU kernel for ple_gate (SPEC.md §5).
+// CPU kernel for ple_gate (SPEC §5).
 //
 // Parallel over tokens; one token's M streams are done in one visit, so key, hidden and value are
 // read from memory once and every later pass over a stream runs out of L1.

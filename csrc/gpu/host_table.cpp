@@ -1,6 +1,6 @@
 // A GPU-visible view of a host (CPU) tensor, for tables too large for device memory: the GPU
 // reads the pinned host pages directly over PCIe (zero-copy, unified virtual addressing), and
-// gather_rows treats the view like any device tensor. SPEC.md §4.
+// gather_rows treats the view like any device tensor. SPEC §4.
 //
 // ROCm caveats (also in README.md):
 // - The device address of host memory comes from hip/cudaHostGetDevicePointer. On CUDA with UVA

@@ -1,4 +1,4 @@
-// gather_rows (SPEC.md §4): the params struct shared by the CPU kernel, the HIP kernel and the
+// gather_rows (SPEC §4): the params struct shared by the CPU kernel, the HIP kernel and the
 // host glue, and the launcher of the HIP kernel. Torch-free.
 #pragma once
 

@@ -1,4 +1,4 @@
-// HIP kernel for gather_rows (SPEC.md §4). Compiled by hipcc for AMD and by nvcc (through
+// HIP kernel for gather_rows (SPEC §4). Compiled by hipcc for AMD and by nvcc (through
 // platform.h) for NVIDIA.
 //
 // The output [T, NH·d] is cut into 16-byte pieces of *table* row (8 bf16, 16 fp8, 4 fp32, 32

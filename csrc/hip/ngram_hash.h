@@ -1,4 +1,4 @@
-// The n-gram hash of SPEC.md §3, as host/device helpers shared by the CPU kernel
+// The n-gram hash of SPEC §3, as host/device helpers shared by the CPU kernel
 // (csrc/cpu/ngram_ids.cpp) and the HIP kernel (csrc/hip/ngram_ids.hip): one definition of the
 // window, the EOS barrier and the mix, so the two backends cannot drift apart.
 //

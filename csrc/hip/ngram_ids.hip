@@ -1,4 +1,4 @@
-// HIP kernel for ngram_ids (SPEC.md §3). Compiled by hipcc for AMD and by nvcc (through
+// HIP kernel for ngram_ids (SPEC §3). Compiled by hipcc for AMD and by nvcc (through
 // platform.h) for NVIDIA.
 //
 // One thread per output element (token t, head h; a thread takes several past 2^24 elements),

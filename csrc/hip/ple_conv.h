@@ -1,4 +1,4 @@
-// ple_conv (SPEC.md §6): the params struct shared by the CPU kernel, the HIP kernels and the host
+// ple_conv (SPEC §6): the params struct shared by the CPU kernel, the HIP kernels and the host
 // glue, the helpers both backends use to walk a batch, and the launcher of the HIP kernels.
 // Torch-free.
 #pragma once

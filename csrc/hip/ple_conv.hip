@@ -1,4 +1,4 @@
-// HIP kernels for ple_conv (SPEC.md §6). Compiled by hipcc for AMD and by nvcc (through
+// HIP kernels for ple_conv (SPEC §6). Compiled by hipcc for AMD and by nvcc (through
 // platform.h) for NVIDIA.
 //
 // Outputs: one block row per logical token (a block takes several past 65536 tokens), each thread

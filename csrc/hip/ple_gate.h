@@ -1,4 +1,4 @@
-// ple_gate (SPEC.md §5): the params struct shared by the CPU kernel, the HIP kernel and the host
+// ple_gate (SPEC §5): the params struct shared by the CPU kernel, the HIP kernel and the host
 // glue, and the launcher of the HIP kernel. Torch-free.
 #pragma once
 

@@ -1,4 +1,4 @@
-// HIP kernel for ple_gate (SPEC.md §5). Compiled by hipcc for AMD and by nvcc (through
+// HIP kernel for ple_gate (SPEC §5). Compiled by hipcc for AMD and by nvcc (through
 // platform.h) for NVIDIA.
 //
 // One block per token does all M streams of the token, so the token's value row is read once
