@@ -16,6 +16,7 @@ import math
 import torch
 
 from . import _switches
+from .reference import CONV_MODES, FP8_DTYPES
 
 __all__ = [
     "KernelOps",
@@ -27,7 +28,6 @@ __all__ = [
     "set_cpu_gather_stream_bytes",
 ]
 
-_FP8_TABLE_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 # An NVFP4 table is packed bytes, two elements each (with float8_e4m3fn block scales).
 _NVFP4_TABLE_DTYPE = torch.uint8
 _GATHER_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -146,7 +146,7 @@ class KernelOps:
         if ids.dim() < 1:
             raise ValueError("gather_rows: ids must be [..., NH], got a 0-d tensor")
         rows, width = table.shape
-        quantized = table.dtype in _FP8_TABLE_DTYPES or table.dtype == _NVFP4_TABLE_DTYPE
+        quantized = table.dtype in FP8_DTYPES or table.dtype == _NVFP4_TABLE_DTYPE
         if table.dtype == _NVFP4_TABLE_DTYPE:
             width *= 2
         num_heads = ids.shape[-1]
@@ -338,7 +338,7 @@ def _gather_rows_fake(
         lambda: "gather_rows: output must be float32, bfloat16 or float16",
     )
     torch._check(
-        (scale is not None) == (table.dtype in _FP8_TABLE_DTYPES or nvfp4),
+        (scale is not None) == (table.dtype in FP8_DTYPES or nvfp4),
         lambda: "gather_rows: fp8 and NVFP4 tables need a scale, other tables take none",
     )
     torch._check(
@@ -456,7 +456,7 @@ def _ple_conv_fake(
         **{name: t for name, t in optional.items() if t is not None},
     )
     torch._check(
-        conv_mode in ("decode", "prefill", "spec"),
+        conv_mode in CONV_MODES,
         lambda: "ple_conv: mode must be decode, prefill or spec",
     )
     torch._check(inputs.dim() == 2, lambda: "ple_conv: inputs must be 2-D [T, C]")

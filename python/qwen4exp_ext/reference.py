@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import math
 from itertools import pairwise
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "CONV_MODES",
     "E2M1_VALUES",
     "FP8_DTYPES",
     "NULL_SLOT",
     "NVFP4_BLOCK",
+    "ConvMode",
     "gather_rows",
     "gated_residual_combine",
     "gated_residual_mix",
@@ -36,6 +38,10 @@ __all__ = [
     "ple_layer",
 ]
 
+# The constants of the spec are defined here, once: this module imports nothing but torch, so
+# ops, the layers and qwen4exp_ext.testing all take them from it.
+
+# The fp8 table formats (SPEC §4): rows dequantised with a per-tensor scale.
 FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 # NVFP4 (vLLM's layout): two E2M1 codes per byte, the even element in the low nibble; code bit 3
@@ -46,7 +52,9 @@ NVFP4_BLOCK = 16
 # vLLM's NULL_BLOCK_ID: state slot 0 is padding. It is never read or written (SPEC §6).
 NULL_SLOT = 0
 
+# ple_conv's modes (SPEC §6), as a type and as the values themselves.
 ConvMode = Literal["decode", "prefill", "spec"]
+CONV_MODES: tuple[ConvMode, ...] = get_args(ConvMode)
 
 
 # --------------------------------------------------------------------------------------------
@@ -368,7 +376,7 @@ def ple_conv(
       output, from zero history. A chunk longer than q is an error.
     - slot NULL_SLOT (0) is never read or written.
     """
-    if mode not in ("decode", "prefill", "spec"):
+    if mode not in CONV_MODES:
         raise ValueError(f"Unsupported short-conv mode: {mode}")
     if inputs.dim() != 2 or residual.dim() != 2 or conv_state.dim() != 3:
         raise ValueError("inputs/residual must be [T, C] and conv_state [slots, C, W]")

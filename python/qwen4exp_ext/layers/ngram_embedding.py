@@ -29,13 +29,12 @@ from torch import nn
 
 from qwen4exp_ext import layout, ops, sharding
 from qwen4exp_ext.host_table import device_view, empty_host_table, pinned_host_table
-from qwen4exp_ext.reference import NVFP4_BLOCK
+from qwen4exp_ext.reference import FP8_DTYPES, NVFP4_BLOCK
 
 __all__ = ["NGramEmbedding"]
 
 Placement = Literal["device", "pinned", "cpu"]
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 # The table format as vLLM's config field ``ple_embedding_dtype`` spells it.
 NVFP4 = "nvfp4"
 TableDtype = torch.dtype | Literal["nvfp4"]

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwen4exp_ext import ops
+from qwen4exp_ext.reference import FP8_DTYPES
 
 from .ngram_embedding import (
-    FP8_DTYPES,
     NGramEmbedding,
     Placement,
     TableDtype,

@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 import torch
 
+from qwen4exp_ext.reference import CONV_MODES, NULL_SLOT, ConvMode
+
 __all__ = [
     "ConvGroup",
     "PLEBatch",
@@ -32,8 +34,6 @@ __all__ = [
     "get_ple_mamba_state_shape",
 ]
 
-NULL_SLOT = 0
-ConvMode = Literal["decode", "prefill", "spec"]
 StateLayout = Literal["dim_first", "window_first"]
 
 
@@ -351,7 +351,7 @@ class PLEState:
         dev = self.device
         slots = [self._requests[rid].slot for rid in ids]
         groups: list[ConvGroup] = []
-        for mode in ("decode", "prefill", "spec"):
+        for mode in CONV_MODES:
             members = [i for i, m in enumerate(modes) if m == mode]
             if not members:
                 continue
