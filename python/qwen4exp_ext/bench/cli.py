@@ -34,9 +34,9 @@ import torch
 
 import qwen4exp_ext
 from qwen4exp_ext import ops
-from qwen4exp_ext.bench.compare import exact_mismatch
 from qwen4exp_ext.bench.registry import OP_MODULES, Case, Section, load_cases, load_sections
 from qwen4exp_ext.bench.timing import Quantiles, roofline_copy, time_interleaved
+from qwen4exp_ext.testing import exact_mismatch
 
 DEFAULT_REPEAT = 500
 QUICK_REPEAT = 10
@@ -377,9 +377,11 @@ def _check(case: Case) -> None:
         problem = case.check()
     else:
         ours = case.ours().clone()  # a baseline may share nothing with it, but be safe
-        problem = exact_mismatch("output", ours, case.oracle(), "the oracle")
+        problem = exact_mismatch(
+            ours, case.oracle(), "output", against="the oracle", equal_nan=True
+        )
         for name, fn in case.baselines.items():
-            problem = problem or exact_mismatch("output", ours, fn(), name)
+            problem = problem or exact_mismatch(ours, fn(), "output", against=name, equal_nan=True)
     if problem is not None:
         raise CheckFailed(problem)
 

@@ -71,8 +71,8 @@ import torch
 import torch.nn.functional as F
 
 from qwen4exp_ext import ops, reference
-from qwen4exp_ext.bench.compare import exact_mismatch
 from qwen4exp_ext.bench.registry import Case, Section
+from qwen4exp_ext.testing import exact_mismatch
 
 NUM_HEADS = 16
 HEAD_DIM = 160
@@ -282,11 +282,12 @@ def _case(
     def check() -> str | None:
         ours = run_ours(0).clone()
         for who, run in runs.items():
-            problem = exact_mismatch("rows", ours, run(0), who)
+            problem = exact_mismatch(ours, run(0), "rows", against=who, equal_nan=True)
             if problem is not None:
                 return problem
         # The baselines are written here: hold them (and ours) to the spec's reference too.
-        return exact_mismatch("rows", ours, run_oracle(0), "reference.gather_rows")
+        oracle = run_oracle(0)
+        return exact_mismatch(ours, oracle, "rows", against="reference.gather_rows", equal_nan=True)
 
     def bind(run: Callable[[int], torch.Tensor]) -> Callable[[], torch.Tensor]:
         return lambda: run(next_batch())

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from qwen4exp_ext import layout, ops, reference
-from qwen4exp_ext.bench.compare import exact_mismatch
 from qwen4exp_ext.bench.registry import Case
+from qwen4exp_ext.testing import exact_mismatch
 
 # Released config, SPEC.md §1.
 VOCAB_SIZE = 248_320
@@ -160,8 +160,8 @@ def _case(
             if not torch.equal(mine, hf.to(mine)):
                 return f"{what}: ours {mine.tolist()}, transformers {hf.tolist()}"
         got = ours().clone()
-        return exact_mismatch("ids", got, oracle(), "the oracle") or exact_mismatch(
-            "ids", got, transformers(), "transformers"
+        return exact_mismatch(got, oracle(), "ids", against="the oracle") or exact_mismatch(
+            got, transformers(), "ids", against="transformers"
         )
 
     nbytes = sum(t.numel() * t.element_size() for t in (*inputs, out_ours))

@@ -15,12 +15,12 @@ case's rounding.
 
 key and value are column slices of one [T, C+H] projection output, as the layer produces them;
 ours writes into preallocated outputs (``out=``), the baselines and the oracle allocate as eager
-PyTorch does. The check runs every contender once from the same inputs and applies the tolerance
-tests/test_ple_gate.py states, against the oracle and vLLM: within two units in the last place
-of bf16 for the "vllm" rounding (which can differ from the oracle's summation order by that
-much), one for the fast pass. transformers rounds to bf16 where vLLM's graph does, so the "vllm"
-rounding is held to the same two units against it; the fast pass keeps those intermediates in
-fp32, and is held to TRANSFORMERS_FAST_RTOL against transformers (see there).
+PyTorch does. The check runs every contender once from the same inputs and holds ours to the
+tolerance of ple_gate against each (qwen4exp_ext.testing.TOLERANCES, with the reasons): against
+the oracle and vLLM within two units in the last place of bf16 for the "vllm" rounding, one for
+the fast pass; against transformers, which rounds to bf16 where vLLM's graph does, the same two
+units for the "vllm" rounding, and a wider bound for the fast pass, which keeps those
+intermediates in fp32.
 
 Bytes: key, hidden and value read once, the two outputs written once, the three weight rows.
 """
@@ -32,8 +32,8 @@ import math
 import torch
 
 from qwen4exp_ext import ops, reference
-from qwen4exp_ext.bench.compare import close_mismatch
 from qwen4exp_ext.bench.registry import Case, vllm_ple_op
+from qwen4exp_ext.testing import close_mismatch, tolerance
 
 # Released config, SPEC.md §1.
 WIDTH = 2560  # H
@@ -46,17 +46,6 @@ SPEC_REQUESTS = 64
 SPEC_QUERY_LENS = (2, 4)
 PREFILL_TOKENS = 8192
 INPUT_SEED = 0
-# Units in the last place of bf16, at the bottom of a binade (tests/test_ple_gate.py).
-ATOL = 1e-5
-RTOL = {"vllm": 2.0**-6, "fp32": 2.0**-7}
-# The fast pass against transformers' bf16 graph, which rounds the products, the dot and the
-# gate logit d to bf16: a = sign(d)·sqrt(|d|) is steep at 0, so a rounding error δ of d can move
-# a by up to sqrt(2δ) (d = ∓δ/2 flips sign), and g = sigmoid(a) by a quarter of that. For the
-# few gates with d near 0 (δ ~ 0.01 here), gated moves by up to ~8% (measured 7.6% on the
-# prefill case; conv_input, normalised over the stream, 0.8%). The "vllm" rounding, which
-# rounds where transformers does, is held to two units against it and shows the baseline
-# computes the same gate.
-TRANSFORMERS_FAST_RTOL = 2.0**-3
 
 
 def cases(device: torch.device) -> list[Case]:
@@ -125,19 +114,17 @@ def _case(name: str, tokens: int, rounding: str, device: torch.device, vllm_gate
 
     def check() -> str | None:
         got = [t.clone() for t in ops.ple_gate(*args, rounding=rounding, out=out)]
+        # (who, its name in the tolerance table, its results)
         others = [
-            ("the oracle", reference.ple_gate(*args, rounding=rounding), RTOL[rounding]),
-            (
-                "transformers",
-                hf_gate(key, value, hidden),
-                RTOL["vllm"] if rounding == "vllm" else TRANSFORMERS_FAST_RTOL,
-            ),
+            ("the oracle", "reference", reference.ple_gate(*args, rounding=rounding)),
+            ("transformers", "transformers", hf_gate(key, value, hidden)),
         ]
         if vllm_gate is not None:
-            others.append(("vllm", vllm_gate(*args), RTOL[rounding]))
-        for against, expected, rtol in others:
+            others.append(("vllm", "vllm", vllm_gate(*args)))
+        for who, against, expected in others:
+            tol = tolerance("ple_gate", DTYPE, rounding=rounding, against=against)
             for what, g, e in zip(("gated", "conv_input"), got, expected, strict=True):
-                problem = close_mismatch(what, g, e, against, atol=ATOL, rtol=rtol)
+                problem = close_mismatch(g, e, tol, what, against=who)
                 if problem is not None:
                     return problem
         return None

@@ -1,0 +1,275 @@
+"""Helpers for comparing kernels with the reference, shared by the tests and the bench.
+
+- :data:`TOLERANCES` and :func:`tolerance`: how far each op's results may be from what they are
+  compared with, as data, each entry with its reason. A comparison the table does not list is
+  exact (``ngram_ids`` and ``gather_rows`` are always bit for bit).
+- :func:`exact_mismatch` and :func:`close_mismatch` (within a tolerance; exact where it is):
+  ``None`` when two tensors agree, else one line saying how many elements disagree and naming
+  the first of them (what the bench's checks report); :func:`assert_exact` and
+  :func:`assert_within` raise that line as an :class:`AssertionError` (what the tests call).
+- :func:`snapshot` and :func:`assert_untouched`: that a call (one that raised, say) left the
+  tensors it must not write bit for bit as they were.
+
+Nothing here needs more than torch: no pytest, no numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+
+from qwen4exp_ext.reference import FP8_DTYPES
+
+__all__ = [
+    "EXACT",
+    "TOLERANCES",
+    "Tolerance",
+    "assert_exact",
+    "assert_untouched",
+    "assert_within",
+    "bit_patterns",
+    "close_mismatch",
+    "exact_mismatch",
+    "snapshot",
+    "tolerance",
+]
+
+
+class Tolerance(NamedTuple):
+    """Every element within ``atol + rtol·|expected|`` of ``expected``; (0, 0) is exact."""
+
+    atol: float
+    rtol: float
+
+    @property
+    def exact(self) -> bool:
+        return self.atol == 0 and self.rtol == 0
+
+
+EXACT = Tolerance(0.0, 0.0)
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# One unit in the last place at the bottom of a binade (fp32: the 2e-5 relative that a different
+# summation order stays within).
+_ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2e-5}
+
+# (op, rounding, dtype, against) -> Tolerance: ours in ``rounding`` (None for an op that has only
+# one) and ``dtype``, compared with ``against``: "reference" (qwen4exp_ext.reference in the same
+# rounding), "vllm" (vLLM's own Triton kernel), or a bench baseline by its name.
+TOLERANCES: dict[tuple[str, str | None, torch.dtype, str], Tolerance] = {
+    # ple_gate, "vllm" rounding: against the reference (which sums in PyTorch's order, not
+    # numpy's) every element within two units in the last place of its dtype (a sum next to a
+    # rounding boundary flips g by one unit, and gated = round(g·value) adds the other), fp32
+    # within 1e-5 relative. The GPU kernels sum in a tree, and are held to the same against
+    # vLLM's kernel; transformers rounds to bf16 where vLLM's graph does, and is held to the same.
+    **{
+        ("ple_gate", "vllm", dt, against): Tolerance(
+            1e-5, 1e-5 if dt == torch.float32 else 2 * _ULP[dt]
+        )
+        for dt in _FLOATS
+        for against in ("reference", "vllm", "transformers")
+    },
+    # ple_gate, "vllm" rounding, where ours sums in vLLM's order (the CPU kernel: the same rounding
+    # points, the same numpy-pairwise reduction order) against vLLM's kernel: fp16 bit for bit;
+    # fp32 within 1e-6 (exp and FMA details differ in the last fp32 bit).
+    ("ple_gate", "vllm", torch.float16, "vllm_same_order"): EXACT,
+    ("ple_gate", "vllm", torch.float32, "vllm_same_order"): Tolerance(1e-6, 1e-6),
+    # ple_gate, "fp32" rounding (the fast single pass): every element within one unit in the last
+    # place of the output dtype of the exactly computed (fp64) result (fp32: 2e-5 relative), and
+    # so of the reference in this rounding; in bf16/fp16 also never further from the fp64 result
+    # than 2x the "vllm"-rounded result is (flash-attention's rule; tests/test_ple_gate.py). One
+    # caveat, by analysis, not by test: where d is within fp32 rounding of 0, sign(d) can differ,
+    # and g differs by up to sqrt(1e-6)/4 = 2.5e-4 absolute.
+    **{("ple_gate", "fp32", dt, "reference"): Tolerance(1e-5, _ULP[dt]) for dt in _FLOATS},
+    # ple_gate, the fast pass against transformers' bf16 graph, which rounds the products, the dot
+    # and the gate logit d to bf16: a = sign(d)·sqrt(|d|) is steep at 0, so a rounding error δ of d
+    # can move a by up to sqrt(2δ) (d = ∓δ/2 flips sign), and g = sigmoid(a) by a quarter of that.
+    # For the few gates with d near 0 (δ ~ 0.01 at the bench's inputs), gated moves by up to ~8%
+    # (measured 7.6% on the bench's prefill case; conv_input, normalised over the stream, 0.8%).
+    # The "vllm" rounding, which rounds where transformers does, is held to two units against it
+    # and shows the baseline computes the same gate.
+    ("ple_gate", "fp32", torch.bfloat16, "transformers"): Tolerance(1e-5, 2.0**-3),
+    # ple_conv against the reference and vLLM's kernels: bf16 and fp16 exactly (the conv sum runs
+    # in the same order, and SiLU of the rounded 16-bit sum comes from an exactly rounded table);
+    # fp32 within 1e-6 (the exp differs in the last bit).
+    **{
+        ("ple_conv", None, dt, against): Tolerance(1e-6, 1e-6) if dt == torch.float32 else EXACT
+        for dt in _FLOATS
+        for against in ("reference", "vllm")
+    },
+    # ple_conv's residual against eager F.conv1d (the bench's baselines "conv1d" and
+    # "conv1d_fp32"; the state they write must be equal): conv1d sums the same four bf16 products
+    # in fp32 as ours, but in its own order, so y may be one bf16 unit off (|y| < 8 at the bench's
+    # inputs: a unit is at most 2^-5), which can carry through the two rounded adds of the fused
+    # residual and flip their rounding (a unit of the result: 2^-7 relative). Measured:
+    # bit-exact on the CPU.
+    **{
+        ("ple_conv", None, torch.bfloat16, against): Tolerance(2.0**-5, 2.0**-7)
+        for against in ("conv1d", "conv1d_fp32")
+    },
+}
+
+
+def tolerance(
+    op: str, dtype: torch.dtype, *, rounding: str | None = None, against: str = "reference"
+) -> Tolerance:
+    """The :data:`TOLERANCES` entry of ``op`` in ``rounding`` and ``dtype`` against ``against``
+    (a KeyError where the table has none: such a comparison is exact, see the module docstring)."""
+    return TOLERANCES[(op, rounding, dtype, against)]
+
+
+# --- comparing two tensors -------------------------------------------------------------------
+
+_INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def bit_patterns(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s elements as integers of their width, so that -0 and +0 differ and every rounding
+    decision and NaN payload counts (integers as they are, up to signedness)."""
+    return x.view(_INT_OF_SIZE[x.element_size()])
+
+
+def _same_device(got: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Tensors on two devices (ours on a GPU, the reference's on the CPU) compare on the CPU.
+    if got.device == expected.device:
+        return got, expected
+    return got.cpu(), expected.cpu()
+
+
+def _values(x: torch.Tensor) -> torch.Tensor:
+    # fp8 has no torch.equal on the CPU; its float32 values are exact.
+    return x.float() if x.dtype in FP8_DTYPES else x
+
+
+def exact_mismatch(
+    got: torch.Tensor,
+    expected: torch.Tensor,
+    what: str = "",
+    *,
+    against: str = "expected",
+    bitwise: bool = False,
+    equal_nan: bool = False,
+) -> str | None:
+    """None if ``got`` (ours) equals ``expected`` (``against``'s) in dtype, shape and every
+    element, else why not (tensors on two devices compare on the CPU). Elements compare as
+    values (-0 equals +0, as in ``torch.equal``), or with ``bitwise`` as bit patterns; NaN
+    never equals NaN unless ``equal_nan``."""
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return _describe_layout(what, got, expected, against)
+    got, expected = _same_device(got, expected)
+    if bitwise:
+        a, b = bit_patterns(got), bit_patterns(expected)
+    else:
+        a, b = _values(got), _values(expected)
+    if torch.equal(a, b):
+        return None
+    bad = a != b
+    if equal_nan and got.is_floating_point():
+        bad &= ~(_values(got).isnan() & _values(expected).isnan())
+    if not bool(bad.any()):
+        return None
+    return _describe(what, got, expected, bad, against, "differ from")
+
+
+def close_mismatch(
+    got: torch.Tensor,
+    expected: torch.Tensor,
+    tol: Tolerance,
+    what: str = "",
+    *,
+    against: str = "expected",
+    bitwise: bool = False,
+    equal_nan: bool = False,
+) -> str | None:
+    """None if ``got`` and ``expected`` have one dtype and shape and every element of ``got`` is
+    within ``tol.atol + tol.rtol·|expected|`` of ``expected``, computed in their dtype or, below
+    fp32, in fp32 (as ``torch.testing.assert_close`` does from fp32 up), and NaN is never close.
+    Where ``tol`` is exact, :func:`exact_mismatch` (with ``bitwise`` and ``equal_nan``)."""
+    if tol.exact:
+        return exact_mismatch(
+            got, expected, what, against=against, bitwise=bitwise, equal_nan=equal_nan
+        )
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return _describe_layout(what, got, expected, against)
+    got, expected = _same_device(got, expected)
+    dtype = torch.promote_types(got.dtype, torch.float32)
+    bad = ~torch.isclose(got.to(dtype), expected.to(dtype), atol=tol.atol, rtol=tol.rtol)
+    if not bool(bad.any()):
+        return None
+    how = f"are beyond atol={tol.atol:g}, rtol={tol.rtol:g} of"
+    return _describe(what, got, expected, bad, against, how)
+
+
+def assert_exact(
+    got: torch.Tensor,
+    expected: torch.Tensor,
+    what: str = "",
+    *,
+    bitwise: bool = False,
+    equal_nan: bool = False,
+) -> None:
+    """Raises AssertionError with :func:`exact_mismatch`'s line unless the two are equal."""
+    problem = exact_mismatch(got, expected, what, bitwise=bitwise, equal_nan=equal_nan)
+    if problem is not None:
+        raise AssertionError(problem)
+
+
+def assert_within(
+    got: torch.Tensor,
+    expected: torch.Tensor,
+    tol: Tolerance,
+    what: str = "",
+    *,
+    bitwise: bool = False,
+) -> None:
+    """Raises AssertionError with :func:`close_mismatch`'s line unless ``got`` is within ``tol``
+    of ``expected`` (where ``tol`` is exact: equal, bit for bit with ``bitwise``)."""
+    problem = close_mismatch(got, expected, tol, what, bitwise=bitwise)
+    if problem is not None:
+        raise AssertionError(problem)
+
+
+def _describe_layout(what: str, got: torch.Tensor, expected: torch.Tensor, against: str) -> str:
+    return (
+        f"{_prefix(what)}ours is {got.dtype}{list(got.shape)}, {against} is "
+        f"{expected.dtype}{list(expected.shape)}"
+    )
+
+
+def _describe(
+    what: str, got: torch.Tensor, expected: torch.Tensor, bad: torch.Tensor, against: str, how: str
+) -> str:
+    first = tuple(bad.nonzero()[0].tolist())
+    return (
+        f"{_prefix(what)}{int(bad.sum())} of {got.numel()} elements {how} {against}; first at "
+        f"{first}: ours {got[first].item()}, {against} {expected[first].item()}"
+    )
+
+
+def _prefix(what: str) -> str:
+    return f"{what}: " if what else ""
+
+
+# --- tensors a call must leave as they were --------------------------------------------------
+
+
+def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of each tensor, by name, for :func:`assert_untouched` (meta tensors, which hold
+    no data, are left out)."""
+    return {name: t.detach().clone() for name, t in tensors.items() if t.device.type != "meta"}
+
+
+def assert_untouched(
+    before: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]
+) -> None:
+    """Every tensor of the :func:`snapshot` ``before`` still has, by name in ``tensors``, the
+    same dtype, shape and bytes (and is not a meta tensor now)."""
+    for name, old in before.items():
+        new = tensors[name].detach()
+        if new.device.type == "meta":
+            raise AssertionError(f"{name} is a meta tensor now")
+        problem = exact_mismatch(new, old, f"{name} was written", against="before", bitwise=True)
+        if problem is not None:
+            raise AssertionError(problem)
