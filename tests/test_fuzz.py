@@ -43,10 +43,11 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from conftest import backends
-from qwen4exp_ext import ops, reference
 
 # make_table: every finite fp8 byte, wide-range other values; CPU_PATHS: cached and streaming.
-from test_gather_rows import CPU_PATHS, cpu_gather_path, make_table
+from gather_support import CPU_PATHS, cpu_gather_path, make_table
+from qwen4exp_ext import ops, reference
+from qwen4exp_ext.testing import assert_exact, assert_within, tolerance
 
 BACKENDS = backends()
 FUZZ_SECONDS = float(os.environ.get("QWEN4EXP_FUZZ_SECONDS", "8"))
@@ -55,7 +56,6 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 FP8 = reference.FP8_DTYPES
-# The NaN bytes of each fp8 format (NaN != NaN, so tables leave them out, as test_gather_rows does).
 SENTINEL_BYTE = 0x5A  # fills every buffer byte outside a view: finite in every float format
 
 
@@ -224,37 +224,16 @@ def draw_layout_1d(draw, values: torch.Tensor, name: str, *, column_2d: bool = F
     return Laid(values.clone().reshape(n, 1), lambda b: b, kind)
 
 
-def bits(x: torch.Tensor) -> torch.Tensor:
-    """Bit patterns of a float tensor (so -0/+0 and every rounding count); other dtypes as is."""
-    if x.dtype.is_floating_point:
-        return x.view(
-            {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[x.element_size()]
-        )
-    return x
-
-
-def assert_bits_equal(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    got, expected = got.cpu(), expected.cpu()
-    assert got.dtype == expected.dtype and got.shape == expected.shape, (
-        f"{what}: {got.dtype}{list(got.shape)} vs {expected.dtype}{list(expected.shape)}"
-    )
-    same = bits(got) == bits(expected)
-    if not bool(same.all()):
-        first = tuple((~same).nonzero()[0].tolist())
-        raise AssertionError(
-            f"{what}: {int((~same).sum())} of {got.numel()} elements differ, first at {first}: "
-            f"got {got[first].item()}, expected {expected[first].item()}"
-        )
-
-
-def assert_untouched(laid: Laid, base_after: torch.Tensor, what: str) -> None:
+def assert_outside_untouched(laid: Laid, base_after: torch.Tensor, what: str) -> None:
     """Every base element outside the view still holds its original bytes."""
     mask = laid.outside()
-    assert_bits_equal(base_after.cpu()[mask], laid.base[mask], f"{what} (outside the view)")
+    assert_exact(
+        base_after.cpu()[mask], laid.base[mask], f"{what} (outside the view)", bitwise=True
+    )
 
 
 def assert_unchanged(laid: Laid, base_after: torch.Tensor, what: str) -> None:
-    assert_bits_equal(base_after.cpu(), laid.base, f"{what} was mutated")
+    assert_exact(base_after.cpu(), laid.base, f"{what} was mutated", bitwise=True)
 
 
 def sizes(small: list[int], low: int, high: int):
@@ -378,11 +357,11 @@ def ngram_body(backend, draw: Recorder) -> None:
     )
     if out_laid is None:
         assert got.dtype == torch.int64
-        assert_bits_equal(got, expected, "ngram_ids")
+        assert_exact(got, expected, "ngram_ids", bitwise=True)
     else:
         assert got.data_ptr() == out_dev.data_ptr()
-        assert_bits_equal(got, expected.to(out_dev.dtype), "ngram_ids")
-        assert_untouched(out_laid, out_base, "ngram_ids output buffer")
+        assert_exact(got, expected.to(out_dev.dtype), "ngram_ids", bitwise=True)
+        assert_outside_untouched(out_laid, out_base, "ngram_ids output buffer")
     for laid, base, name in (
         (ids_laid, ids_base, "input_ids"),
         (qsl_laid, qsl_base, "query_start_loc"),
@@ -481,10 +460,10 @@ def gather_body(backend, draw: Recorder) -> None:
             output=out_dev,
         )
     assert got.shape == (*call_ids.shape[:-1], num_heads * width)
-    assert_bits_equal(got.reshape(expected.shape), expected, "gather_rows")
+    assert_exact(got.reshape(expected.shape), expected, "gather_rows", bitwise=True)
     if out_laid is not None:
         assert got.data_ptr() == out_dev.data_ptr()
-        assert_untouched(out_laid, out_base, "gather_rows output buffer")
+        assert_outside_untouched(out_laid, out_base, "gather_rows output buffer")
     assert_unchanged(table_laid, table_base, "table")
     assert_unchanged(ids_laid, ids_base, "ids")
 
@@ -499,27 +478,23 @@ def test_gather_rows_door_empty_rows(ids_shape, width):
     table = torch.zeros(5, width)
     ids = torch.zeros(ids_shape, dtype=torch.int64)
     expected = reference.gather_rows(table, ids)
-    assert_bits_equal(ops.gather_rows(table, ids), expected, "gather_rows")
+    assert_exact(ops.gather_rows(table, ids), expected, "gather_rows", bitwise=True)
 
 
 def test_reference_gather_rows_empty_table():
     expected = torch.zeros(1, 4)
-    assert_bits_equal(ops.gather_rows(torch.empty(0, 4), torch.tensor([[2]])), expected, "ops")
-    assert_bits_equal(
-        reference.gather_rows(torch.empty(0, 4), torch.tensor([[2]])), expected, "reference"
+    assert_exact(
+        ops.gather_rows(torch.empty(0, 4), torch.tensor([[2]])), expected, "ops", bitwise=True
+    )
+    assert_exact(
+        reference.gather_rows(torch.empty(0, 4), torch.tensor([[2]])),
+        expected,
+        "reference",
+        bitwise=True,
     )
 
 
 # --- ple_gate (SPEC §5): the tolerances of tests/test_ple_gate.py ---------------------------------
-
-# dtype -> (atol, rtol), copied from test_ple_gate.TOLERANCE: "vllm" rounding within two units in
-# the last place (fp32: 1e-5 relative), the fast "fp32" pass within one.
-ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2e-5}
-GATE_TOLERANCE = {
-    "vllm": {dt: (1e-5, 1e-5 if dt == torch.float32 else 2 * ULP[dt]) for dt in FLOATS},
-    "fp32": {dt: (1e-5, ULP[dt]) for dt in FLOATS},
-}
-
 
 GATE_STREAMS = {"streams": 0, "ill-conditioned": 0}  # counted over a test, for its summary
 
@@ -568,7 +543,8 @@ def assert_gate_close(got, expected, key, value, hidden, weights, eps, rounding)
     g can move, times |value|; conv_input = GN(gated) hardly depends on g and keeps the tolerance.
     """
     dtype = hidden.dtype
-    atol, rtol = GATE_TOLERANCE[rounding][dtype]
+    tol = tolerance("ple_gate", dtype, rounding=rounding)
+    atol, rtol = tol
     tokens, channels = hidden.shape
     width = value.shape[1]
     ill = gate_sensitivity(key, value, hidden, weights, eps, rounding, 2) > rtol / 4
@@ -579,13 +555,7 @@ def assert_gate_close(got, expected, key, value, hidden, weights, eps, rounding)
         assert g.shape == e.shape and g.dtype == dtype, name
         g, e = g.cpu().double(), e.double()
         well = ~ill_columns if name == "gated" else torch.ones_like(ill_columns)
-        torch.testing.assert_close(
-            g[well],
-            e[well],
-            atol=atol,
-            rtol=rtol,
-            msg=lambda m, name=name: f"ple_gate {name} ({rounding}, {dtype}): {m}",
-        )
+        assert_within(g[well], e[well], tol, f"ple_gate {name} ({rounding}, {dtype})")
     if bool(ill.any()):
         moves = gate_sensitivity(key, value, hidden, weights, eps, rounding, 8 + width / 256)
         moves = moves.repeat_interleave(width, dim=1)
@@ -672,7 +642,7 @@ def gate_body(backend, draw: Recorder) -> None:
     if outs is not None:
         for (laid, base, view), g, name in zip(outs, got, ("gated", "conv_input"), strict=True):
             assert g.data_ptr() == view.data_ptr(), name
-            assert_untouched(laid, base, f"ple_gate {name} buffer")
+            assert_outside_untouched(laid, base, f"ple_gate {name} buffer")
     for laid, base, name in [*kv_bases, (hidden_laid, hidden_base, "hidden")]:
         assert_unchanged(laid, base, name)
 
@@ -730,8 +700,8 @@ def test_ple_gate_tolerance_where_the_dot_nearly_cancels(case):
     value = torch.ones(1, key.shape[1], dtype=torch.float16)  # gated = g
     got = ops.ple_gate(key, value, hidden, *weights, 1e-6)[0]
     expected = reference.ple_gate(key, value, hidden, *weights, 1e-6)[0]
-    atol, rtol = GATE_TOLERANCE["vllm"][torch.float16]
-    torch.testing.assert_close(got.double(), expected.double(), atol=atol, rtol=rtol)
+    tol = tolerance("ple_gate", torch.float16, rounding="vllm")
+    assert_within(got.double(), expected.double(), tol)
 
 
 # --- ple_conv (SPEC §6): tolerance of tests/test_ple_conv.py --------------------------------------
@@ -782,7 +752,7 @@ def draw_state(draw, state: torch.Tensor) -> Laid:
 
 def conv_body(backend, draw: Recorder) -> None:
     ops, device = backend.ops, backend.device
-    mode = draw(st.sampled_from(["decode", "prefill", "spec"]), label="mode")
+    mode = draw(st.sampled_from(reference.CONV_MODES), label="mode")
     dtype = draw(st.sampled_from(FLOATS), label="dtype")
     weight_dtype = draw(st.sampled_from([dtype, torch.float32]), label="weight dtype")
     kernel = draw(st.integers(1, 8), label="K")
@@ -901,16 +871,11 @@ def conv_body(backend, draw: Recorder) -> None:
     )
 
     got_residual = on_device["residual"][1].cpu()
-    if dtype == torch.float32:
-        torch.testing.assert_close(
-            got_residual, ref_residual, atol=1e-6, rtol=1e-6, msg=lambda m: f"residual: {m}"
-        )
-    else:
-        assert_bits_equal(got_residual, ref_residual, "residual")
-    got_state = on_device["conv_state"][1].cpu()
-    assert torch.equal(got_state, ref_state), (
-        f"conv_state: {int((got_state != ref_state).sum())} elements differ"
+    assert_within(
+        got_residual, ref_residual, tolerance("ple_conv", dtype), "residual", bitwise=True
     )
+    got_state = on_device["conv_state"][1].cpu()
+    assert_exact(got_state, ref_state, "conv_state")
     # Nothing is written outside the views, nor to slots no request (of the first R) refers to,
     # nor to a live slot whose prefill chunk is empty, nor to rows token_indices does not map.
     referenced = {s for s in slots if s != 0}
@@ -918,12 +883,16 @@ def conv_body(backend, draw: Recorder) -> None:
         referenced -= {s for s, n in zip(slots, lengths, strict=True) if n == 0}
     for slot in range(num_slots):
         if slot not in referenced:
-            assert_bits_equal(got_state[slot], state[slot], f"conv_state slot {slot} (unused)")
+            assert_exact(
+                got_state[slot], state[slot], f"conv_state slot {slot} (unused)", bitwise=True
+            )
     if token_map:
         unmapped = sorted(set(range(physical)) - set(index["token_indices"].tolist()))
-        assert_bits_equal(got_residual[unmapped], residual[unmapped], "unmapped residual rows")
+        assert_exact(
+            got_residual[unmapped], residual[unmapped], "unmapped residual rows", bitwise=True
+        )
     for name in ("residual", "conv_state"):
-        assert_untouched(laid[name], on_device[name][0], name)
+        assert_outside_untouched(laid[name], on_device[name][0], name)
     for name, x in laid.items():
         if name not in ("residual", "conv_state"):
             assert_unchanged(x, on_device[name][0], name)

@@ -9,7 +9,6 @@ the ``cpu_path`` fixture sets the output size from which the CPU streams to "nev
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 
@@ -20,7 +19,9 @@ from hypothesis import strategies as st
 
 import vllm_triton
 from conftest import backends
+from gather_support import CPU_PATHS, FP8_NAN_BYTES, cpu_gather_path, make_table
 from qwen4exp_ext import ops, reference
+from qwen4exp_ext.testing import assert_exact, bit_patterns
 
 BACKENDS = backends()
 FP8 = reference.FP8_DTYPES
@@ -28,27 +29,6 @@ TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, *FP8)
 OUT_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 ID_DTYPES = (torch.int32, torch.int64)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-# The NaN bytes of each fp8 format: NaN != NaN, so tables leave them out (SPEC fixes no payload).
-FP8_NAN_BYTES = {torch.float8_e4m3fn: (0x7F, 0xFF), torch.float8_e4m3fnuz: (0x80,)}
-
-
-@contextlib.contextmanager
-def cpu_gather_path(path: str):
-    """Within the block the CPU gather takes ``path``: "cached" or "streaming" (where the CPU
-    has one: ops.cpu_gather_stream_bytes() != -1)."""
-    previous = ops.set_cpu_gather_stream_bytes({"cached": 2**62, "streaming": 0}[path])
-    try:
-        yield
-    finally:
-        ops.set_cpu_gather_stream_bytes(previous)
-
-
-def _cpu_paths() -> list[str]:
-    with cpu_gather_path("streaming"):
-        return ["cached", "streaming"] if ops.cpu_gather_stream_bytes() == 0 else ["cached"]
-
-
-CPU_PATHS = _cpu_paths()  # the CPU gather paths this CPU has
 
 
 @pytest.fixture(autouse=True, params=CPU_PATHS)
@@ -60,37 +40,6 @@ def cpu_path(request):
         pytest.skip("the CPU gather path applies to the CPU kernel only")
     with cpu_gather_path(request.param):
         yield request.param
-
-
-def make_table(rows: int, width: int, dtype: torch.dtype, *, gen=None) -> torch.Tensor:
-    """Every finite bit pattern is fair game: random bytes for fp8, wide-range values otherwise
-    (fp16 tables overflow to inf in a bf16 → fp16 conversion, and subnormals occur)."""
-    if dtype in FP8:
-        raw = torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=gen)
-        for nan in FP8_NAN_BYTES[dtype]:
-            raw[raw == nan] = 0x11
-        return raw.view(dtype)
-    values = torch.randn(rows, width, generator=gen) * torch.exp2(
-        torch.randint(-30, 20, (rows, width), generator=gen).float()
-    )
-    return values.to(dtype)
-
-
-def bits(x: torch.Tensor) -> torch.Tensor:
-    """Bit patterns, so +0/-0 and every rounding decision count."""
-    return x.view({4: torch.int32, 2: torch.int16}[x.element_size()])
-
-
-def assert_same(got: torch.Tensor, expected: torch.Tensor) -> None:
-    assert got.dtype == expected.dtype and got.shape == expected.shape
-    got, expected = got.cpu(), expected.cpu()
-    if not torch.equal(bits(got), bits(expected)):
-        bad = (bits(got) != bits(expected)).nonzero()
-        first = tuple(bad[0].tolist())
-        raise AssertionError(
-            f"{bad.shape[0]} of {got.numel()} elements differ, first at {first}: "
-            f"got {got[first].item()}, expected {expected[first].item()}"
-        )
 
 
 def random_ids(num_tokens: int, num_heads: int, rows: int, dtype, gen=None) -> torch.Tensor:
@@ -145,7 +94,7 @@ def test_matches_reference(backend, table_dtype, shard):
             vocab_end=end,
             out_dtype=out_dtype,
         )
-        assert_same(got, expected)
+        assert_exact(got, expected, bitwise=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
@@ -167,7 +116,7 @@ def test_fp8_scales(backend, table_dtype, scale):
         got = ops.gather_rows(
             table.to(device), ids.to(device), scale=s.to(device), out_dtype=out_dtype
         )
-        assert_same(got, expected)
+        assert_exact(got, expected, bitwise=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
@@ -176,7 +125,7 @@ def test_out_of_range_ids_give_positive_zero_rows(backend):
     table = make_table(50, 8, torch.bfloat16).to(device)
     ids = torch.tensor([[-1, 50, INT64_MIN, INT64_MAX, 49, 0]], device=device)
     got = ops.gather_rows(table, ids).cpu().view(6, 8)
-    assert torch.all(bits(got[:4]) == 0)
+    assert torch.all(bit_patterns(got[:4]) == 0)
     assert torch.equal(got[4:], table[[49, 0]].cpu())
     # The same ids against a shard that owns [10, 20): only 10..19 are read.
     shard = ops.gather_rows(
@@ -185,7 +134,7 @@ def test_out_of_range_ids_give_positive_zero_rows(backend):
     expected = torch.cat(
         [torch.zeros(8), table[0].cpu().float(), table[9].cpu().float(), torch.zeros(8)]
     ).to(torch.bfloat16)
-    assert_same(shard[0], expected)
+    assert_exact(shard[0], expected, bitwise=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
@@ -206,7 +155,7 @@ def test_strided_views(backend, table_dtype):
     expected = reference.gather_rows(
         table.cpu(), ids.cpu(), scale=None if scale is None else scale.cpu()
     )
-    assert_same(out, expected)
+    assert_exact(out, expected, bitwise=True)
     assert torch.all(buffer[:, :3] == 7) and torch.all(buffer[:, 3 + 6 * 24 :] == 7)
 
 
@@ -219,7 +168,7 @@ def test_batched_ids_and_edges(backend):
     ids = torch.randint(0, 40, (2, 3, 4), device=device)
     got = ops.gather_rows(table, ids)
     assert got.shape == (2, 3, 64)
-    assert_same(got.reshape(6, 64), reference.gather_rows(table, ids.reshape(6, 4)))
+    assert_exact(got.reshape(6, 64), reference.gather_rows(table, ids.reshape(6, 4)), bitwise=True)
     assert ops.gather_rows(table, torch.empty(0, 4, dtype=torch.long, device=device)).shape == (
         0,
         64,
@@ -230,7 +179,7 @@ def test_batched_ids_and_edges(backend):
     )
     empty = table[:0]
     zeros = ops.gather_rows(empty, torch.tensor([[0, 1, -1]], device=device))
-    assert zeros.shape == (1, 48) and torch.all(bits(zeros.cpu()) == 0)
+    assert zeros.shape == (1, 48) and torch.all(bit_patterns(zeros.cpu()) == 0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
@@ -268,7 +217,7 @@ def test_many_blocks_wide_rows_and_zero_rows(backend, table_dtype, cpu_path):
                 vocab_end=end,
                 output=out,
             )
-            assert_same(out, expected)
+            assert_exact(out, expected, bitwise=True)
             assert torch.all(buffer[:, :1] == 3) and torch.all(buffer[:, 1 + heads * width :] == 3)
 
 
@@ -309,7 +258,7 @@ def test_shard_outputs_sum_to_the_whole(backend, cuts, seed):
     for start, end in itertools.pairwise(bounds):
         part = ops.gather_rows(table[start:end], ids, vocab_start=start, vocab_end=end)
         total += part.float()
-    assert_same(total.to(torch.bfloat16), ops.gather_rows(table, ids))
+    assert_exact(total.to(torch.bfloat16), ops.gather_rows(table, ids), bitwise=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
@@ -344,16 +293,17 @@ def test_rows_beyond_element_2_31(backend):
         for id_dtype in ID_DTYPES:
             got = ops.gather_rows(table8, ids.to(id_dtype), scale=scale)
             expected = reference.gather_rows(table8, ids, scale=scale)
-            assert_same(got, expected)
+            assert_exact(got, expected, bitwise=True)
         # Past 2^31 *bytes of output* too is out of scope for CI memory; the shard path here:
         got = ops.gather_rows(
             table8[rows - 8 :], ids, scale=scale, vocab_start=rows - 8, vocab_end=rows
         )
-        assert_same(
+        assert_exact(
             got,
             reference.gather_rows(
                 table8[rows - 8 :], ids, scale=scale, vocab_start=rows - 8, vocab_end=rows
             ),
+            bitwise=True,
         )
     finally:
         del table
@@ -420,7 +370,7 @@ def test_nvfp4_matches_reference(backend, shard):
         expected = reference.gather_rows(table, ids, **args)
         got = gather_on(backend, table, ids, **args)
         assert got.dtype == (out_dtype or torch.bfloat16) and got.shape == (tokens, heads * width)
-        assert_same(got, expected)
+        assert_exact(got, expected, bitwise=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
@@ -444,8 +394,10 @@ def test_nvfp4_every_code_and_scale_byte(backend, scale):
         ).cpu()
         nan = torch.isnan(expected)
         assert bool(nan[0x7F].all()) and bool(torch.isnan(got[nan]).all())
-        assert_same(torch.where(nan, 0.0, got).to(out_dtype), torch.where(nan, 0.0, expected))
-        assert torch.all(bits(got[256:]) == 0)
+        assert_exact(
+            torch.where(nan, 0.0, got).to(out_dtype), torch.where(nan, 0.0, expected), bitwise=True
+        )
+        assert torch.all(bit_patterns(got[256:]) == 0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
@@ -470,7 +422,7 @@ def test_nvfp4_strided_views(backend):
     expected = reference.gather_rows(
         table, ids, scale=scale, block_scales=block_scales, out_dtype=torch.float16
     )
-    assert_same(out, expected)
+    assert_exact(out, expected, bitwise=True)
     assert torch.all(buffer[:, :3] == 7) and torch.all(buffer[:, 3 + 6 * 64 :] == 7)
 
 
@@ -489,7 +441,7 @@ def test_nvfp4_many_blocks(backend, cpu_path):
         scale=scale.to(device),
         block_scales=block_scales.to(device),
     )
-    assert_same(got, expected)
+    assert_exact(got, expected, bitwise=True)
 
 
 def _vllm_nvfp4_lookup():
@@ -539,7 +491,7 @@ def test_nvfp4_equals_vllm_triton_lookup(backend, out_dtype):
         vocab_end=end,
         out_dtype=out_dtype,
     )
-    assert_same(got, rows_f32.to(out_dtype))
+    assert_exact(got, rows_f32.to(out_dtype), bitwise=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
@@ -566,10 +518,10 @@ def test_nvfp4_against_vllm_cpu_dequantize_to_dtype(backend, out_dtype):
     theirs = dequantize_to_dtype(table, block_scales, scale, out_dtype, swizzle=False)
     codes = torch.stack((table & 0xF, table >> 4), dim=-1).reshape(500, 160) & 7
     power_of_two = torch.isin(codes, torch.tensor([0, 1, 2, 4, 6], dtype=torch.uint8))
-    assert_same(ours[power_of_two], theirs[power_of_two])
+    assert_exact(ours[power_of_two], theirs[power_of_two], bitwise=True)
     # Same sign, so adjacent values are adjacent bit patterns.
     assert torch.equal(torch.signbit(ours), torch.signbit(theirs))
-    units = (bits(ours).long() - bits(theirs).long()).abs()
+    units = (bit_patterns(ours).long() - bit_patterns(theirs).long()).abs()
     assert int(units.max()) <= 1
     if out_dtype == torch.float32:
         assert bool((units > 0).any()), "the two rounding orders should differ somewhere"
@@ -646,9 +598,13 @@ def test_torch_compile_smoke(backend):
 
     ids = torch.randint(0, 64, (7, 3), device=device)
     eager = ops.gather_rows(table, ids, scale=scale, out_dtype=torch.float32) * 2
-    assert_same(embed(ids), eager)
+    assert_exact(embed(ids), eager, bitwise=True)
     ids = torch.randint(0, 64, (12, 3), device=device)
-    assert_same(embed(ids), ops.gather_rows(table, ids, scale=scale, out_dtype=torch.float32) * 2)
+    assert_exact(
+        embed(ids),
+        ops.gather_rows(table, ids, scale=scale, out_dtype=torch.float32) * 2,
+        bitwise=True,
+    )
 
 
 def op(table, ids, scale, start, end, output):

@@ -22,8 +22,9 @@ import pytest
 import torch
 
 import qwen4exp_ext
+from bad_inputs_support import DATA_CASES, DATA_ONLY, EXC, OPS
 from conftest import backends
-from test_bad_inputs import DATA_CASES, DATA_ONLY, EXC, OPS, assert_untouched, snapshot
+from qwen4exp_ext.testing import assert_untouched, snapshot
 
 DEVICE_INDEX_BACKENDS = [b for b in backends() if b.reads_indices_on_device]
 

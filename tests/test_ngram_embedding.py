@@ -9,24 +9,10 @@ import pytest
 import torch
 
 from conftest import devices
+from ngram_support import CONFIG, HEAD_DIM, HEADS, ROWS, SHARD_ROWS
 from qwen4exp_ext import layout, reference
 from qwen4exp_ext.layers import NGramEmbedding
-
-CONFIG = SimpleNamespace(
-    vocab_size=97,
-    ngram_size=3,
-    heads_per_ngram=2,
-    ple_embed_dim=24,
-    ngram_vocab_size_base=50,
-    make_ngram_vocab_size_divisible_by=16,
-    eos_token_id=5,
-    seed=7,
-    split_ngram_parts=7,
-)
-HEADS = layout.head_vocab_layout(50, 4, 1, 16)
-ROWS = HEADS.padded_rows
-HEAD_DIM = 6
-SHARD_ROWS = -(-ROWS // 7)
+from qwen4exp_ext.testing import assert_untouched, snapshot
 
 
 def checkpoint(table: torch.Tensor, parts: int = 7) -> list[tuple[str, torch.Tensor]]:
@@ -259,19 +245,11 @@ def nvfp4_expected(packed, scales, ids, out_dtype=None, global_scale=GLOBAL_SCAL
     )
 
 
-def state_bytes(m: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every state tensor as raw bytes (torch.equal is not implemented for fp8 on the CPU)."""
-    return {
-        k: v.detach().cpu().contiguous().view(torch.uint8).clone()
-        for k, v in m.state_dict().items()
-    }
-
-
 def assert_same_state(before: dict, m: torch.nn.Module) -> None:
-    after = state_bytes(m)
+    """m's state has the names of the snapshot ``before``, each bit for bit as it was."""
+    after = m.state_dict()
     assert after.keys() == before.keys()
-    for name, value in before.items():
-        assert torch.equal(after[name], value), name
+    assert_untouched(before, after)
 
 
 def placements():
@@ -466,7 +444,7 @@ def test_nvfp4_bad_checkpoint_raises_and_leaves_the_module_untouched(case, as_di
     packed, scales = nvfp4_table(4)
     m = NGramEmbedding(NVFP4_CONFIG, layer_index=1, placement="cpu", dtype="nvfp4")
     m.load_weights(nvfp4_checkpoint(packed, scales, global_scale=0.125))
-    before = state_bytes(m)
+    before = snapshot(m.state_dict())
     with pytest.raises(ValueError, match=message):
         m.load_weights(dict(weights) if as_dict else weights)
     assert_same_state(before, m)
@@ -483,7 +461,7 @@ def test_nvfp4_bad_safetensors_checkpoint_leaves_the_module_untouched(tmp_path):
         torch.tensor(0.5),
     )
     m = NGramEmbedding(NVFP4_CONFIG, layer_index=1, placement="cpu", dtype="nvfp4")
-    before = state_bytes(m)
+    before = snapshot(m.state_dict())
     with pytest.raises(ValueError, match="shard_0.weight_scale_2 = .* but .*shard_6"):
         m.load_safetensors(save_nvfp4(tmp_path, weights), prefix="model.ple.")
     assert_same_state(before, m)
@@ -512,7 +490,7 @@ def test_nvfp4_streamed_load_failing_late_refuses_to_run_until_reloaded():
 
 def test_nvfp4_tensors_for_other_tables_and_bad_head_dim():
     m = NGramEmbedding(CONFIG, layer_index=1, placement="cpu", dtype=torch.bfloat16)
-    before = state_bytes(m)
+    before = snapshot(m.state_dict())
     scales = torch.zeros(SHARD_ROWS, 1, dtype=E4M3)
     with pytest.raises(ValueError, match="shard_0.weight_scale holds NVFP4 scales, but the table"):
         m.load_weights([("ngram_embedding.shard_0.weight_scale", scales)])

@@ -3,9 +3,8 @@ interpreter) in every mode, parity with the reference oracle on odd shapes, both
 token maps and every dtype, the SPEC §9 properties 1 and 4-8 (hypothesis), opcheck, errors and a
 torch.compile smoke test — on every backend this machine has.
 
-Tolerance: bf16 and fp16 results equal vLLM's kernel and the reference exactly (the conv sum runs
-in the same order, and SiLU of the rounded 16-bit sum comes from an exactly rounded table); fp32
-within 1e-6 (the exp differs in the last bit).
+Tolerance (qwen4exp_ext.testing.TOLERANCES, with the reasons): bf16 and fp16 results equal vLLM's
+kernel and the reference exactly; fp32 within 1e-6.
 """
 
 from __future__ import annotations
@@ -21,10 +20,17 @@ from hypothesis import strategies as st
 import vllm_triton
 from conftest import backends
 from qwen4exp_ext import ops, reference
+from qwen4exp_ext.testing import (
+    assert_exact,
+    assert_untouched,
+    assert_within,
+    snapshot,
+    tolerance,
+)
 
 BACKENDS = backends()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-MODES = ["decode", "prefill", "spec"]
+MODES = list(reference.CONV_MODES)
 
 
 @dataclass
@@ -156,14 +162,11 @@ def random_lengths(rng, mode, query_len):
     return [rng.choice([0, 1, 2, 5, rng.randint(0, 30)]) for _ in range(count)]
 
 
-def assert_same(got, expected, dtype, what=""):
+def assert_same(got, expected, dtype, what="", against="reference"):
+    """(residual, conv_state) within ple_conv's tolerance in this dtype against ``against``."""
+    tol = tolerance("ple_conv", dtype, against=against)
     for g, e, name in zip(got, expected, ("residual", "conv_state"), strict=True):
-        if dtype == torch.float32:
-            torch.testing.assert_close(
-                g, e, atol=1e-6, rtol=1e-6, msg=lambda m, name=name: f"{what} {name}: {m}"
-            )
-        else:
-            assert torch.equal(g, e), f"{what} {name}: {(g != e).sum()} elements differ"
+        assert_within(g, e, tol, f"{what} {name}")
 
 
 # --- vLLM's own kernels ---------------------------------------------------------------------------
@@ -223,7 +226,7 @@ def test_matches_vllm_triton_kernels(
     case = (dtype, mode, query_len, window_first, token_map, outer)
     expected = vllm_result(case, batch)
     got = batch.run(backend.ops.ple_conv, backend.device)
-    assert_same(got, expected, dtype, mode)
+    assert_same(got, expected, dtype, mode, against="vllm")
 
 
 @needs_vllm
@@ -242,7 +245,7 @@ def test_matches_vllm_other_kernel_sizes(backend, kernel, dilation):
         )
         expected = vllm_result((kernel, dilation, mode), batch)
         got = batch.run(backend.ops.ple_conv, backend.device)
-        assert_same(got, expected, torch.float16, mode)
+        assert_same(got, expected, torch.float16, mode, against="vllm")
 
 
 # --- the reference, odd shapes --------------------------------------------------------------
@@ -781,6 +784,7 @@ def test_bad_arguments_raise_clear_errors(batch, overrides, message):
 def test_bad_values_leave_state_and_residual_untouched():
     residual = PREFILL.residual.clone()
     state = clone_layout(PREFILL.conv_state)
+    before = snapshot({"residual": residual, "conv_state": state})
     with pytest.raises(RuntimeError, match="outside"):
         ops.ple_conv(
             PREFILL.inputs,
@@ -791,8 +795,7 @@ def test_bad_values_leave_state_and_residual_untouched():
             PREFILL.outer_residual,
             **PREFILL.kwargs,
         )
-    assert torch.equal(residual, PREFILL.residual)
-    assert torch.equal(state, PREFILL.conv_state)
+    assert_untouched(before, {"residual": residual, "conv_state": state})
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
@@ -820,7 +823,7 @@ def test_silu_is_exact_for_every_16_bit_value(backend, dtype):
     )
     # Exact on every backend: the GPU kernels compute exp in double, as the CPU kernel does
     # (float_types.h, sigmoid_f32), not with the device's expf.
-    torch.testing.assert_close(residual.cpu(), expected, atol=0, rtol=0, equal_nan=True)
+    assert_exact(residual.cpu(), expected, equal_nan=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)

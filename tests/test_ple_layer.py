@@ -25,6 +25,7 @@ from qwen4exp_ext.layers import (
     get_ple_mamba_state_dtype,
     get_ple_mamba_state_shape,
 )
+from qwen4exp_ext.testing import assert_untouched, snapshot
 
 pytest.importorskip("transformers.models.qwen4_exp")
 from transformers.models.qwen4_exp.modeling_qwen4_exp import (  # noqa: E402
@@ -456,13 +457,6 @@ def nvfp4_pair(dtype, seed, **layer_kwargs):
     return cfg, hf, packed, scales, dense
 
 
-def raw_state(layer) -> dict[str, torch.Tensor]:
-    return {
-        k: v.detach().cpu().contiguous().view(torch.uint8).clone()
-        for k, v in layer.state_dict().items()
-    }
-
-
 def run_layer(layer, cfg, dtype, seed):
     """One fresh sequence (no state) and a batch of three through a cache."""
     gen = torch.Generator().manual_seed(seed)
@@ -588,12 +582,10 @@ def test_nvfp4_layer_bad_checkpoint_raises_and_leaves_it_untouched(tmp_path, cas
     cfg, hf, packed, scales, _ = nvfp4_pair(torch.bfloat16, seed=93)
     layer = PLELayer.from_config(cfg, 0, table_dtype="nvfp4")
     layer.load_weights(nvfp4_layout(hf, packed, scales))
-    before = raw_state(layer)
+    before = snapshot(layer.state_dict())
     with pytest.raises(ValueError, match=message):
         load_nvfp4_layer(layer, bad, source, tmp_path)
-    after = raw_state(layer)
-    for name, value in before.items():
-        assert torch.equal(after[name], value), name
+    assert_untouched(before, layer.state_dict())
     assert layer.ple_embedding._incomplete_load is None
 
 

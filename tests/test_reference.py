@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from qwen4exp_ext import layout
 from qwen4exp_ext import reference as ref
+from qwen4exp_ext.testing import assert_exact
 
 pytest.importorskip("transformers.models.qwen4_exp")
 from transformers.models.qwen4_exp.modeling_qwen4_exp import (  # noqa: E402
@@ -31,10 +32,6 @@ HYPOTHESIS = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 MASK64 = (1 << 64) - 1
-
-
-def exact(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -110,7 +107,7 @@ def test_ngram_ids_golden_toy_case():
             2,
         )
         assert ids.dtype == torch.int64
-        exact(ids, expected)
+        assert_exact(ids, expected)
     out32 = torch.full((4, 4), -1, dtype=torch.int32)
     got = ref.ngram_ids(
         torch.tensor([9, 7, 3, 5]),
@@ -124,7 +121,7 @@ def test_ngram_ids_golden_toy_case():
         output=out32,
     )
     assert got is out32
-    exact(out32, expected.to(torch.int32))
+    assert_exact(out32, expected.to(torch.int32))
 
 
 @pytest.fixture(
@@ -141,9 +138,9 @@ def hf_ngram(request):
         rows = module.ngram_embedding.weight.shape[0]
         module.ngram_embedding.weight.copy_(torch.arange(rows, dtype=torch.float32)[:, None])
     mult, sizes, offsets = layer_tensors(128, ngram_size, 42, layer, 1000, heads_per)
-    exact(module.layer_multipliers, mult)
-    exact(module.ngram_heads_vocab_sizes, sizes)
-    exact(module.ngram_heads_offsets, offsets)
+    assert_exact(module.layer_multipliers, mult)
+    assert_exact(module.ngram_heads_vocab_sizes, sizes)
+    assert_exact(module.ngram_heads_offsets, offsets)
 
     def hf_ids(batch: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -177,7 +174,7 @@ def test_ngram_ids_match_transformers_whole_sequences(hf_ngram):
     got = ref.ngram_ids(
         batch.reshape(-1), qsl, context, *hf_ngram["tables"], EOS, hf_ngram["heads_per"]
     )
-    exact(got.reshape(expected.shape), expected)
+    assert_exact(got.reshape(expected.shape), expected)
 
 
 @HYPOTHESIS
@@ -194,7 +191,7 @@ def test_ngram_ids_chunks_with_context_match_transformers(hf_ngram, data):
     got = ref.ngram_ids(
         torch.tensor(seq), qsl, context, *hf_ngram["tables"], EOS, hf_ngram["heads_per"]
     )
-    exact(got, hf_ngram["hf"](torch.tensor([seq]))[0])
+    assert_exact(got, hf_ngram["hf"](torch.tensor([seq]))[0])
 
 
 @HYPOTHESIS
@@ -239,7 +236,7 @@ def test_ngram_ids_match_literal_spec(data):
     expected = literal_ngram_ids(
         tokens, qsl, context, mult.tolist(), sizes.tolist(), offsets.tolist(), EOS, heads_per, n_ctx
     )
-    exact(got, expected)
+    assert_exact(got, expected)
     lo, hi = offsets, offsets + sizes
     assert bool(((got >= lo) & (got < hi)).all())
 
@@ -258,7 +255,7 @@ def test_ngram_ids_eos_barrier(data):
     qsl = torch.tensor([0, len(seq)])
     a = ref.ngram_ids(torch.tensor(seq), qsl, context_a, mult, sizes, offsets, EOS, 2)
     b = ref.ngram_ids(torch.tensor(other), qsl, context_b, mult, sizes, offsets, EOS, 2)
-    exact(a[eos_at + 1 :], b[eos_at + 1 :])
+    assert_exact(a[eos_at + 1 :], b[eos_at + 1 :])
 
 
 def test_ngram_ids_edge_cases():
@@ -278,7 +275,7 @@ def test_ngram_ids_edge_cases():
     fresh = ref.ngram_ids(
         tokens[:1], torch.tensor([0, 1]), torch.tensor([[EOS, EOS]]), mult, sizes, offsets, EOS, 2
     )
-    exact(none[0], fresh[0])
+    assert_exact(none[0], fresh[0])
     # Padding tokens past qsl[R] continue the last request.
     padded = ref.ngram_ids(
         tokens,
@@ -293,7 +290,7 @@ def test_ngram_ids_edge_cases():
     whole = ref.ngram_ids(
         tokens[1:], torch.tensor([0, 3]), torch.tensor([[7, 7]]), mult, sizes, offsets, EOS, 2
     )
-    exact(padded[1:], whole)
+    assert_exact(padded[1:], whole)
     empty = ref.ngram_ids(
         tokens[:0], torch.tensor([0, 0]), torch.tensor([[7, 7]]), mult, sizes, offsets, EOS, 2
     )
@@ -357,7 +354,7 @@ def test_gather_rows_matches_literal_spec(table_dtype, out_dtype, id_dtype):
     got = ref.gather_rows(table, ids, scale=scale, out_dtype=out_dtype)
     resolved = out_dtype or (torch.bfloat16 if fp8 else table_dtype)
     assert got.dtype == resolved and got.shape == (11, 3 * width)
-    exact(got, literal_gather(table, ids, scale, 0, rows, resolved))
+    assert_exact(got, literal_gather(table, ids, scale, 0, rows, resolved))
 
 
 @pytest.mark.parametrize(
@@ -379,7 +376,7 @@ def test_gather_rows_vocabulary_shards_sum_to_whole(table_dtype):
         owned = ((ids >= start) & (ids < end)).repeat_interleave(width, dim=1)
         assert bool((part[~owned] == 0).all())
         total += part
-    exact(total, whole)
+    assert_exact(total, whole)
 
 
 def test_gather_rows_errors():
@@ -450,18 +447,18 @@ def test_ple_gate_rounding_modes_against_fp32(dtype):
         torch.testing.assert_close(gated.float(), g32, rtol=ulps * eps, atol=ulps * eps)
         torch.testing.assert_close(conv_in.float(), c32, rtol=ulps * eps, atol=ulps * eps)
     same = ref.ple_gate(key, value, hidden, *weights, 1e-6, rounding="fp32")
-    exact(same[0], g32.to(dtype))  # fp32 mode == the fp32 computation rounded once
+    assert_exact(same[0], g32.to(dtype))  # fp32 mode == the fp32 computation rounded once
 
 
 def test_ple_gate_strided_views_and_zero_dot():
     key, value, hidden, weights = gate_inputs(5, 8, 2, torch.bfloat16)
     a = ref.ple_gate(key, value, hidden, *weights, 1e-6)
     b = ref.ple_gate(key.contiguous(), value.contiguous(), hidden, *weights, 1e-6)
-    exact(a[0], b[0])
-    exact(a[1], b[1])
+    assert_exact(a[0], b[0])
+    assert_exact(a[1], b[1])
     hidden = torch.zeros_like(hidden)  # normalised query 0 → d = 0, sign(0) = 0 → g = 1/2
     gated, _ = ref.ple_gate(key, value, hidden, *weights, 1e-6)
-    exact(gated, (0.5 * value.float()).repeat(1, 2).to(torch.bfloat16))
+    assert_exact(gated, (0.5 * value.float()).repeat(1, 2).to(torch.bfloat16))
 
 
 # --------------------------------------------------------------------------------------------
@@ -521,11 +518,11 @@ def test_ple_conv_prefill_matches_conv1d():
         history = torch.cat([old, x[a:b]])
         if b > a:
             torch.testing.assert_close(out[a:b], conv1d_oracle(history, weights, dilation, b - a))
-            exact(state[slots[r]], history[-S:].T)
+            assert_exact(state[slots[r]], history[-S:].T)
         else:
-            exact(state[slots[r]], before[slots[r]])  # zero-length request keeps its state
-    exact(state[0], before[0])
-    exact(state[3], before[3])
+            assert_exact(state[slots[r]], before[slots[r]])  # zero-length request keeps its state
+    assert_exact(state[0], before[0])
+    assert_exact(state[3], before[3])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -551,7 +548,7 @@ def test_ple_conv_rounds_the_sum_before_silu(dtype):
     )
     padded = F.pad(x.T[None], (S, 0))
     conv = F.conv1d(padded, weights[:, None, :], groups=channels, dilation=dilation)
-    exact(out, F.silu(conv)[0].T)
+    assert_exact(out, F.silu(conv)[0].T)
 
 
 def run_steps(steps, channels, weights, dilation, dtype, layout_, num_reqs):
@@ -623,10 +620,10 @@ def test_ple_conv_chunk_split_invariance(dtype, layout_, data):
     decode_steps = [("decode", [s[i : i + 1] for s in seqs]) for i in range(max(lengths))]
     decode, decode_state = run_decode(decode_steps, channels, weights, dilation, dtype, layout_, R)
     for r in range(R):
-        exact(split[r], whole[r])
-        exact(decode[r], whole[r])
-    exact(split_state, whole_state)
-    exact(decode_state, whole_state)
+        assert_exact(split[r], whole[r])
+        assert_exact(decode[r], whole[r])
+    assert_exact(split_state, whole_state)
+    assert_exact(decode_state, whole_state)
 
 
 def run_decode(steps, channels, weights, dilation, dtype, layout_, num_reqs):
@@ -683,13 +680,14 @@ def test_ple_conv_zero_weights_and_fused_residual(dtype):
         hidden,
         **kwargs,
     )
-    exact(res, gated + hidden)  # torch's own low-precision add rounds once, like the spec
+    assert_exact(res, gated + hidden)  # torch's own low-precision add rounds once, like the spec
     weights = torch.randn(channels, 3, generator=gen).to(dtype)
     alone = torch.empty_like(x)
     ref.ple_conv(x, alone, state.clone(), weights, torch.tensor([1, 2]), None, **kwargs)
     fused = gated.clone()
     ref.ple_conv(x, fused, state.clone(), weights, torch.tensor([1, 2]), hidden, **kwargs)
-    exact(fused, (gated + alone) + hidden)  # vLLM eager: gated.add_(conv); gated.add_(hidden)
+    # vLLM eager: gated.add_(conv); gated.add_(hidden)
+    assert_exact(fused, (gated + alone) + hidden)
 
 
 @pytest.mark.parametrize("init", [True, False])
@@ -729,9 +727,9 @@ def test_ple_conv_decode_equals_one_token_prefill(init, layout_):
         query_start_loc=torch.arange(4),
         has_initial_states=has_init,
     )
-    exact(o_dec, o_pre)
-    exact(s_dec, s_pre)
-    exact(s_dec[:, :, 6:], fill[:, :, 6:])  # entries past S are never touched outside spec
+    assert_exact(o_dec, o_pre)
+    assert_exact(s_dec, s_pre)
+    assert_exact(s_dec[:, :, 6:], fill[:, :, 6:])  # entries past S are never touched outside spec
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -790,7 +788,7 @@ def test_ple_conv_spec_replays_accepted_tokens(dtype, layout_):
     s1 = base.clone()
     out1 = spec(s1, d1, [1, 1])
     check = base.clone()
-    exact(out1, prefill(check, d1, True))  # a spec step reads like a prefill of its drafts
+    assert_exact(out1, prefill(check, d1, True))  # a spec step reads like a prefill of its drafts
 
     for a in range(1, q + 1):
         accepted = [a, q + 1 - a]
@@ -813,10 +811,10 @@ def test_ple_conv_spec_replays_accepted_tokens(dtype, layout_):
                 has_initial_states=torch.tensor([True]),
             )
             replay[slots[r]] = one[slots[r]]
-        exact(out2, prefill(replay, d2, True))
+        assert_exact(out2, prefill(replay, d2, True))
         # State after step 2 holds S-1+q entries; its last S are the replayed window.
         for slot in slots.tolist():
-            exact(s2[slot, :, q - 1 : q - 1 + S], replay[slot, :, :S])
+            assert_exact(s2[slot, :, q - 1 : q - 1 + S], replay[slot, :, :S])
 
 
 def test_ple_conv_null_slot_and_empty_requests_never_write():
@@ -843,8 +841,8 @@ def test_ple_conv_null_slot_and_empty_requests_never_write():
         query_start_loc=torch.tensor([0, 3, 3, 6]),
         has_initial_states=torch.tensor([True, False, True]),
     )
-    exact(state[:3], fill[:3])  # null slot 0 and the empty request on slot 2 untouched
-    exact(res[:3], 1 + hidden[:3])  # null slot: conv output 0, residuals still added
+    assert_exact(state[:3], fill[:3])  # null slot 0 and the empty request on slot 2 untouched
+    assert_exact(res[:3], 1 + hidden[:3])  # null slot: conv output 0, residuals still added
     assert not torch.equal(state[3], fill[3])
 
     state = fill.clone()
@@ -852,8 +850,8 @@ def test_ple_conv_null_slot_and_empty_requests_never_write():
     ref.ple_conv(
         x[:3], res, state, weights, torch.tensor([1, 0, 2]), None, mode="decode", dilation=dilation
     )
-    exact(state[0], fill[0])
-    exact(res[1], torch.zeros(channels))
+    assert_exact(state[0], fill[0])
+    assert_exact(res[1], torch.zeros(channels))
 
     state = fill.clone()
     res = torch.zeros(6, channels)
@@ -870,7 +868,7 @@ def test_ple_conv_null_slot_and_empty_requests_never_write():
         num_accepted_tokens=torch.tensor([2, 2]),
         spec_query_len=q,
     )
-    exact(state[0], fill[0])
+    assert_exact(state[0], fill[0])
     scratch = torch.zeros(2, channels, S)
     from_zero = torch.zeros(3, channels)
     ref.ple_conv(
@@ -885,7 +883,7 @@ def test_ple_conv_null_slot_and_empty_requests_never_write():
         query_start_loc=torch.tensor([0, 3]),
         has_initial_states=torch.tensor([False]),
     )
-    exact(res[:3], from_zero)
+    assert_exact(res[:3], from_zero)
 
 
 def test_ple_conv_spec_short_and_empty_chunks_keep_the_tail():
@@ -911,11 +909,11 @@ def test_ple_conv_spec_short_and_empty_chunks_keep_the_tail():
         num_accepted_tokens=torch.tensor([3, 2]),
         spec_query_len=q,
     )
-    exact(state[1, :, : S - 1], fill[1, :, 3 : 3 + S - 1])  # offset 2, shifted by one
-    exact(state[1, :, S - 1 : S + 1], x.T)
-    exact(state[1, :, S + 1 :], fill[1, :, S + 1 :])
-    exact(state[2, :, : S - 1], fill[2, :, 2 : 2 + S - 1])  # empty chunk: offset 1 + shift
-    exact(state[2, :, S - 1 :], fill[2, :, S - 1 :])
+    assert_exact(state[1, :, : S - 1], fill[1, :, 3 : 3 + S - 1])  # offset 2, shifted by one
+    assert_exact(state[1, :, S - 1 : S + 1], x.T)
+    assert_exact(state[1, :, S + 1 :], fill[1, :, S + 1 :])
+    assert_exact(state[2, :, : S - 1], fill[2, :, 2 : 2 + S - 1])  # empty chunk: offset 1 + shift
+    assert_exact(state[2, :, S - 1 :], fill[2, :, S - 1 :])
 
 
 def test_ple_conv_token_indices_and_padding_rows():
@@ -987,10 +985,10 @@ def test_ple_conv_token_indices_and_padding_rows():
             dilation=dilation,
             **kw,
         )
-        exact(mixed_res[rows], res)
-    exact(mixed_state, alone_state)
-    exact(mixed_res[untouched], gated[untouched])
-    exact(mixed_res[1], gated[1] + hidden[1])  # padding row: conv output 0
+        assert_exact(mixed_res[rows], res)
+    assert_exact(mixed_state, alone_state)
+    assert_exact(mixed_res[untouched], gated[untouched])
+    assert_exact(mixed_res[1], gated[1] + hidden[1])  # padding row: conv output 0
 
 
 def test_ple_conv_errors():
@@ -1131,7 +1129,7 @@ def test_ple_layer_fp8_table_dequantises_like_vllm():
     args = (hidden, ids, torch.tensor([0, 9]), torch.full((1, 2), EOS))
     quant = dict(weights, table=fp8, table_scale=scale)
     dequant = dict(weights, table=fp8.to(torch.bfloat16) * scale.to(torch.bfloat16))
-    exact(ref.ple_layer(*args, **quant), ref.ple_layer(*args, **dequant))
+    assert_exact(ref.ple_layer(*args, **quant), ref.ple_layer(*args, **dequant))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1142,7 +1140,7 @@ def test_hc_mix_and_combine():
     x = torch.randn(2, 5, 3 * 4, generator=gen)
     block = torch.randn(2, 5, 4, generator=gen)
     torch.testing.assert_close(ref.hc_mix(x, 3), (x[..., :4] + x[..., 4:8] + x[..., 8:]) / 3)
-    exact(ref.hc_combine(block, x), x + block.repeat(1, 1, 3))
+    assert_exact(ref.hc_combine(block, x), x + block.repeat(1, 1, 3))
 
 
 @pytest.mark.parametrize("hc_count,hidden_size,lowrank", [(2, 8, 3), (4, 6, 5)])
@@ -1177,4 +1175,4 @@ def test_gated_residual_shared_norm_weight():
     gen = torch.Generator().manual_seed(23)
     x = torch.randn(4, 3 * 8, generator=gen).to(torch.bfloat16)
     w = torch.randn(8, generator=gen).to(torch.bfloat16)
-    exact(ref.grouped_rms_norm(x, w, 8, 1e-6), ref.grouped_rms_norm(x, w.repeat(3), 8, 1e-6))
+    assert_exact(ref.grouped_rms_norm(x, w, 8, 1e-6), ref.grouped_rms_norm(x, w.repeat(3), 8, 1e-6))

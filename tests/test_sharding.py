@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ngram_support import CONFIG  # the toy n-gram config the layer tests share
 from qwen4exp_ext import sharding
-from test_ngram_embedding import CONFIG  # the toy n-gram config the layer tests share
 
 WORLD = 2
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from qwen4exp_ext import ops, reference
+from qwen4exp_ext.testing import assert_exact
 from vllm_support import recorded_ops, require_vllm, run_python
 
 pytestmark = require_vllm()
@@ -229,14 +230,6 @@ def _vllms(method_fn):
     return method_fn.__wrapped__
 
 
-def _assert_same_bits(got: torch.Tensor, expected: torch.Tensor) -> None:
-    """Bit for bit (so -0 and +0 differ), except that any NaN matches any NaN: the spec fixes no
-    NaN payload, and torch's fp8 decoding and ours choose different ones."""
-    nan = torch.isnan(expected)
-    assert torch.equal(torch.isnan(got), nan)
-    assert torch.equal(got.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
-
-
 def _fp8_layer(rows: int, width: int, *, gen, start: int = 0):
     """A vLLM FP8 PLE layer's attributes: fp8 rows (-0 and NaN bytes included), the global
     scale, the activation dtype; `_uva_weight` and the shard for the pinned lookup."""
@@ -272,7 +265,9 @@ def test_fp8_table_lookups_run_ours_dequantised(vllm_plugged):
         got = method.dequantize(layer, rows, torch.bfloat16)
     assert "qwen4exp::gather_rows" in names
     assert rows.dtype == torch.bfloat16 and rows.shape == (5, 4, 16)
-    _assert_same_bits(got, expected)
+    # Bit for bit (so -0 and +0 differ), except that any NaN matches any NaN: the spec fixes no
+    # NaN payload, and torch's fp8 decoding and ours choose different ones.
+    assert_exact(got, expected, bitwise=True, equal_nan=True)
 
     # Pinned: lookup_dtype is the activation dtype; rows of other ranks are zeros.
     start = 500
@@ -289,7 +284,7 @@ def test_fp8_table_lookups_run_ours_dequantised(vllm_plugged):
     expected = _vllms(type(method).dequantize)(
         method, layer, vllm_bytes.view(torch.float8_e4m3fn), torch.bfloat16
     )
-    _assert_same_bits(output, expected)
+    assert_exact(output, expected, bitwise=True, equal_nan=True)
 
 
 def test_fp8_dequantising_before_the_vocabulary_reduction(vllm_plugged):

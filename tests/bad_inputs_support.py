@@ -1,0 +1,629 @@
+"""The bad-input case table of tests/test_bad_inputs.py, also run by tests/test_gpu_debug_checks.py.
+
+OPS: one valid baseline per op (outputs filled with a sentinel pattern), the runner that calls it,
+and the names of the tensors it writes. CASES: each overrides one argument of a baseline, with
+the error it must raise. DATA_ONLY (DATA_CASES): the cases whose bad values only the index data
+shows, errors on the CPU and, on the GPU and the SIMT emulator, only with debug checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ngram_support import HEADS
+from qwen4exp_ext import layout, ops
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+META = torch.device("meta")
+EXC = (RuntimeError, ValueError, TypeError, IndexError)
+
+
+def sentinel(shape, dtype) -> torch.Tensor:
+    """A tensor with a distinctive bit pattern (no two neighbours equal)."""
+    n = 1
+    for s in shape:
+        n *= s
+    t = torch.arange(n, dtype=torch.float64).reshape(shape)
+    if dtype.is_floating_point:
+        return (t * -1.375 - 7777.0).to(dtype)
+    return (t * 7919 - 123456789).to(dtype)
+
+
+# ---- baselines -------------------------------------------------------------------------------
+
+NGRAM_HEADS = HEADS  # 4 heads = (N-1)=2 x heads_per_ngram=2
+
+
+def ngram_baseline() -> dict:
+    return dict(
+        input_ids=torch.tensor([9, 5, 3, 11, 40, 5, 96, 0, 1]),
+        query_start_loc=torch.tensor([0, 4, 9], dtype=torch.int32),
+        ngram_context=torch.tensor([[5, 5], [17, 23]]),
+        layer_multipliers=torch.tensor(layout.layer_multipliers(97, 3, 7, 1)),
+        ngram_heads_vocab_sizes=torch.tensor(NGRAM_HEADS.sizes),
+        ngram_heads_offsets=torch.tensor(NGRAM_HEADS.offsets),
+        eos_token_id=5,
+        heads_per_ngram=2,
+        output=sentinel((9, 4), torch.int64),
+    )
+
+
+def ngram_call(a: dict) -> dict[str, torch.Tensor]:
+    return {"output": a["output"]}
+
+
+def gather_baseline() -> dict:
+    return dict(
+        table=torch.randn(10, 6, generator=torch.Generator().manual_seed(0)),
+        ids=torch.tensor([[0, 3, 9, 1], [2, 2, 5, 7], [8, 4, 6, 0]]),
+        output=sentinel((3, 24), torch.float32),
+    )
+
+
+def gather_nvfp4_baseline() -> dict:
+    g = torch.Generator().manual_seed(4)
+    return dict(
+        table=torch.randint(0, 256, (10, 16), dtype=torch.uint8, generator=g),  # d = 32
+        ids=torch.tensor([[0, 3, 9, 1], [2, 2, 5, 7], [8, 4, 6, 0]]),
+        scale=torch.tensor([0.5]),
+        block_scales=torch.rand(10, 2, generator=g).to(torch.float8_e4m3fn),
+        output=sentinel((3, 4 * 32), torch.bfloat16),
+    )
+
+
+def gate_baseline() -> dict:
+    g = torch.Generator().manual_seed(1)
+    return dict(
+        key=torch.randn(3, 8, generator=g),
+        value=torch.randn(3, 4, generator=g),
+        hidden=torch.randn(3, 8, generator=g),
+        norm_key_w=torch.randn(8, generator=g),
+        norm_query_w=torch.randn(8, generator=g),
+        norm_conv_w=torch.randn(8, generator=g),
+        eps=1e-6,
+        rounding="vllm",
+        gated=sentinel((3, 8), torch.float32),
+        conv_input=sentinel((3, 8), torch.float32) + 0.5,
+    )
+
+
+def _conv_baseline(tokens: int, seed: int, mode: str, **extra) -> dict:
+    """ple_conv of `tokens` rows of 4 channels, K = 3, on slots 1 and 2 of 4 (width 2)."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        inputs=torch.randn(tokens, 4, generator=g),
+        residual=sentinel((tokens, 4), torch.float32),
+        conv_state=sentinel((4, 4, 2), torch.float32) + 0.25,
+        conv_weights=torch.randn(4, 3, generator=g),
+        state_indices=torch.tensor([1, 2], dtype=torch.int32),
+        outer_residual=None,
+        mode=mode,
+        dilation=1,
+        **extra,
+    )
+
+
+def conv_decode_baseline() -> dict:
+    return _conv_baseline(tokens=2, seed=2, mode="decode")
+
+
+def conv_prefill_baseline() -> dict:
+    return _conv_baseline(
+        tokens=5,
+        seed=3,
+        mode="prefill",
+        query_start_loc=torch.tensor([0, 2, 5], dtype=torch.int32),
+        has_initial_states=torch.tensor([True, False]),
+    )
+
+
+# Each runner calls one op of `kernels` (qwen4exp_ext.ops, or a backend's ops) with the arguments.
+def run_ngram(a, kernels=ops):
+    kernels.ngram_ids(**a)
+    return {"output": a["output"]}
+
+
+def run_gather(a, kernels=ops):
+    kernels.gather_rows(a.pop("table"), a.pop("ids"), **a)
+
+
+def run_gate(a, kernels=ops):
+    gated, conv_input = a.pop("gated"), a.pop("conv_input")
+    key, value, hidden = a.pop("key"), a.pop("value"), a.pop("hidden")
+    wk, wq, wc = a.pop("norm_key_w"), a.pop("norm_query_w"), a.pop("norm_conv_w")
+    kernels.ple_gate(key, value, hidden, wk, wq, wc, a.pop("eps"), out=(gated, conv_input), **a)
+
+
+def run_conv(a, kernels=ops):
+    pos = [
+        a.pop(k)
+        for k in (
+            "inputs",
+            "residual",
+            "conv_state",
+            "conv_weights",
+            "state_indices",
+            "outer_residual",
+        )
+    ]
+    kernels.ple_conv(*pos, **a)
+
+
+OPS = {
+    "ngram_ids": (ngram_baseline, run_ngram, ("output",)),
+    "gather_rows": (gather_baseline, run_gather, ("output",)),
+    "gather_rows_nvfp4": (gather_nvfp4_baseline, run_gather, ("output",)),
+    "ple_gate": (gate_baseline, run_gate, ("gated", "conv_input")),
+    "ple_conv": (conv_decode_baseline, run_conv, ("residual", "conv_state")),
+    "ple_conv_prefill": (conv_prefill_baseline, run_conv, ("residual", "conv_state")),
+}
+
+
+def meta(t: torch.Tensor) -> torch.Tensor:
+    return t.to(META)
+
+
+def noncontig(t: torch.Tensor) -> torch.Tensor:
+    """Same values and shape, stride(-1) == 2."""
+    wide = torch.zeros(*t.shape[:-1], t.shape[-1] * 2, dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+def set_(name, fn):
+    """An override: args[name] = fn(args[name])."""
+
+    def apply(a):
+        a[name] = fn(a[name])
+
+    return apply
+
+
+def put(name, value):
+    def apply(a):
+        a[name] = value() if callable(value) else value
+
+    return apply
+
+
+def p(op, case_id, override, match, exc=EXC):
+    return pytest.param(op, override, match, exc, id=f"{op}-{case_id}")
+
+
+I32 = torch.int32
+F16 = torch.float16
+F32 = torch.float32
+FP8 = torch.float8_e4m3fn
+
+CASES = [
+    # ---- ngram_ids ----
+    p("ngram_ids", "input_ids-float", set_("input_ids", lambda t: t.float()), "input_ids"),
+    p("ngram_ids", "qsl-float", set_("query_start_loc", lambda t: t.float()), "query_start_loc"),
+    p("ngram_ids", "qsl-2d", set_("query_start_loc", lambda t: t.view(1, 3)), "query_start_loc"),
+    p("ngram_ids", "context-float", set_("ngram_context", lambda t: t.double()), "ngram_context"),
+    p("ngram_ids", "context-1d", set_("ngram_context", lambda t: t.reshape(-1)), "ngram_context"),
+    p("ngram_ids", "context-rows", set_("ngram_context", lambda t: t[:1]), "ngram_context"),
+    p(
+        "ngram_ids",
+        "multipliers-int32",
+        set_("layer_multipliers", lambda t: t.to(I32)),
+        "layer_multipliers",
+    ),
+    p(
+        "ngram_ids",
+        "multipliers-len",
+        set_("layer_multipliers", lambda t: t[:2]),
+        "layer_multipliers",
+    ),
+    p(
+        "ngram_ids",
+        "multipliers-noncontig",
+        set_("layer_multipliers", noncontig),
+        "layer_multipliers",
+    ),
+    p(
+        "ngram_ids",
+        "sizes-len",
+        set_("ngram_heads_vocab_sizes", lambda t: t[:3]),
+        "ngram_heads_vocab_sizes",
+    ),
+    p(
+        "ngram_ids",
+        "sizes-zero",
+        set_("ngram_heads_vocab_sizes", lambda t: t.clone().index_fill_(0, torch.tensor([2]), 0)),
+        "ngram_heads_vocab_sizes",
+    ),
+    p(
+        "ngram_ids",
+        "sizes-negative",
+        set_("ngram_heads_vocab_sizes", lambda t: t.clone().index_fill_(0, torch.tensor([0]), -7)),
+        "ngram_heads_vocab_sizes",
+    ),
+    p(
+        "ngram_ids",
+        "offsets-float",
+        set_("ngram_heads_offsets", lambda t: t.float()),
+        "ngram_heads_offsets",
+    ),
+    p(
+        "ngram_ids",
+        "offsets-negative",
+        set_("ngram_heads_offsets", lambda t: t - 10_000),
+        "ngram_heads_offsets",
+    ),
+    p("ngram_ids", "heads_per_ngram-0", put("heads_per_ngram", 0), "heads_per_ngram"),
+    p("ngram_ids", "heads_per_ngram-negative", put("heads_per_ngram", -1), "heads_per_ngram"),
+    p(
+        "ngram_ids",
+        "context-too-many-cols",
+        put("ngram_context", lambda: torch.zeros(2, 8, dtype=torch.long)),
+        "ngram_context",
+    ),
+    p(
+        "ngram_ids",
+        "context-no-cols",
+        put("ngram_context", lambda: torch.zeros(2, 0, dtype=torch.long)),
+        "ngram_context",
+    ),
+    p(
+        "ngram_ids",
+        "qsl-empty",
+        put("query_start_loc", lambda: torch.zeros(0, dtype=I32)),
+        "query_start_loc",
+    ),
+    p(
+        "ngram_ids",
+        "offsets-overflow-int64",
+        set_("ngram_heads_offsets", lambda t: t + (INT64_MAX - 100)),
+        "ngram_heads_offsets",
+    ),
+    p(
+        "ngram_ids",
+        "output-int32-too-small",
+        lambda a: a.update(
+            output=sentinel((9, 4), I32), ngram_heads_offsets=a["ngram_heads_offsets"] + 2**31
+        ),
+        "output",
+    ),
+    p(
+        "ngram_ids",
+        "qsl-start-1",
+        put("query_start_loc", lambda: torch.tensor([1, 4, 9], dtype=I32)),
+        "query_start_loc",
+    ),
+    p(
+        "ngram_ids",
+        "qsl-decreasing",
+        put("query_start_loc", lambda: torch.tensor([0, 6, 4], dtype=I32)),
+        "query_start_loc",
+    ),
+    p(
+        "ngram_ids",
+        "qsl-past-T",
+        put("query_start_loc", lambda: torch.tensor([0, 4, 10], dtype=I32)),
+        "query_start_loc",
+    ),
+    p("ngram_ids", "output-shape", put("output", lambda: sentinel((9, 5), torch.int64)), "output"),
+    p("ngram_ids", "output-float", put("output", lambda: sentinel((9, 4), F32)), "output"),
+    p("ngram_ids", "meta-context", set_("ngram_context", meta), "ngram_context"),
+    p("ngram_ids", "meta-multipliers", set_("layer_multipliers", meta), "layer_multipliers"),
+    p("ngram_ids", "meta-qsl", set_("query_start_loc", meta), "query_start_loc"),
+    # ---- gather_rows ----
+    p("gather_rows", "table-int", set_("table", lambda t: t.to(I32)), "table"),
+    p("gather_rows", "table-1d", set_("table", lambda t: t.reshape(-1)), "table"),
+    p("gather_rows", "table-noncontig", set_("table", noncontig), "table"),
+    p("gather_rows", "ids-float", set_("ids", lambda t: t.float()), "ids"),
+    p("gather_rows", "ids-0d", put("ids", lambda: torch.tensor(3)), "ids"),
+    p("gather_rows", "output-shape", put("output", lambda: sentinel((3, 23), F32)), "output"),
+    p("gather_rows", "output-int", put("output", lambda: sentinel((3, 24), I32)), "output"),
+    p("gather_rows", "output-noncontig", set_("output", noncontig), "output"),
+    p("gather_rows", "out_dtype-mismatch", put("out_dtype", F16), "out_dtype"),
+    p("gather_rows", "fp8-table-no-scale", set_("table", lambda t: t.to(FP8)), "scale"),
+    p(
+        "gather_rows",
+        "fp8-scale-f64",
+        lambda a: a.update(table=a["table"].to(FP8), scale=torch.ones(1, dtype=torch.float64)),
+        "scale",
+    ),
+    p(
+        "gather_rows",
+        "fp8-scale-2-elems",
+        lambda a: a.update(table=a["table"].to(FP8), scale=torch.ones(2)),
+        "scale",
+    ),
+    p(
+        "gather_rows",
+        "meta-scale",
+        lambda a: a.update(table=a["table"].to(FP8), scale=torch.ones(1, device=META)),
+        "scale",
+    ),
+    p("gather_rows", "meta-output", set_("output", meta), "output"),
+    p("gather_rows", "meta-table", set_("table", meta), "table"),
+    p("gather_rows", "scale-non-fp8", put("scale", 2.0), "scale"),
+    p("gather_rows", "vocab_start-negative", put("vocab_start", -1), "vocab_start"),
+    p("gather_rows", "vocab_end-too-far", put("vocab_end", 11), "vocab_end"),
+    p("gather_rows", "vocab_end-before-start", put("vocab_end", -3), "vocab_end"),
+    p("gather_rows", "meta-ids", set_("ids", meta), "ids"),
+    p(
+        "gather_rows",
+        "block_scales-non-nvfp4",
+        put("block_scales", lambda: torch.ones(10, 1)),
+        "block_scales",
+    ),
+    # ---- gather_rows, NVFP4 tables ----
+    p("gather_rows_nvfp4", "no-block_scales", put("block_scales", None), "block_scales"),
+    p("gather_rows_nvfp4", "no-scale", put("scale", None), "scale"),
+    p(
+        "gather_rows_nvfp4",
+        "block_scales-bf16",
+        set_("block_scales", lambda t: t.to(torch.bfloat16)),
+        "block_scales",
+    ),
+    p(
+        "gather_rows_nvfp4",
+        "block_scales-e4m3fnuz",
+        set_("block_scales", lambda t: t.view(torch.float8_e4m3fnuz)),
+        "block_scales",
+    ),
+    p(
+        "gather_rows_nvfp4",
+        "block_scales-width",
+        put("block_scales", lambda: torch.ones(10, 3).to(torch.float8_e4m3fn)),
+        "block_scales",
+    ),
+    p(
+        "gather_rows_nvfp4",
+        "block_scales-rows",
+        put("block_scales", lambda: torch.ones(9, 2).to(torch.float8_e4m3fn)),
+        "block_scales",
+    ),
+    p(
+        "gather_rows_nvfp4",
+        "block_scales-1d",
+        set_("block_scales", lambda t: t.reshape(-1)),
+        "block_scales",
+    ),
+    p(
+        "gather_rows_nvfp4",
+        "block_scales-noncontig",
+        set_("block_scales", lambda t: noncontig(t.view(torch.uint8)).view(torch.float8_e4m3fn)),
+        "block_scales",
+    ),
+    p("gather_rows_nvfp4", "meta-block_scales", set_("block_scales", meta), "block_scales"),
+    p("gather_rows_nvfp4", "meta-scale", set_("scale", meta), "scale"),
+    p("gather_rows_nvfp4", "scale-f16", set_("scale", lambda t: t.half()), "scale"),
+    # d = 24: not a whole number of 16-element blocks (block_scales [10, 1] would fit d = 16)
+    p(
+        "gather_rows_nvfp4",
+        "d-not-multiple-of-16",
+        lambda a: a.update(
+            table=a["table"][:, :12],
+            block_scales=a["block_scales"][:, :1],
+            output=sentinel((3, 4 * 24), torch.bfloat16),
+        ),
+        "packed width",
+    ),
+    # a packed width that is not d/2: the output is [T, NH·d] with d = 2 · packed width
+    p(
+        "gather_rows_nvfp4",
+        "output-unpacked-width",
+        put("output", lambda: sentinel((3, 4 * 16), torch.bfloat16)),
+        "output",
+    ),
+    # ---- ple_gate ----
+    p("ple_gate", "hidden-int", set_("hidden", lambda t: t.to(I32)), "hidden"),
+    p("ple_gate", "hidden-3d", set_("hidden", lambda t: t.unsqueeze(0)), "hidden"),
+    p("ple_gate", "key-f16", set_("key", lambda t: t.to(F16)), "key"),
+    p("ple_gate", "value-f16", set_("value", lambda t: t.to(F16)), "value"),
+    p("ple_gate", "key-shape", set_("key", lambda t: t[:, :4]), "key"),
+    p("ple_gate", "value-width-3", set_("value", lambda t: t[:, :3].contiguous()), "value|H"),
+    p("ple_gate", "value-rows", set_("value", lambda t: t[:2]), "value"),
+    p("ple_gate", "key-noncontig", set_("key", noncontig), "key"),
+    p("ple_gate", "hidden-noncontig", set_("hidden", noncontig), "hidden"),
+    p("ple_gate", "norm_key_w-f16", set_("norm_key_w", lambda t: t.to(F16)), "norm_key_w"),
+    p("ple_gate", "norm_query_w-f64", set_("norm_query_w", lambda t: t.double()), "norm_query_w"),
+    p("ple_gate", "norm_conv_w-len", set_("norm_conv_w", lambda t: t[:7]), "norm_conv_w"),
+    p("ple_gate", "norm_conv_w-noncontig", set_("norm_conv_w", noncontig), "norm_conv_w"),
+    p("ple_gate", "eps-negative", put("eps", -1e-6), "eps"),
+    p("ple_gate", "eps-nan", put("eps", float("nan")), "eps"),
+    p("ple_gate", "eps-zero", put("eps", 0.0), "eps"),
+    p("ple_gate", "eps-negative-zero", put("eps", -0.0), "eps"),
+    p("ple_gate", "eps-inf", put("eps", float("inf")), "eps"),
+    p("ple_gate", "eps-zero-in-fp32", put("eps", 1e-50), "eps"),  # the kernel's eps is fp32
+    p("ple_gate", "rounding-bad", put("rounding", "bf16"), "rounding"),
+    p("ple_gate", "gated-shape", put("gated", lambda: sentinel((3, 7), torch.float32)), "gated"),
+    p("ple_gate", "conv_input-f16", put("conv_input", lambda: sentinel((3, 8), F16)), "conv_input"),
+    p("ple_gate", "value-width-0", set_("value", lambda t: t[:, :0]), "value"),
+    p("ple_gate", "meta-value", set_("value", meta), "value"),
+    p("ple_gate", "meta-gated", set_("gated", meta), "gated"),
+    p("ple_gate", "meta-hidden", set_("hidden", meta), "hidden"),
+    p("ple_gate", "meta-norm_query_w", set_("norm_query_w", meta), "norm_query_w"),
+    # ---- ple_conv (decode baseline) ----
+    p("ple_conv", "inputs-int", set_("inputs", lambda t: t.to(I32)), "inputs"),
+    p("ple_conv", "inputs-1d", set_("inputs", lambda t: t.reshape(-1)), "inputs"),
+    p("ple_conv", "inputs-noncontig", set_("inputs", noncontig), "inputs"),
+    p("ple_conv", "conv_weights-f64", set_("conv_weights", lambda t: t.double()), "conv_weights"),
+    p("ple_conv", "conv_weights-channels", set_("conv_weights", lambda t: t[:3]), "conv_weights"),
+    p("ple_conv", "kernel-size-0", put("conv_weights", lambda: torch.zeros(4, 0)), "conv_weights"),
+    p("ple_conv", "kernel-size-9", put("conv_weights", lambda: torch.zeros(4, 9)), "conv_weights"),
+    p("ple_conv", "dilation-0", put("dilation", 0), "dilation"),
+    p("ple_conv", "dilation-9", put("dilation", 9), "dilation"),
+    p("ple_conv", "dilation-negative", put("dilation", -1), "dilation"),
+    p("ple_conv", "conv_state-2d", set_("conv_state", lambda t: t[:, :, 0]), "conv_state"),
+    p("ple_conv", "conv_state-narrow", set_("conv_state", lambda t: t[:, :, :1]), "conv_state"),
+    p("ple_conv", "conv_state-f16", set_("conv_state", lambda t: t.to(F16)), "conv_state"),
+    p(
+        "ple_conv",
+        "state_indices-float",
+        set_("state_indices", torch.Tensor.float),
+        "state_indices",
+    ),
+    p(
+        "ple_conv",
+        "state_indices-short",
+        set_("state_indices", lambda t: t[:1]),
+        "state_indices",
+    ),
+    p(
+        "ple_conv",
+        "state_indices-negative",
+        put("state_indices", lambda: torch.tensor([1, -1], dtype=I32)),
+        "state_indices",
+    ),
+    p(
+        "ple_conv",
+        "state_indices-eq-slots",
+        put("state_indices", lambda: torch.tensor([4, 1], dtype=I32)),
+        "state_indices",
+    ),
+    p(
+        "ple_conv",
+        "state_indices-duplicate",
+        put("state_indices", lambda: torch.tensor([2, 2], dtype=I32)),
+        "state_indices",
+    ),
+    p(
+        "ple_conv",
+        "token_indices-past",
+        put("token_indices", lambda: torch.tensor([0, 2], dtype=I32)),
+        "token_indices",
+    ),
+    p(
+        "ple_conv",
+        "token_indices-negative",
+        put("token_indices", lambda: torch.tensor([-1, 0])),
+        "token_indices",
+    ),
+    p(
+        "ple_conv",
+        "token_indices-float",
+        put("token_indices", lambda: torch.tensor([0.0, 1.0])),
+        "token_indices",
+    ),
+    p("ple_conv", "residual-shape", put("residual", lambda: sentinel((2, 5), F32)), "residual"),
+    p("ple_conv", "residual-f16", put("residual", lambda: sentinel((2, 4), F16)), "residual"),
+    p("ple_conv", "residual-noncontig", set_("residual", noncontig), "residual"),
+    p(
+        "ple_conv",
+        "outer_residual-shape",
+        put("outer_residual", lambda: torch.zeros(3, 4)),
+        "outer_residual",
+    ),
+    p(
+        "ple_conv",
+        "outer_residual-f16",
+        put("outer_residual", lambda: torch.zeros(2, 4, dtype=F16)),
+        "outer_residual",
+    ),
+    p(
+        "ple_conv",
+        "token_indices-2d",
+        put("token_indices", lambda: torch.tensor([[0, 1]])),
+        "token_indices",
+    ),
+    p("ple_conv", "mode-bad", put("mode", "verify"), "mode"),
+    p(
+        "ple_conv",
+        "spec_query_len-0",
+        lambda a: a.update(
+            mode="spec",
+            spec_query_len=0,
+            query_start_loc=torch.tensor([0, 1, 2], dtype=I32),
+            num_accepted_tokens=torch.tensor([1, 1], dtype=I32),
+        ),
+        "spec_query_len",
+    ),
+    p(
+        "ple_conv",
+        "spec-num_accepted_tokens-missing",
+        lambda a: a.update(mode="spec", query_start_loc=torch.tensor([0, 1, 2], dtype=I32)),
+        "num_accepted_tokens",
+    ),
+    p("ple_conv", "meta-residual", set_("residual", meta), "residual"),
+    p("ple_conv", "meta-conv_state", set_("conv_state", meta), "conv_state"),
+    p(
+        "ple_conv",
+        "meta-outer_residual",
+        put("outer_residual", lambda: torch.zeros(2, 4, device=META)),
+        "outer_residual",
+    ),
+    p("ple_conv", "meta-conv_weights", set_("conv_weights", meta), "conv_weights"),
+    p("ple_conv", "meta-state_indices", set_("state_indices", meta), "state_indices"),
+    # ---- ple_conv (prefill baseline) ----
+    p(
+        "ple_conv_prefill",
+        "qsl-decreasing",
+        put("query_start_loc", lambda: torch.tensor([0, 3, 2], dtype=I32)),
+        "query_start_loc",
+    ),
+    p(
+        "ple_conv_prefill",
+        "qsl-past-T",
+        put("query_start_loc", lambda: torch.tensor([0, 2, 6], dtype=I32)),
+        "query_start_loc",
+    ),
+    p(
+        "ple_conv_prefill",
+        "qsl-negative-start",
+        put("query_start_loc", lambda: torch.tensor([-1, 2, 5], dtype=I32)),
+        "query_start_loc",
+    ),
+    p(
+        "ple_conv_prefill",
+        "qsl-nonzero-start",
+        put("query_start_loc", lambda: torch.tensor([1, 2, 5], dtype=I32)),
+        "query_start_loc",
+    ),
+    p(
+        "ple_conv_prefill",
+        "qsl-short",
+        set_("query_start_loc", lambda t: t[:2]),
+        "query_start_loc",
+    ),
+    p("ple_conv_prefill", "qsl-missing", put("query_start_loc", None), "query_start_loc"),
+    p(
+        "ple_conv_prefill",
+        "has_initial_states-missing",
+        put("has_initial_states", None),
+        "has_initial_states",
+    ),
+    p(
+        "ple_conv_prefill",
+        "has_initial_states-float",
+        set_("has_initial_states", lambda t: t.float()),
+        "has_initial_states",
+    ),
+    p(
+        "ple_conv_prefill",
+        "has_initial_states-short",
+        set_("has_initial_states", lambda t: t[:1]),
+        "has_initial_states",
+    ),
+    p("ple_conv_prefill", "meta-qsl", set_("query_start_loc", meta), "query_start_loc"),
+]
+
+
+# Index values that only the data shows: errors on the CPU, which reads them for free; on the GPU
+# (and the SIMT emulator) only with debug checks (tests/test_gpu_debug_checks.py).
+DATA_ONLY = {
+    "ngram_ids-output-int32-too-small",
+    "ngram_ids-sizes-zero",
+    "ngram_ids-sizes-negative",
+    "ngram_ids-offsets-negative",
+    "ngram_ids-offsets-overflow-int64",
+    "ngram_ids-qsl-start-1",
+    "ngram_ids-qsl-decreasing",
+    "ngram_ids-qsl-past-T",
+    "ple_conv-state_indices-negative",
+    "ple_conv-state_indices-eq-slots",
+    "ple_conv-state_indices-duplicate",
+    "ple_conv-token_indices-past",
+    "ple_conv-token_indices-negative",
+    "ple_conv_prefill-qsl-decreasing",
+    "ple_conv_prefill-qsl-past-T",
+    "ple_conv_prefill-qsl-negative-start",
+    "ple_conv_prefill-qsl-nonzero-start",
+}
+DATA_CASES = [case for case in CASES if case.id in DATA_ONLY]

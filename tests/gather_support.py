@@ -1,0 +1,47 @@
+"""What the gather_rows tests share (tests/test_gather_rows.py, tests/test_fuzz.py): the switch
+between the CPU kernel's two paths, and tables that hold every finite bit pattern."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from qwen4exp_ext import ops, reference
+
+FP8 = reference.FP8_DTYPES
+# The NaN bytes of each fp8 format: NaN != NaN, so tables leave them out (SPEC fixes no payload).
+FP8_NAN_BYTES = {torch.float8_e4m3fn: (0x7F, 0xFF), torch.float8_e4m3fnuz: (0x80,)}
+
+
+@contextlib.contextmanager
+def cpu_gather_path(path: str):
+    """Within the block the CPU gather takes ``path``: "cached" or "streaming" (where the CPU
+    has one: ops.cpu_gather_stream_bytes() != -1)."""
+    previous = ops.set_cpu_gather_stream_bytes({"cached": 2**62, "streaming": 0}[path])
+    try:
+        yield
+    finally:
+        ops.set_cpu_gather_stream_bytes(previous)
+
+
+def _cpu_paths() -> list[str]:
+    with cpu_gather_path("streaming"):
+        return ["cached", "streaming"] if ops.cpu_gather_stream_bytes() == 0 else ["cached"]
+
+
+CPU_PATHS = _cpu_paths()  # the CPU gather paths this CPU has
+
+
+def make_table(rows: int, width: int, dtype: torch.dtype, *, gen=None) -> torch.Tensor:
+    """Every finite bit pattern is fair game: random bytes for fp8, wide-range values otherwise
+    (fp16 tables overflow to inf in a bf16 → fp16 conversion, and subnormals occur)."""
+    if dtype in FP8:
+        raw = torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=gen)
+        for nan in FP8_NAN_BYTES[dtype]:
+            raw[raw == nan] = 0x11
+        return raw.view(dtype)
+    values = torch.randn(rows, width, generator=gen) * torch.exp2(
+        torch.randint(-30, 20, (rows, width), generator=gen).float()
+    )
+    return values.to(dtype)
