@@ -183,9 +183,8 @@ def test_matches_reference(backend, dtype, rounding, tokens, width, streams):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fast_mode_tolerance(backend, dtype):
     """The fast single pass against fp64: within one ulp of the output dtype, and in bf16/fp16
-    at most 2x the error of vLLM's rounding (it is in fact several times smaller). In fp32 both
-    modes are plain fp32 arithmetic; the fast one sums in 8 lanes instead of a pairwise tree and
-    stays within 2e-5 relative."""
+    at most 2x the error of vLLM's rounding. In fp32 both modes are plain fp32 arithmetic; the
+    fast one sums in 8 lanes instead of a pairwise tree and stays within 2e-5 relative."""
     ops, device = backend.ops, backend.device
     key, value, hidden, weights = make_inputs(300, 640, 4, dtype, device=device, seed=3)
     exact = exact_gate(key.cpu(), value.cpu(), hidden.cpu(), [w.cpu() for w in weights])
