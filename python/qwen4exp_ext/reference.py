@@ -60,6 +60,43 @@ CONV_MODES: tuple[ConvMode, ...] = get_args(ConvMode)
 # --------------------------------------------------------------------------------------------
 # §3 n-gram row ids
 # --------------------------------------------------------------------------------------------
+def _ngram_window(
+    tokens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    ngram_context: torch.Tensor,
+    eos_token_id: int,
+) -> list[torch.Tensor]:
+    """window[s] [T] int64 = the token s positions back of every token (window[0] is the token
+    itself), s = 0..N-1: from the chunk, else the request's context, EOS from the first EOS back."""
+    device = tokens.device
+    num_tokens = tokens.numel()
+    context_len = ngram_context.shape[1]  # N - 1
+    eos = torch.tensor(eos_token_id, dtype=torch.int64, device=device)
+    qsl = query_start_loc.to(device=device, dtype=torch.int64).reshape(-1)
+    num_reqs = qsl.numel() - 1
+    positions = torch.arange(num_tokens, device=device, dtype=torch.int64)
+
+    window = [tokens]
+    if num_reqs <= 0:
+        return window + [eos.expand(num_tokens)] * context_len
+    context = ngram_context.to(device=device, dtype=torch.int64)
+    req = torch.searchsorted(qsl[1:].contiguous(), positions, right=True)
+    req = req.clamp_(max=num_reqs - 1)
+    pos_in_chunk = positions - qsl[req]
+    crossed = torch.zeros(num_tokens, dtype=torch.bool, device=device)
+    for shift in range(1, context_len + 1):
+        in_chunk = pos_in_chunk >= shift
+        from_step = tokens[(positions - shift).clamp(min=0)]
+        column = context_len - shift + pos_in_chunk
+        from_context = context[req, column.clamp(0, context_len - 1)]
+        from_context = torch.where(column >= 0, from_context, eos)
+        candidate = torch.where(in_chunk, from_step, from_context)
+        candidate = torch.where(crossed, eos, candidate)
+        crossed = crossed | (candidate == eos)
+        window.append(candidate)
+    return window
+
+
 def ngram_ids(
     input_ids: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -109,31 +146,7 @@ def ngram_ids(
         if output.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"output must be int64 or int32, got {output.dtype}")
 
-    eos = torch.tensor(eos_token_id, dtype=torch.int64, device=device)
-    qsl = query_start_loc.to(device=device, dtype=torch.int64).reshape(-1)
-    num_reqs = qsl.numel() - 1
-    positions = torch.arange(num_tokens, device=device, dtype=torch.int64)
-
-    # window[s] = the token s positions back (window[0] is the current token).
-    window = [tokens]
-    if num_reqs <= 0:
-        window += [eos.expand(num_tokens)] * context_len
-    else:
-        context = ngram_context.to(device=device, dtype=torch.int64)
-        req = torch.searchsorted(qsl[1:].contiguous(), positions, right=True)
-        req = req.clamp_(max=num_reqs - 1)
-        pos_in_chunk = positions - qsl[req]
-        crossed = torch.zeros(num_tokens, dtype=torch.bool, device=device)
-        for shift in range(1, context_len + 1):
-            in_chunk = pos_in_chunk >= shift
-            from_step = tokens[(positions - shift).clamp(min=0)]
-            column = context_len - shift + pos_in_chunk
-            from_context = context[req, column.clamp(0, context_len - 1)]
-            from_context = torch.where(column >= 0, from_context, eos)
-            candidate = torch.where(in_chunk, from_step, from_context)
-            candidate = torch.where(crossed, eos, candidate)
-            crossed = crossed | (candidate == eos)
-            window.append(candidate)
+    window = _ngram_window(tokens, query_start_loc, ngram_context, eos_token_id)
 
     # mix of order n = XOR over k < n of w[k]·m_k; torch int64 multiply wraps mod 2^64.
     mix = window[0] * multipliers[0]
@@ -153,6 +166,28 @@ def ngram_ids(
 # --------------------------------------------------------------------------------------------
 # §4 embedding gather
 # --------------------------------------------------------------------------------------------
+def _row_width(table: torch.Tensor, block_scales: torch.Tensor | None) -> int:
+    """The elements of a table row: its columns, or for an NVFP4 table (``block_scales`` given)
+    two a byte, once the table and its block scales are checked against each other."""
+    if block_scales is None:
+        return table.shape[1]
+    rows = table.shape[0]
+    if table.dtype != torch.uint8:
+        raise ValueError(f"an NVFP4 table is uint8 [rows, d/2], got {table.dtype}")
+    width = 2 * table.shape[1]
+    if width % NVFP4_BLOCK:
+        raise ValueError(f"NVFP4 rows hold a multiple of {NVFP4_BLOCK} elements, got {width}")
+    if block_scales.dtype != torch.float8_e4m3fn or tuple(block_scales.shape) != (
+        rows,
+        width // NVFP4_BLOCK,
+    ):
+        raise ValueError(
+            f"block_scales must be float8_e4m3fn [{rows}, {width // NVFP4_BLOCK}], got "
+            f"{block_scales.dtype} {tuple(block_scales.shape)}"
+        )
+    return width
+
+
 def gather_rows(
     table: torch.Tensor,
     ids: torch.Tensor,
@@ -187,22 +222,7 @@ def gather_rows(
     rows = table.shape[0]
     is_fp8 = table.dtype in FP8_DTYPES
     is_nvfp4 = block_scales is not None
-    if is_nvfp4:
-        if table.dtype != torch.uint8:
-            raise ValueError(f"an NVFP4 table is uint8 [rows, d/2], got {table.dtype}")
-        width = 2 * table.shape[1]
-        if width % NVFP4_BLOCK:
-            raise ValueError(f"NVFP4 rows hold a multiple of {NVFP4_BLOCK} elements, got {width}")
-        if block_scales.dtype != torch.float8_e4m3fn or tuple(block_scales.shape) != (
-            rows,
-            width // NVFP4_BLOCK,
-        ):
-            raise ValueError(
-                f"block_scales must be float8_e4m3fn [{rows}, {width // NVFP4_BLOCK}], got "
-                f"{block_scales.dtype} {tuple(block_scales.shape)}"
-            )
-    else:
-        width = table.shape[1]
+    width = _row_width(table, block_scales)
     if out_dtype is None:
         out_dtype = torch.bfloat16 if is_fp8 or is_nvfp4 else table.dtype
     if out_dtype in FP8_DTYPES or not out_dtype.is_floating_point:
@@ -335,6 +355,178 @@ def _conv_taps(
     return acc
 
 
+def _check_conv_args(
+    inputs: torch.Tensor,
+    residual: torch.Tensor,
+    conv_state: torch.Tensor,
+    conv_weights: torch.Tensor,
+    *,
+    mode: ConvMode,
+    dilation: int,
+    query_start_loc: torch.Tensor | None,
+    num_accepted_tokens: torch.Tensor | None,
+    has_initial_states: torch.Tensor | None,
+    spec_query_len: int,
+) -> tuple[int, int]:
+    """ple_conv's argument checks; returns (S, q): the state length and the query length."""
+    if mode not in CONV_MODES:
+        raise ValueError(f"Unsupported short-conv mode: {mode}")
+    if inputs.dim() != 2 or residual.dim() != 2 or conv_state.dim() != 3:
+        raise ValueError("inputs/residual must be [T, C] and conv_state [slots, C, W]")
+    channels = inputs.shape[1]
+    kernel = conv_weights.shape[1]
+    state_len = (kernel - 1) * dilation
+    query_len = spec_query_len if mode == "spec" else 1
+    state_width = state_len + query_len - 1
+    if conv_weights.shape[0] != channels:
+        raise ValueError(f"conv_weights must be [{channels}, K], got {tuple(conv_weights.shape)}")
+    if conv_state.shape[1] != channels or conv_state.shape[2] < state_width:
+        raise ValueError(
+            "conv_state must have shape [slots, channels, window], with "
+            f"channels={channels} and window >= {state_width}"
+        )
+    if mode == "prefill" and (query_start_loc is None or has_initial_states is None):
+        raise ValueError("query_start_loc and has_initial_states are required for prefill")
+    if mode == "spec" and (query_start_loc is None or num_accepted_tokens is None):
+        raise ValueError("query_start_loc and num_accepted_tokens are required for spec decode")
+    return state_len, query_len
+
+
+# What a conv mode leaves for ple_conv to store: the fp32 sums [T, C], which rows have an output
+# [T], and the state writes, each (slot or slots, new leading window entries [..., n, C]).
+_ConvResult = tuple[torch.Tensor, torch.Tensor, list[tuple[int | torch.Tensor, torch.Tensor]]]
+
+
+def _conv_decode(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weights: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_states: torch.Tensor | None,
+    dilation: int,
+    state_len: int,
+) -> _ConvResult:
+    """Decode: row t is request t, its window [0, S) then x_t; the window moves on by one."""
+    num_rows, device = x.shape[0], x.device
+    slots = state_indices.reshape(-1)[:num_rows].to(device=device, dtype=torch.int64)
+    if slots.numel() != num_rows:
+        raise ValueError("decode needs one state index per token")
+    live = slots != NULL_SLOT
+    if has_initial_states is not None:
+        init = has_initial_states.reshape(-1)[:num_rows].to(device=device, dtype=torch.bool)
+    else:
+        init = torch.ones_like(live)
+    read = (live & init)[:, None, None]
+    old = conv_state[slots, :, :state_len].to(torch.float32).transpose(1, 2)  # [T, S, C]
+    old = torch.where(read, old, torch.zeros((), device=device))
+    history = torch.cat([old, x[:, None, :]], dim=1)  # [T, S+1, C]
+    acc = history[:, 0] * weights[:, 0]
+    for k in range(1, weights.shape[1]):
+        acc = acc + history[:, k * dilation] * weights[:, k]
+    # Every live token shifts its window by one; tokens are requests, so slots are distinct.
+    return acc, live, [(slots[live], history[live, 1:])]
+
+
+def _conv_varlen(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weights: torch.Tensor,
+    state_indices: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    has_initial_states: torch.Tensor | None,
+    num_accepted_tokens: torch.Tensor | None,
+    *,
+    mode: ConvMode,
+    dilation: int,
+    state_len: int,
+    query_len: int,
+) -> _ConvResult:
+    """Prefill and spec: request r is the rows [qsl[r], qsl[r+1]), its history the slot's window
+    (from the spec offset) followed by its chunk."""
+    num_rows, channels, device = x.shape[0], x.shape[1], x.device
+    acc = torch.zeros(num_rows, channels, dtype=torch.float32, device=device)
+    has_output = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    writes: list[tuple[int | torch.Tensor, torch.Tensor]] = []
+    qsl = query_start_loc.reshape(-1).tolist()
+    num_reqs = state_indices.numel()
+    if len(qsl) < num_reqs + 1:
+        raise ValueError(f"query_start_loc needs {num_reqs + 1} entries, got {len(qsl)}")
+    qsl = qsl[: num_reqs + 1]
+    if any(b < a for a, b in pairwise(qsl)) or (num_reqs and qsl[-1] > num_rows):
+        raise ValueError("query_start_loc must be non-decreasing and end within the tokens")
+    slots = state_indices.reshape(-1).tolist()
+    if mode == "prefill":
+        init = has_initial_states.reshape(-1).tolist()
+    else:
+        accepted = num_accepted_tokens.reshape(-1).tolist()
+    for r in range(num_reqs):
+        start, end = qsl[r], qsl[r + 1]
+        length = end - start
+        slot = slots[r]
+        live = slot != NULL_SLOT
+        if mode == "spec":
+            if length > query_len:
+                raise ValueError(f"spec request {r} has {length} > {query_len} tokens")
+            offset = min(max(accepted[r] - 1, 0), query_len - 1)
+            read = live
+            produces = True
+        else:
+            offset = 0
+            read = live and bool(init[r])
+            produces = live
+        if read:
+            old = conv_state[slot, :, offset : offset + state_len].to(torch.float32).T
+        else:
+            old = torch.zeros(state_len, channels, device=device)
+        history = torch.cat([old, x[start:end]], dim=0)  # [S + L, C]
+        if produces and length > 0:
+            acc[start:end] = _conv_taps(history, weights, dilation, length)
+            has_output[start:end] = True
+        if not live:
+            continue
+        if mode == "prefill" and length > 0:
+            writes.append((slot, history[length:]))
+        elif mode == "spec":
+            # S-1+qlen entries (vLLM caps them at S-1+q; qlen <= q was checked above).
+            writes.append((slot, history[1:]))
+    return acc, has_output, writes
+
+
+def _store_conv_output(
+    acc: torch.Tensor,
+    has_output: torch.Tensor,
+    residual: torch.Tensor,
+    outer_residual: torch.Tensor | None,
+    rows: torch.Tensor,
+) -> None:
+    """residual[rows] ← SiLU of the rounded sums (0 without output), with the fused residuals."""
+    out_dtype = residual.dtype
+    conv = acc.to(out_dtype)  # F.conv1d materialises its output dtype before SiLU
+    # SiLU in float64, rounded once: torch's SIMD and scalar exp differ in the last fp32 ulp,
+    # and the oracle's value must not depend on where a token sits in the batch.
+    conv64 = conv.to(torch.float64)
+    activated = conv64 * torch.sigmoid(conv64)
+    activated = torch.where(has_output[:, None], activated, torch.zeros((), device=acc.device))
+    conv_out = activated.to(out_dtype)
+    if outer_residual is None:
+        residual[rows] = conv_out
+    else:
+        ple_out = (residual[rows].to(torch.float32) + conv_out.to(torch.float32)).to(out_dtype)
+        residual[rows] = (outer_residual[rows].to(torch.float32) + ple_out.to(torch.float32)).to(
+            out_dtype
+        )
+
+
+def _write_conv_state(
+    conv_state: torch.Tensor, writes: list[tuple[int | torch.Tensor, torch.Tensor]]
+) -> None:
+    """Each (slot or slots, entries [..., n, C]) becomes the first n window entries."""
+    for slots, entries in writes:
+        if entries.shape[-2]:
+            window = entries.transpose(-1, -2).to(conv_state.dtype)
+            conv_state[slots, :, : entries.shape[-2]] = window
+
+
 def ple_conv(
     inputs: torch.Tensor,
     residual: torch.Tensor,
@@ -376,131 +568,66 @@ def ple_conv(
       output, from zero history. A chunk longer than q is an error.
     - slot NULL_SLOT (0) is never read or written.
     """
-    if mode not in CONV_MODES:
-        raise ValueError(f"Unsupported short-conv mode: {mode}")
-    if inputs.dim() != 2 or residual.dim() != 2 or conv_state.dim() != 3:
-        raise ValueError("inputs/residual must be [T, C] and conv_state [slots, C, W]")
-    channels = inputs.shape[1]
-    kernel = conv_weights.shape[1]
-    state_len = (kernel - 1) * dilation
-    query_len = spec_query_len if mode == "spec" else 1
-    state_width = state_len + query_len - 1
-    if conv_weights.shape[0] != channels:
-        raise ValueError(f"conv_weights must be [{channels}, K], got {tuple(conv_weights.shape)}")
-    if conv_state.shape[1] != channels or conv_state.shape[2] < state_width:
-        raise ValueError(
-            "conv_state must have shape [slots, channels, window], with "
-            f"channels={channels} and window >= {state_width}"
-        )
-    if mode == "prefill" and (query_start_loc is None or has_initial_states is None):
-        raise ValueError("query_start_loc and has_initial_states are required for prefill")
-    if mode == "spec" and (query_start_loc is None or num_accepted_tokens is None):
-        raise ValueError("query_start_loc and num_accepted_tokens are required for spec decode")
-
+    state_len, query_len = _check_conv_args(
+        inputs,
+        residual,
+        conv_state,
+        conv_weights,
+        mode=mode,
+        dilation=dilation,
+        query_start_loc=query_start_loc,
+        num_accepted_tokens=num_accepted_tokens,
+        has_initial_states=has_initial_states,
+        spec_query_len=spec_query_len,
+    )
     device = inputs.device
     if token_indices is not None:
         rows = token_indices.to(device=device, dtype=torch.int64).reshape(-1)
     else:
         rows = torch.arange(inputs.shape[0], device=device)
-    num_rows = rows.numel()
     x = inputs[rows].to(torch.float32)  # [T, C] logical order, a snapshot
     weights = conv_weights.to(torch.float32)
-    out_dtype = residual.dtype
-    acc = torch.zeros(num_rows, channels, dtype=torch.float32, device=device)
-    has_output = torch.zeros(num_rows, dtype=torch.bool, device=device)
-    # (slot, new leading window entries [n, C]), applied once every output has been computed.
-    writes: list[tuple[int, torch.Tensor]] = []
-    decode_writes: tuple[torch.Tensor, torch.Tensor] | None = None
-
     if mode == "decode":
-        slots = state_indices.reshape(-1)[:num_rows].to(device=device, dtype=torch.int64)
-        if slots.numel() != num_rows:
-            raise ValueError("decode needs one state index per token")
-        live = slots != NULL_SLOT
-        if has_initial_states is not None:
-            init = has_initial_states.reshape(-1)[:num_rows].to(device=device, dtype=torch.bool)
-        else:
-            init = torch.ones_like(live)
-        read = (live & init)[:, None, None]
-        old = conv_state[slots, :, :state_len].to(torch.float32).transpose(1, 2)  # [T, S, C]
-        old = torch.where(read, old, torch.zeros((), device=device))
-        history = torch.cat([old, x[:, None, :]], dim=1)  # [T, S+1, C]
-        acc = history[:, 0] * weights[:, 0]
-        for k in range(1, kernel):
-            acc = acc + history[:, k * dilation] * weights[:, k]
-        has_output = live
-        # Every live token shifts its window by one; tokens are requests, so slots are distinct.
-        decode_writes = (slots[live], history[live, 1:])
-    else:
-        qsl = query_start_loc.reshape(-1).tolist()
-        num_reqs = state_indices.numel()
-        if len(qsl) < num_reqs + 1:
-            raise ValueError(f"query_start_loc needs {num_reqs + 1} entries, got {len(qsl)}")
-        qsl = qsl[: num_reqs + 1]
-        if any(b < a for a, b in pairwise(qsl)) or (num_reqs and qsl[-1] > num_rows):
-            raise ValueError("query_start_loc must be non-decreasing and end within the tokens")
-        slots = state_indices.reshape(-1).tolist()
-        if mode == "prefill":
-            init = has_initial_states.reshape(-1).tolist()
-        else:
-            accepted = num_accepted_tokens.reshape(-1).tolist()
-        for r in range(num_reqs):
-            start, end = qsl[r], qsl[r + 1]
-            length = end - start
-            slot = slots[r]
-            live = slot != NULL_SLOT
-            if mode == "spec":
-                if length > query_len:
-                    raise ValueError(f"spec request {r} has {length} > {query_len} tokens")
-                offset = min(max(accepted[r] - 1, 0), query_len - 1)
-                read = live
-                produces = True
-            else:
-                offset = 0
-                read = live and bool(init[r])
-                produces = live
-            if read:
-                old = conv_state[slot, :, offset : offset + state_len].to(torch.float32).T
-            else:
-                old = torch.zeros(state_len, channels, device=device)
-            history = torch.cat([old, x[start:end]], dim=0)  # [S + L, C]
-            if produces and length > 0:
-                acc[start:end] = _conv_taps(history, weights, dilation, length)
-                has_output[start:end] = True
-            if not live:
-                continue
-            if mode == "prefill" and length > 0:
-                writes.append((slot, history[length:]))
-            elif mode == "spec":
-                # S-1+qlen entries (vLLM caps them at S-1+q; qlen <= q was checked above).
-                writes.append((slot, history[1:]))
-
-    conv = acc.to(out_dtype)  # F.conv1d materialises its output dtype before SiLU
-    # SiLU in float64, rounded once: torch's SIMD and scalar exp differ in the last fp32 ulp,
-    # and the oracle's value must not depend on where a token sits in the batch.
-    conv64 = conv.to(torch.float64)
-    activated = conv64 * torch.sigmoid(conv64)
-    activated = torch.where(has_output[:, None], activated, torch.zeros((), device=device))
-    conv_out = activated.to(out_dtype)
-    if outer_residual is None:
-        residual[rows] = conv_out
-    else:
-        ple_out = (residual[rows].to(torch.float32) + conv_out.to(torch.float32)).to(out_dtype)
-        residual[rows] = (outer_residual[rows].to(torch.float32) + ple_out.to(torch.float32)).to(
-            out_dtype
+        result = _conv_decode(
+            x, conv_state, weights, state_indices, has_initial_states, dilation, state_len
         )
-
-    if decode_writes is not None and state_len > 0:
-        live_slots, entries = decode_writes  # [n], [n, S, C]
-        conv_state[live_slots, :, :state_len] = entries.transpose(1, 2).to(conv_state.dtype)
-    for slot, entries in writes:
-        if entries.shape[0]:
-            conv_state[slot, :, : entries.shape[0]] = entries.T.to(conv_state.dtype)
+    else:
+        result = _conv_varlen(
+            x,
+            conv_state,
+            weights,
+            state_indices,
+            query_start_loc,
+            has_initial_states,
+            num_accepted_tokens,
+            mode=mode,
+            dilation=dilation,
+            state_len=state_len,
+            query_len=query_len,
+        )
+    acc, has_output, writes = result
+    _store_conv_output(acc, has_output, residual, outer_residual, rows)
+    _write_conv_state(conv_state, writes)  # only once every output has been computed
 
 
 # --------------------------------------------------------------------------------------------
 # §7 the layer
 # --------------------------------------------------------------------------------------------
+def _fresh_prefill_state(
+    hidden: torch.Tensor, query_start_loc: torch.Tensor, kernel: int, dilation: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(conv_state, state_indices, has_initial_states) for requests that start from an empty
+    history: slots 1..R of a zeroed state in hidden's dtype, discarded afterwards."""
+    num_reqs = query_start_loc.numel() - 1
+    state_len = (kernel - 1) * dilation
+    conv_state = torch.zeros(
+        num_reqs + 1, hidden.shape[-1], state_len, dtype=hidden.dtype, device=hidden.device
+    )
+    state_indices = torch.arange(1, num_reqs + 1, device=hidden.device)
+    has_initial_states = torch.zeros(num_reqs, dtype=torch.bool, device=hidden.device)
+    return conv_state, state_indices, has_initial_states
+
+
 def ple_layer(
     hidden: torch.Tensor,
     input_ids: torch.Tensor,
@@ -567,13 +694,9 @@ def ple_layer(
     if conv_state is None:
         if mode != "prefill":
             raise ValueError("conv_state=None only makes sense for a fresh prefill")
-        num_reqs = query_start_loc.numel() - 1
-        state_len = (conv_weights.shape[1] - 1) * dilation
-        conv_state = torch.zeros(
-            num_reqs + 1, hc_hidden, state_len, dtype=hidden.dtype, device=hidden.device
+        conv_state, state_indices, has_initial_states = _fresh_prefill_state(
+            hidden, query_start_loc, conv_weights.shape[1], dilation
         )
-        state_indices = torch.arange(1, num_reqs + 1, device=hidden.device)
-        has_initial_states = torch.zeros(num_reqs, dtype=torch.bool, device=hidden.device)
     elif state_indices is None:
         raise ValueError("state_indices is required with conv_state")
 
