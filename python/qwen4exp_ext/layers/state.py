@@ -317,74 +317,20 @@ class PLEState:
             raise ValueError(f"spec requests not in the batch: {spec_ids - set(ids)}")
         if spec_ids and self.num_spec <= 0:
             raise ValueError("speculative steps need a PLEState built with num_spec > 0")
-        query_len = self.num_spec + 1
 
         qsl = [0]
         for _, tokens in entries:
             qsl.append(qsl[-1] + len(tokens))
-        modes: list[ConvMode] = []
-        for rid, tokens in entries:
-            req = self._request(rid)
-            if rid in spec_ids:
-                if not 0 < len(tokens) <= query_len:
-                    raise ValueError(
-                        f"spec request {rid!r} has {len(tokens)} tokens; 1..{query_len} allowed"
-                    )
-                modes.append("spec")
-            elif len(tokens) == 1 and req.has_state:
-                modes.append("decode")
-            else:
-                modes.append("prefill")
-
-        # A request leaving a verify step with a > 1 accepted tokens has its window at offset
-        # a - 1; decode and prefill read offset 0, so move it there once.
-        for (rid, _), mode in zip(entries, modes, strict=True):
-            req = self._requests[rid]
-            if mode != "spec" and req.window_offset:
-                off, slot = req.window_offset, req.slot
-                for view in self._views:
-                    view[slot, :, : self.state_len] = view[
-                        slot, :, off : off + self.state_len
-                    ].clone()
-                req.window_offset = 0
+        modes = self._conv_modes(entries, spec_ids)
+        self._rewind_windows(ids, modes)
 
         dev = self.device
         slots = [self._requests[rid].slot for rid in ids]
         groups: list[ConvGroup] = []
         for mode in CONV_MODES:
             members = [i for i, m in enumerate(modes) if m == mode]
-            if not members:
-                continue
-            rows: list[int] = []
-            local_qsl = [0]
-            for i in members:
-                rows.extend(range(qsl[i], qsl[i + 1]))
-                local_qsl.append(len(rows))
-            whole = len(members) == len(entries)
-            group = ConvGroup(
-                mode=mode,
-                state_indices=torch.tensor(
-                    [slots[i] for i in members], dtype=torch.int32, device=dev
-                ),
-                token_indices=None if whole else torch.tensor(rows, dtype=torch.int64, device=dev),
-            )
-            if mode != "decode":
-                group.query_start_loc = torch.tensor(local_qsl, dtype=torch.int32, device=dev)
-            if mode == "prefill":
-                group.has_initial_states = torch.tensor(
-                    [self._requests[ids[i]].has_state for i in members],
-                    dtype=torch.bool,
-                    device=dev,
-                )
-            if mode == "spec":
-                group.num_accepted_tokens = torch.tensor(
-                    [self._requests[ids[i]].window_offset + 1 for i in members],
-                    dtype=torch.int32,
-                    device=dev,
-                )
-                group.spec_query_len = query_len
-            groups.append(group)
-
+            if members:
+                groups.append(self._conv_group(mode, members, ids, qsl, slots))
         flat = [t for _, tokens in entries for t in tokens]
         return PLEBatch(
             input_ids=torch.tensor(flat, dtype=torch.int64, device=dev),
@@ -399,6 +345,80 @@ class PLEState:
             spec=[m == "spec" for m in modes],
             state=self,
         )
+
+    def _conv_modes(
+        self, entries: list[tuple[Hashable, list[int]]], spec_ids: set[Hashable]
+    ) -> list[ConvMode]:
+        """The ple_conv mode of each chunk: spec when asked (1..num_spec + 1 tokens), decode for
+        one token with history, prefill otherwise."""
+        query_len = self.num_spec + 1
+        modes: list[ConvMode] = []
+        for rid, tokens in entries:
+            req = self._request(rid)
+            if rid in spec_ids:
+                if not 0 < len(tokens) <= query_len:
+                    raise ValueError(
+                        f"spec request {rid!r} has {len(tokens)} tokens; 1..{query_len} allowed"
+                    )
+                modes.append("spec")
+            elif len(tokens) == 1 and req.has_state:
+                modes.append("decode")
+            else:
+                modes.append("prefill")
+        return modes
+
+    def _rewind_windows(self, ids: list[Hashable], modes: list[ConvMode]) -> None:
+        """A request leaving a verify step with a > 1 accepted tokens has its window at offset
+        a - 1; decode and prefill read offset 0, so move it there once."""
+        for rid, mode in zip(ids, modes, strict=True):
+            req = self._requests[rid]
+            if mode != "spec" and req.window_offset:
+                off, slot = req.window_offset, req.slot
+                for view in self._views:
+                    view[slot, :, : self.state_len] = view[
+                        slot, :, off : off + self.state_len
+                    ].clone()
+                req.window_offset = 0
+
+    def _conv_group(
+        self,
+        mode: ConvMode,
+        members: list[int],
+        ids: list[Hashable],
+        qsl: list[int],
+        slots: list[int],
+    ) -> ConvGroup:
+        """The ple_conv call of one mode over the chunks ``members`` (indices into the step's
+        ``ids``): their rows of the step as token_indices (None when they are the whole step)
+        and their metadata."""
+        dev = self.device
+        rows: list[int] = []
+        local_qsl = [0]
+        for i in members:
+            rows.extend(range(qsl[i], qsl[i + 1]))
+            local_qsl.append(len(rows))
+        whole = len(members) == len(ids)
+        group = ConvGroup(
+            mode=mode,
+            state_indices=torch.tensor([slots[i] for i in members], dtype=torch.int32, device=dev),
+            token_indices=None if whole else torch.tensor(rows, dtype=torch.int64, device=dev),
+        )
+        if mode != "decode":
+            group.query_start_loc = torch.tensor(local_qsl, dtype=torch.int32, device=dev)
+        if mode == "prefill":
+            group.has_initial_states = torch.tensor(
+                [self._requests[ids[i]].has_state for i in members],
+                dtype=torch.bool,
+                device=dev,
+            )
+        if mode == "spec":
+            group.num_accepted_tokens = torch.tensor(
+                [self._requests[ids[i]].window_offset + 1 for i in members],
+                dtype=torch.int32,
+                device=dev,
+            )
+            group.spec_query_len = self.num_spec + 1
+        return group
 
     def commit(self, batch: PLEBatch, num_accepted: Mapping[Hashable, int] | None = None) -> None:
         """Moves every request of ``batch`` past its chunk. A speculative request needs its
