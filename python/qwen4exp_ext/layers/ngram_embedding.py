@@ -77,24 +77,7 @@ class NGramEmbedding(nn.Module):
         reduce: Literal["all_reduce", "reduce_scatter"] = "all_reduce",
     ) -> None:
         super().__init__()
-        self.ngram_size = int(config.ngram_size)
-        self.heads_per_ngram = int(config.heads_per_ngram)
-        if self.ngram_size < 2:
-            raise ValueError(f"ngram_size must be >= 2, got {self.ngram_size}")
-        if self.heads_per_ngram <= 0:
-            raise ValueError(f"heads_per_ngram must be > 0, got {self.heads_per_ngram}")
-        self.ngram_heads = (self.ngram_size - 1) * self.heads_per_ngram
-        self.embedding_dim = int(config.ple_embed_dim)
-        if self.embedding_dim % self.ngram_heads:
-            raise ValueError(
-                "ple_embed_dim must be divisible by the number of n-gram heads: "
-                f"{self.embedding_dim} % {self.ngram_heads} != 0"
-            )
-        self.head_dim = self.embedding_dim // self.ngram_heads
-        self.eos_token_id = int(config.eos_token_id)
-        self.split_ngram_parts = int(getattr(config, "split_ngram_parts", 512))
-        if self.split_ngram_parts <= 0:
-            raise ValueError("split_ngram_parts must be positive")
+        self._read_geometry(config)
         if placement not in ("device", "pinned", "cpu"):
             raise ValueError(f"placement must be 'device', 'pinned' or 'cpu', got {placement!r}")
         dtype = _table_dtype(dtype)
@@ -135,42 +118,54 @@ class NGramEmbedding(nn.Module):
             self.num_rows, self.rank, self.world_size
         )
 
-        # Small metadata lives with the ids (the GPU for "device" on a GPU and "pinned").
-        if placement == "cpu":
-            compute_device = torch.device("cpu")
-        elif device is not None:
-            compute_device = torch.device(device)
-        elif placement == "pinned":
-            compute_device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            compute_device = torch.device("cpu")
-        if placement == "pinned" and compute_device.type != "cuda":
-            raise ValueError(f"placement='pinned' needs a CUDA/ROCm device, got {compute_device}")
+        compute_device = _compute_device(placement, device)
+        self._register_hash_buffers(multipliers, heads, compute_device)
+        self._allocate_table(compute_device)
+        # Set when a streamed load failed after writing rows (see load_weights).
+        self._incomplete_load: str | None = None
+
+    def _read_geometry(self, config: Any) -> None:
+        """The n-gram heads, their width and the checkpoint split, from ``config``, checked."""
+        self.ngram_size = int(config.ngram_size)
+        self.heads_per_ngram = int(config.heads_per_ngram)
+        if self.ngram_size < 2:
+            raise ValueError(f"ngram_size must be >= 2, got {self.ngram_size}")
+        if self.heads_per_ngram <= 0:
+            raise ValueError(f"heads_per_ngram must be > 0, got {self.heads_per_ngram}")
+        self.ngram_heads = (self.ngram_size - 1) * self.heads_per_ngram
+        self.embedding_dim = int(config.ple_embed_dim)
+        if self.embedding_dim % self.ngram_heads:
+            raise ValueError(
+                "ple_embed_dim must be divisible by the number of n-gram heads: "
+                f"{self.embedding_dim} % {self.ngram_heads} != 0"
+            )
+        self.head_dim = self.embedding_dim // self.ngram_heads
+        self.eos_token_id = int(config.eos_token_id)
+        self.split_ngram_parts = int(getattr(config, "split_ngram_parts", 512))
+        if self.split_ngram_parts <= 0:
+            raise ValueError("split_ngram_parts must be positive")
+
+    def _register_hash_buffers(
+        self, multipliers: Sequence[int], heads: layout.HeadLayout, device: torch.device
+    ) -> None:
+        """The int64 hash constants of ngram_ids (BUFFER_NAMES), on ``device``."""
         self.register_buffer(
-            "layer_multipliers", torch.tensor(multipliers, dtype=torch.int64, device=compute_device)
+            "layer_multipliers", torch.tensor(multipliers, dtype=torch.int64, device=device)
         )
         self.register_buffer(
-            "ngram_heads_vocab_sizes",
-            torch.tensor(heads.sizes, dtype=torch.int64, device=compute_device),
+            "ngram_heads_vocab_sizes", torch.tensor(heads.sizes, dtype=torch.int64, device=device)
         )
         self.register_buffer(
-            "ngram_heads_offsets",
-            torch.tensor(heads.offsets, dtype=torch.int64, device=compute_device),
+            "ngram_heads_offsets", torch.tensor(heads.offsets, dtype=torch.int64, device=device)
         )
 
+    def _allocate_table(self, compute_device: torch.device) -> None:
+        """The zeroed table of this rank's rows (NVFP4: codes and block scales) where
+        ``placement`` puts it, its scales, and the device views of a pinned table."""
         local_rows = self.vocab_end - self.vocab_start
 
         def allocate(width: int, storage: torch.dtype) -> torch.Tensor:
-            if placement == "device" and compute_device.type != "cpu":
-                return torch.zeros(local_rows, width, dtype=storage, device=compute_device)
-            if placement == "pinned":
-                # Exactly the table's bytes, zeroed, NUMA-local to the GPU and registered once
-                # (device_view below reuses the registration).
-                return pinned_host_table(local_rows, width, storage, device=compute_device)
-            # Host tables on huge pages; zero-filled here (first touch), loaded later.
-            host = empty_host_table(local_rows, width, storage)
-            host.view(torch.uint8).zero_()
-            return host
+            return _allocate_rows(self.placement, local_rows, width, storage, compute_device)
 
         self.weight_scale: torch.Tensor | None
         self.weight_scale_2: torch.Tensor | None
@@ -185,8 +180,8 @@ class NGramEmbedding(nn.Module):
                 "weight_scale_2", torch.ones(1, dtype=torch.float32, device=compute_device)
             )
         else:
-            table = allocate(self.head_dim, dtype)
-            if dtype in FP8_DTYPES:
+            table = allocate(self.head_dim, self.table_dtype)
+            if self.table_dtype in FP8_DTYPES:
                 self.register_buffer(
                     "weight_scale", torch.ones(1, dtype=torch.float32, device=compute_device)
                 )
@@ -196,13 +191,11 @@ class NGramEmbedding(nn.Module):
         self.weight = nn.Parameter(table, requires_grad=False)
         if block_scales is not None:
             self.weight_scale = nn.Parameter(block_scales, requires_grad=False)
-        pinned = placement == "pinned"
+        pinned = self.placement == "pinned"
         self._device_table = device_view(table) if pinned else None
         self._device_block_scales = (
             device_view(block_scales) if pinned and block_scales is not None else None
         )
-        # Set when a streamed load failed after writing rows (see load_weights).
-        self._incomplete_load: str | None = None
 
     # --- forward -------------------------------------------------------------------------------
 
@@ -560,6 +553,38 @@ class NGramEmbedding(nn.Module):
                     self._copy_rows(lo, piece[lo - start : hi - start], target)
 
         return read
+
+
+def _compute_device(placement: Placement, device: torch.device | str | None) -> torch.device:
+    """The device of the small metadata (hash buffers, scales): the ids', so the GPU for
+    "device" on a GPU and for "pinned"."""
+    if placement == "cpu":
+        compute_device = torch.device("cpu")
+    elif device is not None:
+        compute_device = torch.device(device)
+    elif placement == "pinned":
+        compute_device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        compute_device = torch.device("cpu")
+    if placement == "pinned" and compute_device.type != "cuda":
+        raise ValueError(f"placement='pinned' needs a CUDA/ROCm device, got {compute_device}")
+    return compute_device
+
+
+def _allocate_rows(
+    placement: Placement, rows: int, width: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A zeroed [rows, width] table of ``dtype`` where ``placement`` puts it."""
+    if placement == "device" and device.type != "cpu":
+        return torch.zeros(rows, width, dtype=dtype, device=device)
+    if placement == "pinned":
+        # Exactly the table's bytes, zeroed, NUMA-local to the GPU and registered once
+        # (device_view reuses the registration).
+        return pinned_host_table(rows, width, dtype, device=device)
+    # Host tables on huge pages; zero-filled here (first touch), loaded later.
+    host = empty_host_table(rows, width, dtype)
+    host.view(torch.uint8).zero_()
+    return host
 
 
 def _table_dtype(dtype: TableDtype | str) -> TableDtype:
