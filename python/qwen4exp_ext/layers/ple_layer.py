@@ -163,15 +163,8 @@ class PLELayer(nn.Module):
                 f"input_ids has {input_ids.numel()} tokens but hidden has {hidden.shape[0]}"
             )
         hidden = hidden.contiguous()
-        device = hidden.device
         if batch is None:
-            qsl = torch.tensor([0, hidden.shape[0]], dtype=torch.int32, device=device)
-            context = torch.full(
-                (1, self.dilation - 1),
-                self.ple_embedding.eos_token_id,
-                dtype=torch.int64,
-                device=device,
-            )
+            qsl, context = self._one_sequence(hidden.shape[0], hidden.device)
         else:
             qsl, context = batch.query_start_loc, batch.ngram_context
 
@@ -190,24 +183,52 @@ class PLELayer(nn.Module):
             self.eps,
             rounding=self.rounding,
         )
-        conv_weights = self.conv_weights.to(hidden.dtype)
         if batch is None:
-            scratch = torch.zeros(
-                2, self.hc_hidden_size, self.state_len, dtype=hidden.dtype, device=device
-            )
-            ops.ple_conv(
-                conv_input,
-                gated,
-                scratch,
-                conv_weights,
-                torch.ones(1, dtype=torch.int32, device=device),
-                hidden,
-                mode="prefill",
-                dilation=self.dilation,
-                query_start_loc=qsl,
-                has_initial_states=torch.zeros(1, dtype=torch.bool, device=device),
-            )
-            return gated
+            self._conv_one_sequence(conv_input, gated, hidden, qsl)
+        else:
+            self._conv_batch(conv_input, gated, hidden, batch)
+        return gated
+
+    def _one_sequence(
+        self, num_tokens: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query_start_loc, ngram_context) of the tokens as one fresh sequence: one request,
+        an all-EOS context."""
+        qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
+        context = torch.full(
+            (1, self.dilation - 1),
+            self.ple_embedding.eos_token_id,
+            dtype=torch.int64,
+            device=device,
+        )
+        return qsl, context
+
+    def _conv_one_sequence(
+        self, conv_input: torch.Tensor, gated: torch.Tensor, hidden: torch.Tensor, qsl: torch.Tensor
+    ) -> None:
+        """The conv of one fresh sequence, over a scratch state that is discarded."""
+        device = hidden.device
+        scratch = torch.zeros(
+            2, self.hc_hidden_size, self.state_len, dtype=hidden.dtype, device=device
+        )
+        ops.ple_conv(
+            conv_input,
+            gated,
+            scratch,
+            self.conv_weights.to(hidden.dtype),
+            torch.ones(1, dtype=torch.int32, device=device),
+            hidden,
+            mode="prefill",
+            dilation=self.dilation,
+            query_start_loc=qsl,
+            has_initial_states=torch.zeros(1, dtype=torch.bool, device=device),
+        )
+
+    def _conv_batch(
+        self, conv_input: torch.Tensor, gated: torch.Tensor, hidden: torch.Tensor, batch: PLEBatch
+    ) -> None:
+        """The conv of a step's requests, one ple_conv call per mode, on this layer's state."""
+        conv_weights = self.conv_weights.to(hidden.dtype)
         conv_state = batch.conv_state(self.state_index)
         if conv_state.dtype != hidden.dtype:
             raise ValueError(f"conv state is {conv_state.dtype} but hidden is {hidden.dtype}")
@@ -227,7 +248,6 @@ class PLELayer(nn.Module):
                 spec_query_len=group.spec_query_len,
                 token_indices=group.token_indices,
             )
-        return gated
 
     # --- checkpoint loading --------------------------------------------------------------------
 
