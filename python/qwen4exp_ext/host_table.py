@@ -297,6 +297,41 @@ def _check_shape(fn: str, rows: object, width: object, dtype: object) -> int:
     return rows * width * _element_size(dtype)  # type: ignore[operator]
 
 
+def _check_numa_node(numa_node: object) -> None:
+    """pinned_host_table's ``numa_node``: None, -1, or a node that has memory here."""
+    if numa_node is not None and (
+        isinstance(numa_node, bool) or not isinstance(numa_node, int) or numa_node < -1
+    ):
+        raise ValueError(
+            f"pinned_host_table: numa_node must be None, -1 or a node, got {numa_node}"
+        )
+    if numa_node is not None and numa_node >= 0 and numa_node not in _memory_nodes():
+        raise ValueError(
+            f"pinned_host_table: numa_node {numa_node} is not a NUMA node with memory here "
+            f"(nodes: {_memory_nodes()})"
+        )
+
+
+def _bind_pinned(mapping: _Mapping, numa_node: int | None, gpu: torch.device | None) -> None:
+    """Binds a pinned table's pages to ``numa_node``, or with None to the node of ``gpu`` (the
+    GPU it is registered for, None if none) where there are several: a failure to bind the
+    node asked for raises, one to bind the GPU's only warns."""
+    node, required = numa_node, numa_node is not None
+    if node is None:
+        node = _gpu_numa_node(gpu) if gpu is not None and len(_memory_nodes()) > 1 else -1
+    if node >= 0:
+        try:
+            _mbind(mapping.addr, mapping.nbytes, node)
+        except OSError as e:
+            if required:
+                raise
+            warnings.warn(
+                f"pinned_host_table: could not bind the table to the GPU's NUMA node ({e}); "
+                "its pages go wherever the kernel puts them",
+                stacklevel=3,  # pinned_host_table's caller
+            )
+
+
 def pinned_host_table(
     rows: int,
     width: int,
@@ -329,17 +364,7 @@ def pinned_host_table(
     the memory cannot be mapped or faulted in (mind ``MPOL_BIND``: only that node's memory counts).
     """
     nbytes = _check_shape("pinned_host_table", rows, width, dtype)
-    if numa_node is not None and (
-        isinstance(numa_node, bool) or not isinstance(numa_node, int) or numa_node < -1
-    ):
-        raise ValueError(
-            f"pinned_host_table: numa_node must be None, -1 or a node, got {numa_node}"
-        )
-    if numa_node is not None and numa_node >= 0 and numa_node not in _memory_nodes():
-        raise ValueError(
-            f"pinned_host_table: numa_node {numa_node} is not a NUMA node with memory here "
-            f"(nodes: {_memory_nodes()})"
-        )
+    _check_numa_node(numa_node)
     if device is not None:
         try:
             device = torch.device(device)
@@ -356,20 +381,7 @@ def pinned_host_table(
         device = _cuda_device("pinned_host_table", None)
 
     mapping = _map(-(-nbytes // _PAGE) * _PAGE, huge_pages=huge_pages)
-    node, required = numa_node, numa_node is not None
-    if node is None:
-        node = _gpu_numa_node(device) if register and len(_memory_nodes()) > 1 else -1
-    if node >= 0:
-        try:
-            _mbind(mapping.addr, mapping.nbytes, node)
-        except OSError as e:
-            if required:
-                raise
-            warnings.warn(
-                f"pinned_host_table: could not bind the table to the GPU's NUMA node ({e}); "
-                "its pages go wherever the kernel puts them",
-                stacklevel=2,
-            )
+    _bind_pinned(mapping, numa_node, device if register else None)
     _prefault(mapping)
     table, buf = _table(mapping, rows, width, dtype)
     if register:
