@@ -76,28 +76,7 @@ class CheckFailed(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; 0 on success, 1 if a check fails (argparse exits 2 on bad usage)."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    unknown = [op for op in args.ops if op not in OP_MODULES]
-    if unknown:
-        parser.error(f"unknown op(s) {', '.join(unknown)}; choose from {', '.join(OP_MODULES)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch sees no CUDA/ROCm device")
-    if args.repeat is not None and args.repeat < 1:
-        parser.error("--repeat must be >= 1")
-    all_threads = torch.get_num_threads()
-    try:
-        thread_counts = _thread_counts(args.threads, all_threads)
-    except ValueError as err:
-        parser.error(f"--threads {args.threads}: {err}")
-    if args.plot is not None:
-        try:
-            import matplotlib  # noqa: F401 - only checked here, used by _write_plot
-        except ImportError:
-            parser.error(
-                "--plot needs matplotlib, which is not installed "
-                "(pip install matplotlib, or the package's [test] extra)"
-            )
+    args, thread_counts = _parse_args(argv)
     device = torch.device(
         "cuda"
         if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -152,15 +131,48 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     progress.clear()
 
+    run_info = {"thread_counts": thread_counts, "repeat": shown, "warmup": warmup}
+    _write_reports(args, device, run_info, results, sections)
+    return 0
+
+
+def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[int]]:
+    """The command line, checked (argparse exits 2 on bad usage), and its thread counts."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    unknown = [op for op in args.ops if op not in OP_MODULES]
+    if unknown:
+        parser.error(f"unknown op(s) {', '.join(unknown)}; choose from {', '.join(OP_MODULES)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA/ROCm device")
+    if args.repeat is not None and args.repeat < 1:
+        parser.error("--repeat must be >= 1")
+    all_threads = torch.get_num_threads()
+    try:
+        thread_counts = _thread_counts(args.threads, all_threads)
+    except ValueError as err:
+        parser.error(f"--threads {args.threads}: {err}")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401 - only checked here, used by _write_plot
+        except ImportError:
+            parser.error(
+                "--plot needs matplotlib, which is not installed "
+                "(pip install matplotlib, or the package's [test] extra)"
+            )
+    return args, thread_counts
+
+
+def _write_reports(
+    args: argparse.Namespace,
+    device: torch.device,
+    run_info: dict[str, Any],
+    results: list[dict[str, Any]],
+    sections: list[dict[str, Any]],
+) -> None:
+    """The --json, --csv and --plot files that were asked for."""
     if args.json is not None:
-        report = {
-            **_environment(device),
-            "thread_counts": thread_counts,
-            "repeat": shown,
-            "warmup": warmup,
-            "results": results,
-            "sections": sections,
-        }
+        report = {**_environment(device), **run_info, "results": results, "sections": sections}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
@@ -170,7 +182,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot is not None:
         _write_plot(results, args.plot, f"{_device_name(device)} ({device.type})")
         print(f"wrote {args.plot}")
-    return 0
 
 
 def _parser() -> argparse.ArgumentParser:

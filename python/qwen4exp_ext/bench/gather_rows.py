@@ -196,20 +196,14 @@ def _e2m1_values(device: torch.device) -> torch.Tensor:
     return torch.cat((magnitudes, -magnitudes))
 
 
-def _case(
-    name: str,
-    table: _Table,
-    batches: torch.Tensor,
-    pattern: str,
-    table_for_ref: _Table | None = None,
-    embedding: bool = True,
-) -> Case:
+def _eager_lookups(
+    ref_table: _Table, batches: torch.Tensor, out_dtype: torch.dtype, embedding: bool
+) -> dict[str, Callable[[int], torch.Tensor]]:
+    """The baselines, vLLM's eager path, by name: the rows of id batch i by index_select into a
+    preallocated output (and by F.embedding when ``embedding``), then dequantised."""
     tokens = batches.shape[1]
     device = batches.device
-    out_dtype = torch.bfloat16
-    ours_out = torch.full((tokens, NUM_HEADS * HEAD_DIM), -1.0, dtype=out_dtype, device=device)
     flat_batches = batches.reshape(batches.shape[0], -1)
-    ref_table = table if table_for_ref is None else table_for_ref
     fp8 = ref_table.rows.dtype == torch.float8_e4m3fn
     nvfp4 = ref_table.block_scales is not None
     # vLLM's eager path: index the (byte view of the) table, then row.to(out) * scale.to(out)
@@ -225,24 +219,6 @@ def _case(
         )
     scale_out = ref_table.scale.to(out_dtype) if fp8 else None
     e2m1 = _e2m1_values(device) if nvfp4 else None
-
-    def run_ours(i: int) -> torch.Tensor:
-        return ops.gather_rows(
-            table.rows,
-            batches[i],
-            scale=table.scale,
-            block_scales=table.block_scales,
-            output=ours_out,
-        )
-
-    def run_oracle(i: int) -> torch.Tensor:
-        return reference.gather_rows(
-            ref_table.rows,
-            batches[i],
-            scale=ref_table.scale,
-            block_scales=ref_table.block_scales,
-            out_dtype=out_dtype,
-        )
 
     def finish(rows_: torch.Tensor, scales_: torch.Tensor | None) -> torch.Tensor:
         if fp8:
@@ -270,6 +246,42 @@ def _case(
     runs: dict[str, Callable[[int], torch.Tensor]] = {"index_select": run_index_select}
     if embedding:
         runs["embedding"] = run_embedding
+    return runs
+
+
+def _case(
+    name: str,
+    table: _Table,
+    batches: torch.Tensor,
+    pattern: str,
+    table_for_ref: _Table | None = None,
+    embedding: bool = True,
+) -> Case:
+    tokens = batches.shape[1]
+    device = batches.device
+    out_dtype = torch.bfloat16
+    ours_out = torch.full((tokens, NUM_HEADS * HEAD_DIM), -1.0, dtype=out_dtype, device=device)
+    ref_table = table if table_for_ref is None else table_for_ref
+
+    def run_ours(i: int) -> torch.Tensor:
+        return ops.gather_rows(
+            table.rows,
+            batches[i],
+            scale=table.scale,
+            block_scales=table.block_scales,
+            output=ours_out,
+        )
+
+    def run_oracle(i: int) -> torch.Tensor:
+        return reference.gather_rows(
+            ref_table.rows,
+            batches[i],
+            scale=ref_table.scale,
+            block_scales=ref_table.block_scales,
+            out_dtype=out_dtype,
+        )
+
+    runs = _eager_lookups(ref_table, batches, out_dtype, embedding)
 
     # One cursor for every contender: each timed call, ours or another's, reads the next batch,
     # so none finds rows another has just pulled into the cache (with fresh ids).

@@ -119,6 +119,54 @@ def _eager_conv(
     return run
 
 
+def _conv_kwargs(mode: str, lengths: list[int], query_len: int, device: torch.device) -> dict:
+    """ple_conv's keyword arguments for requests of ``lengths`` tokens: prefill from an initial
+    state, spec with every draft accepted."""
+    requests = len(lengths)
+    qsl = torch.tensor(
+        [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device
+    )
+    kwargs: dict = {"mode": mode, "dilation": DILATION}
+    if mode == "prefill":
+        kwargs.update(
+            query_start_loc=qsl,
+            has_initial_states=torch.ones(requests, dtype=torch.bool, device=device),
+        )
+    elif mode == "spec":
+        kwargs.update(
+            query_start_loc=qsl,
+            spec_query_len=query_len,
+            num_accepted_tokens=torch.full(
+                (requests,), query_len, dtype=torch.int32, device=device
+            ),
+        )
+    return kwargs
+
+
+def _first_mismatch(
+    ours: Callable[[_Contender], torch.Tensor],
+    others: dict[str, Callable[[_Contender], torch.Tensor]],
+    fresh: Callable[[], _Contender],
+) -> str | None:
+    """Runs ours and every other contender once, each on its own ``fresh()`` copy, and describes
+    the first disagreement with ours (states equal, residuals within ple_conv's tolerance)."""
+    mine = fresh()
+    ours(mine)
+    for who, run in others.items():
+        theirs = fresh()
+        run(theirs)
+        against = "the oracle" if who == "oracle" else who
+        tol = tolerance("ple_conv", DTYPE, against="reference" if who == "oracle" else who)
+        problem = exact_mismatch(
+            mine.state, theirs.state, "conv_state", against=against, equal_nan=True
+        ) or close_mismatch(
+            mine.residual, theirs.residual, tol, "residual", against=against, equal_nan=True
+        )
+        if problem is not None:
+            return problem
+    return None
+
+
 def _case(
     name: str,
     mode: str,
@@ -139,23 +187,7 @@ def _case(
     weights = (torch.randn(CHANNELS, KERNEL, generator=gen) * 0.3).to(DTYPE).to(device)
     storage = torch.randn(requests + 1, width, CHANNELS, generator=gen).to(DTYPE).to(device)
     slots = torch.arange(1, requests + 1, dtype=torch.int32, device=device)
-    qsl = torch.tensor(
-        [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device
-    )
-    kwargs: dict = {"mode": mode, "dilation": DILATION}
-    if mode == "prefill":
-        kwargs.update(
-            query_start_loc=qsl,
-            has_initial_states=torch.ones(requests, dtype=torch.bool, device=device),
-        )
-    elif mode == "spec":
-        kwargs.update(
-            query_start_loc=qsl,
-            spec_query_len=query_len,
-            num_accepted_tokens=torch.full(
-                (requests,), query_len, dtype=torch.int32, device=device
-            ),
-        )
+    kwargs = _conv_kwargs(mode, lengths, query_len, device)
 
     def kernel_call(fn) -> Callable[[_Contender], torch.Tensor]:
         def run(c: _Contender) -> torch.Tensor:
@@ -185,21 +217,7 @@ def _case(
         return lambda: run(states[who])
 
     def check() -> str | None:
-        mine = _Contender(residual, storage, layout)
-        ours_call(mine)
-        for who, run in others.items():
-            theirs = _Contender(residual, storage, layout)
-            run(theirs)
-            against = "the oracle" if who == "oracle" else who
-            tol = tolerance("ple_conv", DTYPE, against="reference" if who == "oracle" else who)
-            problem = exact_mismatch(
-                mine.state, theirs.state, "conv_state", against=against, equal_nan=True
-            ) or close_mismatch(
-                mine.residual, theirs.residual, tol, "residual", against=against, equal_nan=True
-            )
-            if problem is not None:
-                return problem
-        return None
+        return _first_mismatch(ours_call, others, lambda: _Contender(residual, storage, layout))
 
     element = inputs.element_size()
     live_state = requests * CHANNELS * element
