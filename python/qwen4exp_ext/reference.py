@@ -355,20 +355,16 @@ def _conv_taps(
     return acc
 
 
-def _check_conv_args(
+def _check_conv_shapes(
     inputs: torch.Tensor,
     residual: torch.Tensor,
     conv_state: torch.Tensor,
     conv_weights: torch.Tensor,
-    *,
     mode: ConvMode,
     dilation: int,
-    query_start_loc: torch.Tensor | None,
-    num_accepted_tokens: torch.Tensor | None,
-    has_initial_states: torch.Tensor | None,
     spec_query_len: int,
 ) -> tuple[int, int]:
-    """ple_conv's argument checks; returns (S, q): the state length and the query length."""
+    """ple_conv's mode and shape checks; returns (S, q): the state length, the query length."""
     if mode not in CONV_MODES:
         raise ValueError(f"Unsupported short-conv mode: {mode}")
     if inputs.dim() != 2 or residual.dim() != 2 or conv_state.dim() != 3:
@@ -385,10 +381,6 @@ def _check_conv_args(
             "conv_state must have shape [slots, channels, window], with "
             f"channels={channels} and window >= {state_width}"
         )
-    if mode == "prefill" and (query_start_loc is None or has_initial_states is None):
-        raise ValueError("query_start_loc and has_initial_states are required for prefill")
-    if mode == "spec" and (query_start_loc is None or num_accepted_tokens is None):
-        raise ValueError("query_start_loc and num_accepted_tokens are required for spec decode")
     return state_len, query_len
 
 
@@ -568,18 +560,13 @@ def ple_conv(
       output, from zero history. A chunk longer than q is an error.
     - slot NULL_SLOT (0) is never read or written.
     """
-    state_len, query_len = _check_conv_args(
-        inputs,
-        residual,
-        conv_state,
-        conv_weights,
-        mode=mode,
-        dilation=dilation,
-        query_start_loc=query_start_loc,
-        num_accepted_tokens=num_accepted_tokens,
-        has_initial_states=has_initial_states,
-        spec_query_len=spec_query_len,
+    state_len, query_len = _check_conv_shapes(
+        inputs, residual, conv_state, conv_weights, mode, dilation, spec_query_len
     )
+    if mode == "prefill" and (query_start_loc is None or has_initial_states is None):
+        raise ValueError("query_start_loc and has_initial_states are required for prefill")
+    if mode == "spec" and (query_start_loc is None or num_accepted_tokens is None):
+        raise ValueError("query_start_loc and num_accepted_tokens are required for spec decode")
     device = inputs.device
     if token_indices is not None:
         rows = token_indices.to(device=device, dtype=torch.int64).reshape(-1)
