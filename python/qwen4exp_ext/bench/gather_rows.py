@@ -196,59 +196,6 @@ def _e2m1_values(device: torch.device) -> torch.Tensor:
     return torch.cat((magnitudes, -magnitudes))
 
 
-def _eager_lookups(
-    ref_table: _Table, batches: torch.Tensor, out_dtype: torch.dtype, embedding: bool
-) -> dict[str, Callable[[int], torch.Tensor]]:
-    """The baselines, vLLM's eager path, by name: the rows of id batch i by index_select into a
-    preallocated output (and by F.embedding when ``embedding``), then dequantised."""
-    tokens = batches.shape[1]
-    device = batches.device
-    flat_batches = batches.reshape(batches.shape[0], -1)
-    fp8 = ref_table.rows.dtype == torch.float8_e4m3fn
-    nvfp4 = ref_table.block_scales is not None
-    # vLLM's eager path: index the (byte view of the) table, then row.to(out) * scale.to(out)
-    # (fp8), or decode the packed codes times their block scale times the global scale (NVFP4).
-    lookup_table = ref_table.rows.view(torch.uint8) if fp8 else ref_table.rows
-    lookup_scales = ref_table.block_scales.view(torch.uint8) if nvfp4 else None
-    select_out = torch.empty(
-        tokens * NUM_HEADS, lookup_table.shape[1], dtype=lookup_table.dtype, device=device
-    )
-    if nvfp4:
-        scales_out = torch.empty(
-            tokens * NUM_HEADS, lookup_scales.shape[1], dtype=torch.uint8, device=device
-        )
-    scale_out = ref_table.scale.to(out_dtype) if fp8 else None
-    e2m1 = _e2m1_values(device) if nvfp4 else None
-
-    def finish(rows_: torch.Tensor, scales_: torch.Tensor | None) -> torch.Tensor:
-        if fp8:
-            rows_ = rows_.view(torch.float8_e4m3fn).to(out_dtype) * scale_out
-        elif nvfp4:
-            n = rows_.numel() // rows_.shape[-1]
-            packed = rows_.reshape(n, -1)
-            codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(n, HEAD_DIM)
-            blocks = scales_.reshape(n, -1).view(torch.float8_e4m3fn).to(torch.float32)
-            values = e2m1[codes.long()] * blocks.repeat_interleave(NVFP4_BLOCK, dim=1)
-            rows_ = (values * ref_table.scale).to(out_dtype)
-        return rows_.reshape(tokens, NUM_HEADS * HEAD_DIM)
-
-    def run_index_select(i: int) -> torch.Tensor:
-        ids = flat_batches[i]
-        scales_ = None
-        if nvfp4:
-            scales_ = torch.index_select(lookup_scales, 0, ids, out=scales_out)
-        return finish(torch.index_select(lookup_table, 0, ids, out=select_out), scales_)
-
-    def run_embedding(i: int) -> torch.Tensor:
-        scales_ = F.embedding(batches[i], lookup_scales) if nvfp4 else None
-        return finish(F.embedding(batches[i], lookup_table), scales_)
-
-    runs: dict[str, Callable[[int], torch.Tensor]] = {"index_select": run_index_select}
-    if embedding:
-        runs["embedding"] = run_embedding
-    return runs
-
-
 def _case(
     name: str,
     table: _Table,
@@ -332,6 +279,59 @@ def _case(
         check=check,
         params=params,
     )
+
+
+def _eager_lookups(
+    ref_table: _Table, batches: torch.Tensor, out_dtype: torch.dtype, embedding: bool
+) -> dict[str, Callable[[int], torch.Tensor]]:
+    """The baselines, vLLM's eager path, by name: the rows of id batch i by index_select into a
+    preallocated output (and by F.embedding when ``embedding``), then dequantised."""
+    tokens = batches.shape[1]
+    device = batches.device
+    flat_batches = batches.reshape(batches.shape[0], -1)
+    fp8 = ref_table.rows.dtype == torch.float8_e4m3fn
+    nvfp4 = ref_table.block_scales is not None
+    # vLLM's eager path: index the (byte view of the) table, then row.to(out) * scale.to(out)
+    # (fp8), or decode the packed codes times their block scale times the global scale (NVFP4).
+    lookup_table = ref_table.rows.view(torch.uint8) if fp8 else ref_table.rows
+    lookup_scales = ref_table.block_scales.view(torch.uint8) if nvfp4 else None
+    select_out = torch.empty(
+        tokens * NUM_HEADS, lookup_table.shape[1], dtype=lookup_table.dtype, device=device
+    )
+    if nvfp4:
+        scales_out = torch.empty(
+            tokens * NUM_HEADS, lookup_scales.shape[1], dtype=torch.uint8, device=device
+        )
+    scale_out = ref_table.scale.to(out_dtype) if fp8 else None
+    e2m1 = _e2m1_values(device) if nvfp4 else None
+
+    def finish(rows_: torch.Tensor, scales_: torch.Tensor | None) -> torch.Tensor:
+        if fp8:
+            rows_ = rows_.view(torch.float8_e4m3fn).to(out_dtype) * scale_out
+        elif nvfp4:
+            n = rows_.numel() // rows_.shape[-1]
+            packed = rows_.reshape(n, -1)
+            codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(n, HEAD_DIM)
+            blocks = scales_.reshape(n, -1).view(torch.float8_e4m3fn).to(torch.float32)
+            values = e2m1[codes.long()] * blocks.repeat_interleave(NVFP4_BLOCK, dim=1)
+            rows_ = (values * ref_table.scale).to(out_dtype)
+        return rows_.reshape(tokens, NUM_HEADS * HEAD_DIM)
+
+    def run_index_select(i: int) -> torch.Tensor:
+        ids = flat_batches[i]
+        scales_ = None
+        if nvfp4:
+            scales_ = torch.index_select(lookup_scales, 0, ids, out=scales_out)
+        return finish(torch.index_select(lookup_table, 0, ids, out=select_out), scales_)
+
+    def run_embedding(i: int) -> torch.Tensor:
+        scales_ = F.embedding(batches[i], lookup_scales) if nvfp4 else None
+        return finish(F.embedding(batches[i], lookup_table), scales_)
+
+    runs: dict[str, Callable[[int], torch.Tensor]] = {"index_select": run_index_select}
+    if embedding:
+        runs["embedding"] = run_embedding
+    return runs
 
 
 def _pinned_cases(device_tables: list[_Table], gen, device) -> list[Case]:
