@@ -5,7 +5,7 @@ One extension module, `qwen4exp_ext._kernels`, whose loading registers torch.ops
 - on a ROCm build of torch, the HIP kernels in csrc/hip/ are compiled by hipcc for
   PYTORCH_ROCM_ARCH (default gfx90a;gfx942;gfx950);
 - on a CUDA build of torch with nvcc available, the same HIP sources are compiled by nvcc through
-  csrc/hip/platform.h, for TORCH_CUDA_ARCH_LIST (torch's default when unset).
+  csrc/common/platform.h, for TORCH_CUDA_ARCH_LIST (torch's default when unset).
 QWEN4EXP_BUILD_TARGET=auto|cpu|cuda|rocm overrides the choice (auto is the default).
 QWEN4EXP_BUILD_SIMT=1 also builds the SIMT emulator's modules, qwen4exp_ext._simt32 and _simt64:
 the same HIP kernels and GPU host glue, compiled by the host C++ compiler against csrc/simt/ for

@@ -5,21 +5,10 @@
 
 #include <torch/all.h>
 
-#include "hip/gather_rows.h"
+#include "common/gather_rows.h"
+#include "tensor_args.h"
 
 namespace qwen4exp {
-
-inline bool gather_table_dtype(at::ScalarType t, GatherDtype* out) {
-  switch (t) {
-    case at::kFloat: *out = GatherDtype::kF32; return true;
-    case at::kBFloat16: *out = GatherDtype::kBF16; return true;
-    case at::kHalf: *out = GatherDtype::kF16; return true;
-    case at::kFloat8_e4m3fn: *out = GatherDtype::kFp8E4M3FN; return true;
-    case at::kFloat8_e4m3fnuz: *out = GatherDtype::kFp8E4M3FNUZ; return true;
-    case at::kByte: *out = GatherDtype::kNvfp4; return true;
-    default: return false;
-  }
-}
 
 inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at::Tensor& ids,
                                                const std::optional<at::Tensor>& scale,
@@ -29,7 +18,7 @@ inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at
   GatherRowsParams p{};
   TORCH_CHECK(table.dim() == 2, "gather_rows: table must be 2-D [rows, d], got shape ",
               table.sizes());
-  TORCH_CHECK(gather_table_dtype(table.scalar_type(), &p.table_dtype),
+  TORCH_CHECK(dtype_of(table.scalar_type(), &p.table_dtype),
               "gather_rows: table must be float32, bfloat16, float16, float8_e4m3fn, "
               "float8_e4m3fnuz or uint8 (NVFP4), got ", table.scalar_type());
   TORCH_CHECK(table.stride(1) == 1 || table.size(1) <= 1,
@@ -39,7 +28,7 @@ inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at
   TORCH_CHECK(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong,
               "gather_rows: ids must be int32 or int64, got ", ids.scalar_type());
   const int64_t rows = table.size(0);
-  const bool nvfp4 = p.table_dtype == GatherDtype::kNvfp4;
+  const bool nvfp4 = p.table_dtype == Dtype::kNvfp4;
   const int64_t width = table.size(1) * elems_per_word(p.table_dtype);
   const int64_t num_tokens = ids.size(0);
   const int64_t num_heads = ids.size(1);
@@ -47,8 +36,8 @@ inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at
                   output.size(1) == num_heads * width,
               "gather_rows: output must be [T, NH·d] = [", num_tokens, ", ", num_heads * width,
               "], got ", output.sizes());
-  TORCH_CHECK(gather_table_dtype(output.scalar_type(), &p.out_dtype) &&
-                  is_output_dtype(p.out_dtype),
+  TORCH_CHECK(dtype_of(output.scalar_type(), &p.out_dtype) &&
+                  is_float_dtype(p.out_dtype),
               "gather_rows: output must be float32, bfloat16 or float16, got ",
               output.scalar_type());
   TORCH_CHECK(output.stride(1) == 1 || output.size(1) <= 1,

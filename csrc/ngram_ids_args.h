@@ -7,16 +7,13 @@
 
 #include <limits>
 
-#include "hip/ngram_hash.h"
+#include "common/ngram_hash.h"
+#include "tensor_args.h"
 
 namespace qwen4exp {
 
 inline bool is_index_dtype(at::ScalarType t) {
   return t == at::kInt || t == at::kLong;
-}
-
-inline IntView int_view(const at::Tensor& t) {
-  return IntView{t.data_ptr(), t.dim() == 1 ? t.stride(0) : 1, t.scalar_type() == at::kLong};
 }
 
 inline NgramIdsParams check_ngram_ids_args(const at::Tensor& input_ids,
@@ -86,9 +83,10 @@ inline NgramIdsParams check_ngram_ids_args(const at::Tensor& input_ids,
   }
 
   NgramIdsParams p{};
-  p.input_ids = int_view(input_ids);
-  p.query_start_loc = int_view(query_start_loc);
-  p.context = IntView{ngram_context.data_ptr(), 1, ngram_context.scalar_type() == at::kLong};
+  p.input_ids = index_view(input_ids);
+  p.query_start_loc = index_view(query_start_loc);
+  p.context = index_view(ngram_context);  // rows and columns: context_row/col_stride
+  p.context.stride = 1;
   p.context_row_stride = ngram_context.stride(0);
   p.context_col_stride = ngram_context.stride(1);
   p.multipliers = layer_multipliers.data_ptr<int64_t>();
@@ -110,7 +108,7 @@ inline NgramIdsParams check_ngram_ids_args(const at::Tensor& input_ids,
 // host: always on the CPU path; on the GPU path only as opt-in debug checks (csrc/debug_checks.h).
 // The CPU can read the data for free, so it rejects layouts that the GPU kernel can only survive.
 inline void check_ngram_ids_values(const NgramIdsParams& p, bool output_int32) {
-  const IntView& qsl = p.query_start_loc;
+  const IndexView& qsl = p.query_start_loc;
   TORCH_CHECK(qsl[0] == 0, "ngram_ids: query_start_loc[0] must be 0, got ", qsl[0]);
   for (int64_t r = 0; r < p.num_requests; ++r) {
     TORCH_CHECK(qsl[r + 1] >= qsl[r], "ngram_ids: query_start_loc must be non-decreasing, got ",

@@ -10,18 +10,10 @@
 #include <string>
 #include <vector>
 
-#include "hip/ple_conv.h"
+#include "common/ple_conv.h"
+#include "tensor_args.h"
 
 namespace qwen4exp {
-
-inline bool ple_conv_float_type(at::ScalarType t, FloatType* out) {
-  switch (t) {
-    case at::kFloat: *out = FloatType::kFloat32; return true;
-    case at::kBFloat16: *out = FloatType::kBFloat16; return true;
-    case at::kHalf: *out = FloatType::kFloat16; return true;
-    default: return false;
-  }
-}
 
 inline ConvMode parse_conv_mode(const std::string& mode) {
   if (mode == "decode") return ConvMode::kDecode;
@@ -45,8 +37,7 @@ inline IndexView conv_index_view(const at::Tensor& t, const char* name, int64_t 
               " entries, got ", t.size(0));
   TORCH_CHECK(t.device() == device, "ple_conv: ", name, " is on ", t.device(),
               " but inputs is on ", device);
-  return IndexView{t.data_ptr(), t.size(0) > 1 ? t.stride(0) : 1,
-                   static_cast<int32_t>(t.element_size())};
+  return index_view(t);
 }
 
 inline void check_conv_rows(const at::Tensor& t, const char* name, const at::Tensor& inputs) {
@@ -73,7 +64,7 @@ inline PleConvParams check_ple_conv_args(
   const auto device = inputs.device();
   TORCH_CHECK(inputs.dim() == 2, "ple_conv: inputs must be 2-D [T, C], got shape ",
               inputs.sizes());
-  TORCH_CHECK(ple_conv_float_type(inputs.scalar_type(), &p.dtype),
+  TORCH_CHECK(float_dtype_of(inputs.scalar_type(), &p.dtype),
               "ple_conv: inputs must be float32, bfloat16 or float16, got ", inputs.scalar_type());
   TORCH_CHECK(inputs.size(1) <= 1 || inputs.stride(1) == 1,
               "ple_conv: inputs must have unit stride along channels, got strides ",
@@ -89,7 +80,7 @@ inline PleConvParams check_ple_conv_args(
   TORCH_CHECK(kernel_size >= 1 && kernel_size <= kMaxConvKernel,
               "ple_conv: conv_weights' kernel size K must be in [1, ", kMaxConvKernel, "], got ",
               kernel_size);
-  TORCH_CHECK(ple_conv_float_type(conv_weights.scalar_type(), &p.weight_dtype) &&
+  TORCH_CHECK(float_dtype_of(conv_weights.scalar_type(), &p.weight_dtype) &&
                   (conv_weights.scalar_type() == at::kFloat ||
                    conv_weights.scalar_type() == inputs.scalar_type()),
               "ple_conv: conv_weights must be float32 or inputs' dtype ", inputs.scalar_type(),

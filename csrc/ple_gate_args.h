@@ -9,18 +9,10 @@
 
 #include <string>
 
-#include "hip/ple_gate.h"
+#include "common/ple_gate.h"
+#include "tensor_args.h"
 
 namespace qwen4exp {
-
-inline bool ple_float_type(at::ScalarType t, FloatType* out) {
-  switch (t) {
-    case at::kFloat: *out = FloatType::kFloat32; return true;
-    case at::kBFloat16: *out = FloatType::kBFloat16; return true;
-    case at::kHalf: *out = FloatType::kFloat16; return true;
-    default: return false;
-  }
-}
 
 inline GateRounding parse_gate_rounding(const std::string& rounding) {
   TORCH_CHECK(rounding == "vllm" || rounding == "fp32",
@@ -37,7 +29,7 @@ inline PleGateParams check_ple_gate_args(const at::Tensor& key, const at::Tensor
   PleGateParams p{};
   p.rounding = parse_gate_rounding(rounding);
   TORCH_CHECK(hidden.dim() == 2, "ple_gate: hidden must be 2-D [T, C], got shape ", hidden.sizes());
-  TORCH_CHECK(ple_float_type(hidden.scalar_type(), &p.dtype),
+  TORCH_CHECK(float_dtype_of(hidden.scalar_type(), &p.dtype),
               "ple_gate: hidden must be float32, bfloat16 or float16, got ", hidden.scalar_type());
   TORCH_CHECK(key.scalar_type() == hidden.scalar_type(), "ple_gate: key must have hidden's dtype ",
               hidden.scalar_type(), ", got ", key.scalar_type());
@@ -67,7 +59,7 @@ inline PleGateParams check_ple_gate_args(const at::Tensor& key, const at::Tensor
   }
   const at::Tensor* weights[] = {&norm_key_w, &norm_query_w, &norm_conv_w};
   const char* weight_names[] = {"norm_key_w", "norm_query_w", "norm_conv_w"};
-  TORCH_CHECK(ple_float_type(norm_key_w.scalar_type(), &p.weight_dtype) &&
+  TORCH_CHECK(float_dtype_of(norm_key_w.scalar_type(), &p.weight_dtype) &&
                   (norm_key_w.scalar_type() == at::kFloat ||
                    norm_key_w.scalar_type() == hidden.scalar_type()),
               "ple_gate: norm_key_w must be float32 or hidden's dtype ", hidden.scalar_type(),

@@ -1,5 +1,5 @@
 """The GPU and CPU ngram_ids kernels reduce hashes with multiply-shift constants instead of a
-64-bit division (csrc/hip/fast_divmod.h). This proves the arithmetic exact against the hardware
+64-bit division (csrc/common/fast_divmod.h). This proves the arithmetic exact against the hardware
 division on edge and random operands, by compiling the torch-free header with the host compiler."""
 
 from __future__ import annotations

@@ -37,7 +37,7 @@
 #   (CUDA_VISIBLE_DEVICES/HIP_VISIBLE_DEVICES empty): the tests then never start a GPU driver
 #   under ASan. protect_shadow_gap=0 is there in case one still does (CUDA maps memory in ASan's
 #   shadow gap); neither was needed on the GPU-less machine this was written on.
-# - tests/cpp/fast_divmod_check.cpp (the exhaustive edge cases of csrc/hip/fast_divmod.h, which
+# - tests/cpp/fast_divmod_check.cpp (the exhaustive edge cases of csrc/common/fast_divmod.h, which
 #   the kernels share) and tests/cpp/simt_selftest.cpp (the emulator's own test; its fibers tell
 #   ASan of every stack switch) are also built and run with the same sanitizers: seconds.
 # - Only the target_clones variant that this CPU selects (csrc/cpu/simd.h: AVX-512, AVX2 or the

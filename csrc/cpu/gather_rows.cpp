@@ -35,6 +35,7 @@
 #define QWEN4EXP_X86_AVX512 0
 #endif
 
+#include "../common/dispatch.h"
 #include "../gather_rows_args.h"
 #include "../switches.h"
 #include "simd.h"
@@ -44,22 +45,18 @@ namespace {
 
 // Items (rows) looked ahead. One row of the released table is 320 bytes (bf16) = 5 lines, so 16
 // rows keep ~80 line fills outstanding per core: enough to cover DRAM + page-walk latency while
-// staying well inside L1/L2 (what is prefetched is consumed a few hundred ns later).
-// Where the time goes (perf, cpu-clock, CI host, 4 KiB pages): 93% of the cached path's samples
-// sit on the instruction after a prefetcht1: a prefetch that misses the TLB holds retirement
-// until its page walk ends, so the reorder buffer (a few rows of this loop), not the distance,
-// bounds the walks in flight. Issuing a group's prefetches in a tight loop ahead of its copies
-// measured 10-60% slower; sorting by address (the streaming path) is what made walks cheaper.
+// staying well inside L1/L2 (what is prefetched is consumed a few hundred ns later). A prefetch
+// that misses the TLB holds retirement until its page walk ends, so the reorder buffer, not the
+// distance, bounds the walks in flight: sorting by address (the streaming path) is what makes
+// walks cheaper (results/cpu-kernel-notes.md).
 constexpr int64_t kPrefetchDistance = 16;
 constexpr int64_t kCacheLine = 64;
 
 // always_inline is load-bearing: GCC's IPA treats __builtin_prefetch as free of side effects,
 // so a helper that only prefetches is classified "const" and every call to it is deleted as dead
 // code (GCC 12 -O3 drops them all). Inlined, the prefetches stay in the loop.
-// Locality 2 (prefetcht1: into L2 and below) rather than 0 (prefetchnta): on the 2-core Zen 4
-// CI host, T = 8192 x 16 bf16 rows from a 4M-row table took 3.4 ms instead of 4.0 ms on a
-// huge-page table and ~5.1 ms either way on 4 KiB pages (medians of 21, same run); distances
-// 8-32 were within noise of 16.
+// Locality 2 (prefetcht1: into L2 and below) rather than 0 (prefetchnta): faster on huge pages,
+// the same on 4 KiB ones (results/cpu-kernel-notes.md).
 __attribute__((always_inline)) inline void prefetch_bytes(const char* begin, int64_t bytes) {
   const uintptr_t first = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t(kCacheLine - 1);
   const uintptr_t last = reinterpret_cast<uintptr_t>(begin + bytes - 1);
@@ -75,19 +72,17 @@ __attribute__((always_inline)) inline void prefetch_bytes(const char* begin, int
 // same rounding):
 // - decoded in simd.h's vectors (AVX2, AVX-512 or baseline clones): the byte's fp32 bits from
 //   its fields (fp8_e4m3fn_to_float's formula, with selects for subnormals and NaN), times the
-//   scale, rounded as a conversion rounds; the path of every CPU without AVX-512BW. A 256-entry
-//   lookup one byte at a time, which this replaced, cost ~1 ns per element and made the fp8
-//   gather slower than the bf16 one of twice the bytes.
+//   scale, rounded as a conversion rounds; the path of every CPU without AVX-512BW (a lookup
+//   one byte at a time made the fp8 gather slower than the bf16 one of twice the bytes).
 // - with AVX-512BW, from a 256-entry table of outputs built per call and held in registers:
 //   vpermi2w / vpermi2ps look up 32 (16-bit outputs) or 16 (fp32) bytes per instruction; the 256
 //   entries are 4 (8) slices of 64 (32), one permute per slice, then the upper index bits pick
-//   the slice with masked blends. Measured on an AVX-512 host, T = 64 x 16 rows of 160 from a
-//   cached table: fp8 -> bf16 1.3x the time of the bf16 copy (3.0x with the byte-wise lookup).
+//   the slice with masked blends.
 
-template <GatherDtype In>  // an fp8 format
+template <Dtype In>  // an fp8 format
 QWEN4EXP_ALWAYS_INLINE simd::f32x8 fp8x8_to_f32(const uint8_t* src) {
   using simd::u32x8;
-  constexpr bool kFn = In == GatherDtype::kFp8E4M3FN;
+  constexpr bool kFn = In == Dtype::kFp8E4M3FN;
   // Byte j of the little-endian word, lane j (a widening __builtin_convertvector of the 8 bytes
   // compiles to byte-by-byte inserts).
   uint64_t packed;
@@ -112,7 +107,7 @@ QWEN4EXP_ALWAYS_INLINE simd::f32x8 fp8x8_to_f32(const uint8_t* src) {
   return simd::as_f32(bits);
 }
 
-template <GatherDtype In, typename OutV>
+template <Dtype In, typename OutV>
 QWEN4EXP_ALWAYS_INLINE void fp8_rows_body(const uint8_t* __restrict src, OutV* __restrict dst,
                                           int64_t n, float scale_out) {
   const simd::f32x8 scale = simd::splat(scale_out);
@@ -132,12 +127,12 @@ QWEN4EXP_ALWAYS_INLINE void fp8_rows_body(const uint8_t* __restrict src, OutV* _
   QWEN4EXP_CPU_CLONES void NAME(const uint8_t* src, OUT* dst, int64_t n, float scale_out) { \
     fp8_rows_body<IN>(src, dst, n, scale_out);                                               \
   }
-QWEN4EXP_FP8_ROWS(fp8_e4m3fn_rows_f32, GatherDtype::kFp8E4M3FN, float)
-QWEN4EXP_FP8_ROWS(fp8_e4m3fn_rows_bf16, GatherDtype::kFp8E4M3FN, bf16_t)
-QWEN4EXP_FP8_ROWS(fp8_e4m3fn_rows_f16, GatherDtype::kFp8E4M3FN, f16_t)
-QWEN4EXP_FP8_ROWS(fp8_e4m3fnuz_rows_f32, GatherDtype::kFp8E4M3FNUZ, float)
-QWEN4EXP_FP8_ROWS(fp8_e4m3fnuz_rows_bf16, GatherDtype::kFp8E4M3FNUZ, bf16_t)
-QWEN4EXP_FP8_ROWS(fp8_e4m3fnuz_rows_f16, GatherDtype::kFp8E4M3FNUZ, f16_t)
+QWEN4EXP_FP8_ROWS(fp8_e4m3fn_rows_f32, Dtype::kFp8E4M3FN, float)
+QWEN4EXP_FP8_ROWS(fp8_e4m3fn_rows_bf16, Dtype::kFp8E4M3FN, bf16_t)
+QWEN4EXP_FP8_ROWS(fp8_e4m3fn_rows_f16, Dtype::kFp8E4M3FN, f16_t)
+QWEN4EXP_FP8_ROWS(fp8_e4m3fnuz_rows_f32, Dtype::kFp8E4M3FNUZ, float)
+QWEN4EXP_FP8_ROWS(fp8_e4m3fnuz_rows_bf16, Dtype::kFp8E4M3FNUZ, bf16_t)
+QWEN4EXP_FP8_ROWS(fp8_e4m3fnuz_rows_f16, Dtype::kFp8E4M3FNUZ, f16_t)
 #undef QWEN4EXP_FP8_ROWS
 
 #if QWEN4EXP_X86_AVX512
@@ -155,9 +150,11 @@ bool cpu_has_avx512bw_vl() {
   return has;
 }
 
-// 16-bit outputs (bf16, fp16): 32 bytes per step.
-QWEN4EXP_AVX512BW void lut_rows_avx512(const uint8_t* __restrict src, uint16_t* __restrict dst,
-                                       int64_t n, const uint16_t* __restrict lut) {
+// 16-bit outputs (Half: bf16_t or f16_t, whose bits the table holds): 32 bytes per step.
+template <typename Half>
+QWEN4EXP_AVX512BW void lut_rows_avx512(const uint8_t* __restrict src, Half* __restrict dst,
+                                       int64_t n, const Half* __restrict lut) {
+  static_assert(sizeof(Half) == 2);
   __m512i t[8];
   for (int k = 0; k < 8; ++k) t[k] = _mm512_loadu_si512(lut + 32 * k);
   const __m512i bit6 = _mm512_set1_epi16(0x40), bit7 = _mm512_set1_epi16(0x80);
@@ -223,12 +220,7 @@ QWEN4EXP_AVX512BW void lut_rows_avx512(const uint8_t* __restrict src, float* __r
 // Eight lanes at a time on simd.h's vectors, compiled for AVX-512, AVX2 and baseline x86-64 and
 // picked by the loader (target_clones): the same integer round-to-nearest-even as the scalar
 // encode, so the same bits. One lane at a time, the fp16 conversions (subnormals, overflow to
-// inf) cost 5x a plain row copy: T = 64 x 16 rows of 160 from a cached table, fp16 -> fp32
-// 115 us and bf16 -> fp16 104 us against 20 us for the bf16 copy; vectorised, 47 and 56 us.
-template <GatherDtype T>  // simd.h's element type of a (non-fp8) format
-using simd_t = std::conditional_t<T == GatherDtype::kBF16, bf16_t,
-                                  std::conditional_t<T == GatherDtype::kF16, f16_t, float>>;
-
+// inf) cost several times a plain row copy.
 template <typename InV, typename OutV>
 QWEN4EXP_ALWAYS_INLINE void convert_rows_body(const InV* src, OutV* dst, int64_t n) {
   int64_t i = 0;
@@ -251,16 +243,14 @@ QWEN4EXP_CONVERT_ROWS(convert_f16_f32, f16_t, float)
 QWEN4EXP_CONVERT_ROWS(convert_f16_bf16, f16_t, bf16_t)
 #undef QWEN4EXP_CONVERT_ROWS
 
-template <GatherDtype In, GatherDtype Out>
+template <Dtype In, Dtype Out>
 void convert_rows(const storage_t<In>* src, storage_t<Out>* dst, int64_t n) {
-  const auto* in = reinterpret_cast<const simd_t<In>*>(src);
-  auto* out = reinterpret_cast<simd_t<Out>*>(dst);
-  if constexpr (In == GatherDtype::kF32 && Out == GatherDtype::kBF16) convert_f32_bf16(in, out, n);
-  if constexpr (In == GatherDtype::kF32 && Out == GatherDtype::kF16) convert_f32_f16(in, out, n);
-  if constexpr (In == GatherDtype::kBF16 && Out == GatherDtype::kF32) convert_bf16_f32(in, out, n);
-  if constexpr (In == GatherDtype::kBF16 && Out == GatherDtype::kF16) convert_bf16_f16(in, out, n);
-  if constexpr (In == GatherDtype::kF16 && Out == GatherDtype::kF32) convert_f16_f32(in, out, n);
-  if constexpr (In == GatherDtype::kF16 && Out == GatherDtype::kBF16) convert_f16_bf16(in, out, n);
+  if constexpr (In == Dtype::kF32 && Out == Dtype::kBF16) convert_f32_bf16(src, dst, n);
+  if constexpr (In == Dtype::kF32 && Out == Dtype::kF16) convert_f32_f16(src, dst, n);
+  if constexpr (In == Dtype::kBF16 && Out == Dtype::kF32) convert_bf16_f32(src, dst, n);
+  if constexpr (In == Dtype::kBF16 && Out == Dtype::kF16) convert_bf16_f16(src, dst, n);
+  if constexpr (In == Dtype::kF16 && Out == Dtype::kF32) convert_f16_f32(src, dst, n);
+  if constexpr (In == Dtype::kF16 && Out == Dtype::kBF16) convert_f16_bf16(src, dst, n);
 }
 
 // --- NVFP4 ----------------------------------------------------------------------------------
@@ -272,8 +262,7 @@ void convert_rows(const storage_t<In>* src, storage_t<Out>* dst, int64_t n) {
 // rounding. `n` is a multiple of kNvfp4Block (the host checks d; staged chunks keep it).
 // The 8 code bytes of a block are one 64-bit load and each block scale a lookup in
 // `scale_values` (the 256 e4m3fn values): assembling the words byte by byte, and decoding the
-// scales with fp8_e4m3fn_to_float's branches, made the decode 2.9x slower (AVX2 clone, 2-core
-// EPYC: 2.0 against 0.7 ns per element).
+// scales with fp8_e4m3fn_to_float's branches, made the decode about three times slower.
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the NVFP4 decode reads LE words");
 
 template <typename OutV>
@@ -320,34 +309,32 @@ const float* e4m3fn_values() {
   return values.data();
 }
 
-template <GatherDtype Out>
+template <Dtype Out>
 void nvfp4_rows(const uint8_t* src, const uint8_t* scales, storage_t<Out>* dst, int64_t n,
                 float global_scale, const float* scale_values) {
-  auto* out = reinterpret_cast<simd_t<Out>*>(dst);
   const float g = global_scale;
-  if constexpr (Out == GatherDtype::kF32) nvfp4_rows_f32(src, scales, out, n, g, scale_values);
-  if constexpr (Out == GatherDtype::kBF16) nvfp4_rows_bf16(src, scales, out, n, g, scale_values);
-  if constexpr (Out == GatherDtype::kF16) nvfp4_rows_f16(src, scales, out, n, g, scale_values);
+  if constexpr (Out == Dtype::kF32) nvfp4_rows_f32(src, scales, dst, n, g, scale_values);
+  if constexpr (Out == Dtype::kBF16) nvfp4_rows_bf16(src, scales, dst, n, g, scale_values);
+  if constexpr (Out == Dtype::kF16) nvfp4_rows_f16(src, scales, dst, n, g, scale_values);
 }
 
-template <GatherDtype In, GatherDtype Out>  // In an fp8 format
+template <Dtype In, Dtype Out>  // In an fp8 format
 void fp8_rows(const uint8_t* src, storage_t<Out>* dst, int64_t n, float scale_out) {
-  auto* out = reinterpret_cast<simd_t<Out>*>(dst);
-  constexpr bool kFn = In == GatherDtype::kFp8E4M3FN;
-  if constexpr (Out == GatherDtype::kF32) {
-    (kFn ? fp8_e4m3fn_rows_f32 : fp8_e4m3fnuz_rows_f32)(src, out, n, scale_out);
+  constexpr bool kFn = In == Dtype::kFp8E4M3FN;
+  if constexpr (Out == Dtype::kF32) {
+    (kFn ? fp8_e4m3fn_rows_f32 : fp8_e4m3fnuz_rows_f32)(src, dst, n, scale_out);
   }
-  if constexpr (Out == GatherDtype::kBF16) {
-    (kFn ? fp8_e4m3fn_rows_bf16 : fp8_e4m3fnuz_rows_bf16)(src, out, n, scale_out);
+  if constexpr (Out == Dtype::kBF16) {
+    (kFn ? fp8_e4m3fn_rows_bf16 : fp8_e4m3fnuz_rows_bf16)(src, dst, n, scale_out);
   }
-  if constexpr (Out == GatherDtype::kF16) {
-    (kFn ? fp8_e4m3fn_rows_f16 : fp8_e4m3fnuz_rows_f16)(src, out, n, scale_out);
+  if constexpr (Out == Dtype::kF16) {
+    (kFn ? fp8_e4m3fn_rows_f16 : fp8_e4m3fnuz_rows_f16)(src, dst, n, scale_out);
   }
 }
 
 // Converts `width` elements of one table row; `scales` is the row's NVFP4 block scales (unused,
 // and null, for other formats). An NVFP4 `src` may start at any multiple of kNvfp4Block elements.
-template <GatherDtype In, GatherDtype Out>
+template <Dtype In, Dtype Out>
 struct RowConverter {
   using InT = storage_t<In>;
   using OutT = storage_t<Out>;
@@ -359,7 +346,7 @@ struct RowConverter {
   const float* scale_values = nullptr;    // NVFP4 only: e4m3fn_values()
 
   explicit RowConverter(const GatherRowsParams& p) {
-    if constexpr (In == GatherDtype::kNvfp4) {
+    if constexpr (In == Dtype::kNvfp4) {
       global_scale = *p.scale;
       scale_values = e4m3fn_values();
     }
@@ -378,7 +365,7 @@ struct RowConverter {
 
   void operator()(const InT* __restrict src, [[maybe_unused]] const uint8_t* __restrict scales,
                   OutT* __restrict dst, int64_t width) const {
-    if constexpr (In == GatherDtype::kNvfp4) {
+    if constexpr (In == Dtype::kNvfp4) {
       nvfp4_rows<Out>(src, scales, dst, width, global_scale, scale_values);
     } else if constexpr (In == Out) {
       std::memcpy(dst, src, static_cast<size_t>(width) * sizeof(InT));
@@ -404,13 +391,8 @@ struct RowConverter {
 // With 64-byte stores each block of items is also counting-sorted by table row first and copied
 // in table order: the row reads sweep the table upwards, consecutive rows share page-table lines
 // and DRAM pages, and the page walk that every random row of a multi-GB table costs gets cheaper.
-// Measured, T = 8192 x 16 bf16 rows of 160 from a 4M-row table, medians, each line one run:
-// - Zen 4 VM, AVX-512, 2 cores: cached path 3.7-5.0 ms, streaming in output order 3.3-3.6,
-//   sorted and streaming 2.9-3.3 (index_select 5.3-7.9; a copy of the same bytes 2.5-2.8).
-// - EPYC VM, AVX2, 2 cores, 4 KiB pages: fresh ids, cached 4.9 ms, 32-byte streaming in output
-//   order 4.9, sorted 8.3 against cached 7.1 in another run (the scattered 32-byte stores cost
-//   more than the sort saves); ids from 1024 rows (every row cached: the output is the
-//   traffic), cached 2.35 ms, streaming in output order 1.79 (index_select 2.36).
+// With 32-byte stores the rows are written in output order: scattered 32-byte streaming stores
+// cost more than the sort saves (the measurements: results/cpu-kernel-notes.md).
 
 // Items per block: 32768 rows of 320 bytes (10 MiB) spread over a 4M-row table put a
 // row every ~40 KiB; bigger blocks sort better but start the copy later and balance worse. At
@@ -516,7 +498,7 @@ StreamScratch& stream_scratch() {
   return scratch;
 }
 
-template <GatherDtype In, GatherDtype Out>
+template <Dtype In, Dtype Out>
 struct StreamJob {
   GatherRowsParams p;
   const RowConverter<In, Out>* convert;
@@ -527,7 +509,7 @@ struct StreamJob {
 };
 
 // One worker: takes blocks from the shared counter until none are left.
-template <GatherDtype In, GatherDtype Out>
+template <Dtype In, Dtype Out>
 void stream_worker(const StreamJob<In, Out>& job) {
   using InT = storage_t<In>;
   using OutT = storage_t<Out>;
@@ -588,7 +570,7 @@ void stream_worker(const StreamJob<In, Out>& job) {
     // Copy in that order, prefetching kPrefetchDistance rows ahead as the cached path does.
     const auto prefetch_row = [&](int64_t row) __attribute__((always_inline)) {
       prefetch_bytes(table + row * table_row_bytes, row_bytes);
-      if constexpr (In == GatherDtype::kNvfp4) {
+      if constexpr (In == Dtype::kNvfp4) {
         prefetch_bytes(reinterpret_cast<const char*>(q.block_scales) +
                            row * q.block_scales_row_stride,
                        width / kNvfp4Block);
@@ -599,7 +581,7 @@ void stream_worker(const StreamJob<In, Out>& job) {
       if (j + kPrefetchDistance < owned) prefetch_row(row_of[order[j + kPrefetchDistance]]);
       const int64_t i = order[j];
       const char* src = table + row_of[i] * table_row_bytes;
-      const uint8_t* scales = In == GatherDtype::kNvfp4
+      const uint8_t* scales = In == Dtype::kNvfp4
                                   ? q.block_scales + row_of[i] * q.block_scales_row_stride
                                   : nullptr;
       char* dst = item_output(begin + i);
@@ -625,7 +607,7 @@ void stream_worker(const StreamJob<In, Out>& job) {
 #endif
 }
 
-template <GatherDtype In, GatherDtype Out>
+template <Dtype In, Dtype Out>
 void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out>& convert,
                            RowStores stores) {
   const int64_t items = p.num_tokens * p.num_heads;
@@ -740,7 +722,7 @@ namespace {
 constexpr int64_t kBlockItems = 1024;
 constexpr int64_t kMinBlockItems = 128;
 
-template <GatherDtype In, GatherDtype Out>
+template <Dtype In, Dtype Out>
 void gather_rows_cpu_impl(const GatherRowsParams& p) {
   using InT = storage_t<In>;
   using OutT = storage_t<Out>;
@@ -759,7 +741,7 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
   const int64_t width = p.width;
   const int64_t row_bytes = width * static_cast<int64_t>(sizeof(InT)) / elems_per_word(In);
   const int64_t table_row_bytes = p.table_row_stride * static_cast<int64_t>(sizeof(InT));
-  constexpr bool kNvfp4 = In == GatherDtype::kNvfp4;
+  constexpr bool kNvfp4 = In == Dtype::kNvfp4;
   const uint8_t* const block_scales = p.block_scales;
   const int64_t scale_row_stride = p.block_scales_row_stride;
   const int64_t scale_row_bytes = width / kNvfp4Block;
@@ -820,16 +802,6 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
 
 
 
-template <GatherDtype In>
-void dispatch_out(const GatherRowsParams& p) {
-  switch (p.out_dtype) {
-    case GatherDtype::kF32: return gather_rows_cpu_impl<In, GatherDtype::kF32>(p);
-    case GatherDtype::kBF16: return gather_rows_cpu_impl<In, GatherDtype::kBF16>(p);
-    case GatherDtype::kF16: return gather_rows_cpu_impl<In, GatherDtype::kF16>(p);
-    default: TORCH_CHECK(false, "gather_rows: unsupported output dtype");
-  }
-}
-
 void gather_rows_cpu(const at::Tensor& table, const at::Tensor& ids,
                      const std::optional<at::Tensor>& scale,
                      const std::optional<at::Tensor>& block_scales, int64_t vocab_start,
@@ -839,14 +811,16 @@ void gather_rows_cpu(const at::Tensor& table, const at::Tensor& ids,
   TORCH_CHECK(table.device().is_cpu(), "gather_rows: CPU kernel called with ", table.device(),
               " tensors");
   if (p.num_tokens == 0 || p.num_heads == 0 || p.width == 0) return;
-  switch (p.table_dtype) {
-    case GatherDtype::kF32: return dispatch_out<GatherDtype::kF32>(p);
-    case GatherDtype::kBF16: return dispatch_out<GatherDtype::kBF16>(p);
-    case GatherDtype::kF16: return dispatch_out<GatherDtype::kF16>(p);
-    case GatherDtype::kFp8E4M3FN: return dispatch_out<GatherDtype::kFp8E4M3FN>(p);
-    case GatherDtype::kFp8E4M3FNUZ: return dispatch_out<GatherDtype::kFp8E4M3FNUZ>(p);
-    case GatherDtype::kNvfp4: return dispatch_out<GatherDtype::kNvfp4>(p);
-  }
+  const auto unsupported = [] { TORCH_CHECK(false, "gather_rows: unsupported dtype"); };
+  dispatch_dtype(
+      kTableDtypes, p.table_dtype,
+      [&](auto in) {
+        dispatch_dtype(
+            kFloatDtypes, p.out_dtype,
+            [&](auto out) { gather_rows_cpu_impl<decltype(in)::kDtype, decltype(out)::kDtype>(p); },
+            unsupported);
+      },
+      unsupported);
 }
 
 }  // namespace

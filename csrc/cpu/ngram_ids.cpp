@@ -26,7 +26,7 @@ void ngram_ids_cpu_impl(const NgramIdsParams& p) {
   // ~16 heads per token: below a few thousand tokens a second thread costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max(1, p.num_heads));
   at::parallel_for(0, p.num_tokens, grain, [&](int64_t begin, int64_t end) {
-    const IntView& qsl = p.query_start_loc;
+    const IndexView& qsl = p.query_start_loc;
     int64_t r = p.num_requests > 0 ? find_request(qsl, p.num_requests, begin) : -1;
     int64_t window[kMaxContext + 1];
     for (int64_t t = begin; t < end; ++t) {

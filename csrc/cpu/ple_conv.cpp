@@ -31,6 +31,7 @@
 #include <cstring>
 #include <vector>
 
+#include "../common/dispatch.h"
 #include "../ple_conv_args.h"
 #include "simd.h"
 
@@ -229,7 +230,7 @@ QWEN4EXP_ALWAYS_INLINE void copy_entry(T* dst, int64_t dst_stride, const T* src,
 // A dim-first state (vLLM's VLLM_SSM_CONV_STATE_LAYOUT=DS: [slots, C, W], window stride 1)
 // keeps each channel's window together, so a tap is a column C·W elements long. Decode copies
 // the chunk's K-1 tap columns into window-first rows first (a strided gather lane by lane into
-// the vector made decode at R = 64 4.7x slower than with a window-first state), and when the
+// the vector made decode several times slower than with a window-first state), and when the
 // window is the whole channel row (W = S) shifts the state with one memmove of the chunk's
 // n·S - 1 elements plus a store of x per channel.
 template <typename T>
@@ -299,7 +300,7 @@ QWEN4EXP_ALWAYS_INLINE void chunk_tokens(const ConvCtx<T>& ctx, int64_t begin, i
   const IndexView& qsl = p.query_start_loc;
   const bool spec = p.mode == ConvMode::kSpec;
   Tap<T> taps[kMaxConvKernel];
-  int64_t r = R > 0 ? conv_find_request(qsl, R, begin) : -1;
+  int64_t r = R > 0 ? find_request(qsl, R, begin) : -1;
   for (int64_t t = begin; t < end; ++t) {
     while (r >= 0 && r + 1 < R && qsl[r + 1] <= t) ++r;
     const int64_t row = conv_physical_row(p, t);
@@ -418,7 +419,7 @@ void transpose_weights(const PleConvParams& p, std::vector<float>& out) {
 template <typename T>
 void ple_conv_cpu_impl(const PleConvParams& p) {
   std::vector<float> weights;
-  if (p.weight_dtype == FloatType::kFloat32) {
+  if (p.weight_dtype == Dtype::kF32) {
     transpose_weights<float>(p, weights);
   } else {
     transpose_weights<T>(p, weights);
@@ -460,11 +461,10 @@ void ple_conv_cpu(const at::Tensor& inputs, const at::Tensor& residual,
               " tensors");
   check_ple_conv_values(p);
   if (p.num_rows == 0 && p.num_requests == 0) return;
-  switch (p.dtype) {
-    case FloatType::kBFloat16: ple_conv_cpu_impl<bf16_t>(p); break;
-    case FloatType::kFloat16: ple_conv_cpu_impl<f16_t>(p); break;
-    default: ple_conv_cpu_impl<float>(p); break;
-  }
+  dispatch_dtype(
+      kFloatDtypes, p.dtype,
+      [&](auto dtype) { ple_conv_cpu_impl<typename decltype(dtype)::type>(p); },
+      [] { TORCH_CHECK(false, "ple_conv: unsupported dtype"); });
 }
 
 }  // namespace

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <vector>
 
+#include "../common/dispatch.h"
 #include "../ple_gate_args.h"
 #include "simd.h"
 
@@ -112,6 +113,23 @@ void fill_weights(const PleGateParams& p, int64_t channels, GateWeights& w) {
   }
 }
 
+// Token t's rows of the three inputs and the two outputs.
+template <typename T>
+struct TokenRows {
+  const T* key;
+  const T* hidden;
+  const T* value;
+  T* gated;
+  T* conv_input;
+
+  QWEN4EXP_ALWAYS_INLINE TokenRows(const PleGateParams& p, int64_t t)
+      : key(static_cast<const T*>(p.key) + t * p.key_row_stride),
+        hidden(static_cast<const T*>(p.hidden) + t * p.hidden_row_stride),
+        value(static_cast<const T*>(p.value) + t * p.value_row_stride),
+        gated(static_cast<T*>(p.gated) + t * p.gated_row_stride),
+        conv_input(static_cast<T*>(p.conv_input) + t * p.conv_input_row_stride) {}
+};
+
 template <typename T>
 QWEN4EXP_ALWAYS_INLINE void gate_rows_vllm(const PleGateParams& p, const GateWeights& w,
                                            int64_t begin, int64_t end) {
@@ -124,11 +142,12 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_vllm(const PleGateParams& p, const GateWei
   std::vector<float> leaf_buf(H / kPairwiseLeaf + 1);
   float* leaves = leaf_buf.data();
   for (int64_t t = begin; t < end; ++t) {
-    const T* key = static_cast<const T*>(p.key) + t * p.key_row_stride;
-    const T* hidden = static_cast<const T*>(p.hidden) + t * p.hidden_row_stride;
-    const T* value = static_cast<const T*>(p.value) + t * p.value_row_stride;
-    T* gated_row = static_cast<T*>(p.gated) + t * p.gated_row_stride;
-    T* conv_row = static_cast<T*>(p.conv_input) + t * p.conv_input_row_stride;
+    const TokenRows<T> rows(p, t);
+    const T* key = rows.key;
+    const T* hidden = rows.hidden;
+    const T* value = rows.value;
+    T* gated_row = rows.gated;
+    T* conv_row = rows.conv_input;
     for (int m = 0; m < p.streams; ++m) {
       const int64_t base = static_cast<int64_t>(m) * H;
       const T* k = key + base;
@@ -184,11 +203,12 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_fp32(const PleGateParams& p, const GateWei
   const float sqrt_h = std::sqrt(h_f);
   const float eps = p.eps;
   for (int64_t t = begin; t < end; ++t) {
-    const T* key = static_cast<const T*>(p.key) + t * p.key_row_stride;
-    const T* hidden = static_cast<const T*>(p.hidden) + t * p.hidden_row_stride;
-    const T* value = static_cast<const T*>(p.value) + t * p.value_row_stride;
-    T* gated_row = static_cast<T*>(p.gated) + t * p.gated_row_stride;
-    T* conv_row = static_cast<T*>(p.conv_input) + t * p.conv_input_row_stride;
+    const TokenRows<T> rows(p, t);
+    const T* key = rows.key;
+    const T* hidden = rows.hidden;
+    const T* value = rows.value;
+    T* gated_row = rows.gated;
+    T* conv_row = rows.conv_input;
     // One Σvalue² serves every stream: Σ(g·v)² = g²·Σv².
     f32x8 acc_vv = splat(0.0f);
     for (int i = 0; i < H; i += kLanes) {
@@ -255,11 +275,11 @@ QWEN4EXP_GATE_ENTRY(gate_f16_fp32, f16_t, gate_rows_fp32)
 
 using GateRowsFn = void (*)(const PleGateParams&, const GateWeights&, int64_t, int64_t);
 
-GateRowsFn pick_gate_rows(FloatType dtype, GateRounding rounding) {
+GateRowsFn pick_gate_rows(Dtype dtype, GateRounding rounding) {
   const bool vllm = rounding == GateRounding::kVllm;
   switch (dtype) {
-    case FloatType::kBFloat16: return vllm ? gate_bf16_vllm : gate_bf16_fp32;
-    case FloatType::kFloat16: return vllm ? gate_f16_vllm : gate_f16_fp32;
+    case Dtype::kBF16: return vllm ? gate_bf16_vllm : gate_bf16_fp32;
+    case Dtype::kF16: return vllm ? gate_f16_vllm : gate_f16_fp32;
     default: return vllm ? gate_f32_vllm : gate_f32_fp32;
   }
 }
@@ -267,11 +287,10 @@ GateRowsFn pick_gate_rows(FloatType dtype, GateRounding rounding) {
 void run_ple_gate_cpu(const PleGateParams& p, int64_t channels) {
   if (p.num_tokens == 0) return;
   GateWeights w;
-  switch (p.weight_dtype) {
-    case FloatType::kBFloat16: fill_weights<bf16_t>(p, channels, w); break;
-    case FloatType::kFloat16: fill_weights<f16_t>(p, channels, w); break;
-    default: fill_weights<float>(p, channels, w); break;
-  }
+  dispatch_dtype(
+      kFloatDtypes, p.weight_dtype,
+      [&](auto dtype) { fill_weights<typename decltype(dtype)::type>(p, channels, w); },
+      [] { TORCH_CHECK(false, "ple_gate: unsupported weight dtype"); });
   const GateRowsFn rows = pick_gate_rows(p.dtype, p.rounding);
   // A token is C elements of three inputs and two outputs: a few tokens already fill a thread.
   const int64_t grain = std::max<int64_t>(1, 16384 / channels);

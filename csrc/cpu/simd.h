@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "../hip/float_types.h"
+#include "../common/float_types.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
     !defined(QWEN4EXP_NO_CPU_CLONES)

@@ -4,7 +4,7 @@
 #include "glue.h"
 
 #include "../gather_rows_args.h"
-#include "../hip/gather_rows.h"
+#include "../common/gather_rows.h"
 
 namespace qwen4exp {
 namespace {

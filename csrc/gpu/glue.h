@@ -9,7 +9,7 @@
 
 #include <torch/all.h>
 
-#include "../hip/platform.h"
+#include "../common/platform.h"
 
 #define QWEN4EXP_GLUE_LIBRARY_CAT(a, b) a##b
 #define QWEN4EXP_GLUE_LIBRARY_NAME(wave) QWEN4EXP_GLUE_LIBRARY_CAT(qwen4exp_simt, wave)
@@ -43,7 +43,7 @@ inline bool capturing() { return false; }
 #include <c10/cuda/CUDAStream.h>
 #include <torch/all.h>
 
-#include "../hip/platform.h"
+#include "../common/platform.h"
 
 // ROCm torch hipifies this glue and keeps the CUDA dispatch key.
 #define QWEN4EXP_GLUE_LIBRARY qwen4exp

@@ -26,19 +26,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "../hip/platform.h"
-
-#if defined(QWEN4EXP_CUDA)
-#define qwen4exp_HostGetDevicePointer cudaHostGetDevicePointer
-#define qwen4exp_HostRegister cudaHostRegister
-#define qwen4exp_HostUnregister cudaHostUnregister
-#define qwen4exp_HostRegisterFlags (cudaHostRegisterMapped | cudaHostRegisterPortable)
-#else
-#define qwen4exp_HostGetDevicePointer hipHostGetDevicePointer
-#define qwen4exp_HostRegister hipHostRegister
-#define qwen4exp_HostUnregister hipHostUnregister
-#define qwen4exp_HostRegisterFlags (hipHostRegisterMapped | hipHostRegisterPortable)
-#endif
+#include "../common/platform.h"
 
 namespace qwen4exp {
 namespace {
@@ -62,7 +50,7 @@ void release_view(void* host_base) {
   const std::lock_guard<std::mutex> lock(registry_mutex);
   auto it = registry().find(host_base);
   if (it == registry().end() || --it->second.views > 0) return;
-  (void)qwen4exp_HostUnregister(host_base);
+  (void)hipHostUnregister(host_base);
   registry().erase(it);
 }
 
@@ -86,9 +74,10 @@ at::Tensor host_table_device_view(const at::Tensor& host, c10::Device device) {
                   " bytes at this address are registered, but the storage has ", bytes);
       ++it->second.views;
       ours = true;
-    } else if (qwen4exp_HostGetDevicePointer(&device_base, host_base, 0) != hipSuccess) {
+    } else if (hipHostGetDevicePointer(&device_base, host_base, 0) != hipSuccess) {
       (void)hipGetLastError();  // not pinned yet: clear the error and register
-      const hipError_t status = qwen4exp_HostRegister(host_base, bytes, qwen4exp_HostRegisterFlags);
+      const hipError_t status =
+          hipHostRegister(host_base, bytes, hipHostRegisterMapped | hipHostRegisterPortable);
       TORCH_CHECK(status == hipSuccess, "host_table_device_view: registering ", bytes,
                   " bytes of host memory failed: ", hipGetErrorString(status),
                   " (locked-memory limit? already registered by someone else?)");
@@ -98,7 +87,7 @@ at::Tensor host_table_device_view(const at::Tensor& host, c10::Device device) {
     // else: pinned by someone else (pin_memory()): used as it is, never unregistered here.
   }
   if (ours) {
-    const hipError_t mapped = qwen4exp_HostGetDevicePointer(&device_base, host_base, 0);
+    const hipError_t mapped = hipHostGetDevicePointer(&device_base, host_base, 0);
     if (mapped != hipSuccess) {
       release_view(host_base);
       TORCH_CHECK(false, "host_table_device_view: no device address for registered host memory: ",

@@ -5,7 +5,7 @@
 #include "glue.h"
 
 #include "../debug_checks.h"
-#include "../hip/ngram_ids.h"
+#include "../common/ngram_ids.h"
 #include "../ngram_ids_args.h"
 
 namespace qwen4exp {

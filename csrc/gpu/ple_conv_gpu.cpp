@@ -4,7 +4,7 @@
 #include "glue.h"
 
 #include "../debug_checks.h"
-#include "../hip/ple_conv.h"
+#include "../common/ple_conv.h"
 #include "../ple_conv_args.h"
 
 namespace qwen4exp {

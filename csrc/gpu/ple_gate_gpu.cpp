@@ -4,7 +4,7 @@
 // for the SIMT emulator (glue.h).
 #include "glue.h"
 
-#include "../hip/ple_gate.h"
+#include "../common/ple_gate.h"
 #include "../ple_gate_args.h"
 
 namespace qwen4exp {

@@ -2,8 +2,8 @@
 // being compiled (platform.h): 64 on CDNA (MI200/MI300), 32 on RDNA and NVIDIA. Never assumes 32.
 #pragma once
 
-#include "float_types.h"
-#include "platform.h"
+#include "../common/float_types.h"
+#include "../common/platform.h"
 
 namespace qwen4exp {
 
@@ -12,14 +12,6 @@ namespace qwen4exp {
 constexpr int kWaveSize = QWEN4EXP_WAVE_SIZE > 0 ? QWEN4EXP_WAVE_SIZE : 1;
 
 #if defined(QWEN4EXP_KERNEL_COMPILE)
-
-QWEN4EXP_DEVICE float shuffle_xor(float v, int mask) {
-#if defined(QWEN4EXP_CUDA)
-  return __shfl_xor_sync(0xffffffffu, v, mask);
-#else
-  return __shfl_xor(v, mask);
-#endif
-}
 
 // Sums each of N values over a wave (butterfly: every lane gets the totals).
 template <int N>

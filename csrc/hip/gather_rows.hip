@@ -18,7 +18,8 @@
 // piece count fits, because 64-bit integer division is a long software routine on GPUs.
 #include <cstring>
 
-#include "gather_rows.h"
+#include "../common/dispatch.h"
+#include "../common/gather_rows.h"
 
 namespace qwen4exp {
 namespace {
@@ -34,7 +35,7 @@ struct alignas(16) Vec16 {
   uint32_t word[4];
 };
 
-template <GatherDtype In, GatherDtype Out>
+template <Dtype In, Dtype Out>
 struct PieceTraits {
   using InT = storage_t<In>;
   using OutT = storage_t<Out>;
@@ -59,13 +60,13 @@ QWEN4EXP_DEVICE void store_piece(void* dst, const void* src) {
   }
 }
 
-template <GatherDtype Out>
+template <Dtype Out>
 struct DequantTable {
   storage_t<Out> value[256];
 };
 
 // Index math type: 32-bit when the piece count fits, else 64-bit.
-template <typename Index, GatherDtype In, GatherDtype Out>
+template <typename Index, Dtype In, Dtype Out>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     gather_rows_vec_kernel(GatherRowsParams p, Index pieces_per_row, Index num_heads,
                            Index total_pieces) {
@@ -74,7 +75,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   using OutT = typename Traits::OutT;
   constexpr int kElems = Traits::kElems;
 
-  constexpr bool kNvfp4 = In == GatherDtype::kNvfp4;
+  constexpr bool kNvfp4 = In == Dtype::kNvfp4;
   static_assert(!kNvfp4 || kElems == 2 * kNvfp4Block, "an NVFP4 piece is two scale blocks");
   float global_scale = 0.0f;
   if constexpr (kNvfp4) global_scale = *p.scale;
@@ -174,14 +175,14 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 
 // Fallback for tables or outputs whose rows are not 16-byte aligned pieces: one thread per
 // output element, 64-bit index math. Correct for every layout the host accepts, not tuned.
-template <GatherDtype In, GatherDtype Out>
+template <Dtype In, Dtype Out>
 __global__ void __launch_bounds__(kThreadsPerBlock) gather_rows_scalar_kernel(GatherRowsParams p) {
   using InT = storage_t<In>;
   using OutT = storage_t<Out>;
   float scale_out = 0.0f;
   if constexpr (is_fp8(In)) scale_out = round_scale<Out>(*p.scale);
   float global_scale = 0.0f;
-  if constexpr (In == GatherDtype::kNvfp4) global_scale = *p.scale;
+  if constexpr (In == Dtype::kNvfp4) global_scale = *p.scale;
   const int64_t total = p.num_tokens * p.num_heads * p.width;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreadsPerBlock;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * kThreadsPerBlock + threadIdx.x; e < total;
@@ -193,7 +194,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) gather_rows_scalar_kernel(Ga
     const int64_t row = p.local_row(p.id_at(t, h));
     OutT value = encode<Out>(0.0f);
     if (row >= 0) {
-      if constexpr (In == GatherDtype::kNvfp4) {
+      if constexpr (In == Dtype::kNvfp4) {
         const uint8_t byte =
             static_cast<const uint8_t*>(p.table)[row * p.table_row_stride + c / 2];
         const uint32_t code = (static_cast<uint32_t>(byte) >> ((c & 1) * 4)) & 0xFu;
@@ -223,7 +224,7 @@ unsigned grid_for(int64_t work, int64_t per_block) {
   return static_cast<unsigned>(blocks < (int64_t{1} << 20) ? blocks : (int64_t{1} << 20));
 }
 
-template <GatherDtype In, GatherDtype Out>
+template <Dtype In, Dtype Out>
 hipError_t launch_typed(const GatherRowsParams& p, hipStream_t stream) {
   using Traits = PieceTraits<In, Out>;
   const int64_t in_size = static_cast<int64_t>(sizeof(typename Traits::InT));
@@ -251,28 +252,21 @@ hipError_t launch_typed(const GatherRowsParams& p, hipStream_t stream) {
                        kThreadsPerBlock, 0, stream, p);
 }
 
-template <GatherDtype In>
-hipError_t launch_out(const GatherRowsParams& p, hipStream_t stream) {
-  switch (p.out_dtype) {
-    case GatherDtype::kF32: return launch_typed<In, GatherDtype::kF32>(p, stream);
-    case GatherDtype::kBF16: return launch_typed<In, GatherDtype::kBF16>(p, stream);
-    case GatherDtype::kF16: return launch_typed<In, GatherDtype::kF16>(p, stream);
-    default: return kInvalidValue;
-  }
-}
-
 }  // namespace
 
 hipError_t launch_gather_rows(const GatherRowsParams& p, hipStream_t stream) {
-  switch (p.table_dtype) {
-    case GatherDtype::kF32: return launch_out<GatherDtype::kF32>(p, stream);
-    case GatherDtype::kBF16: return launch_out<GatherDtype::kBF16>(p, stream);
-    case GatherDtype::kF16: return launch_out<GatherDtype::kF16>(p, stream);
-    case GatherDtype::kFp8E4M3FN: return launch_out<GatherDtype::kFp8E4M3FN>(p, stream);
-    case GatherDtype::kFp8E4M3FNUZ: return launch_out<GatherDtype::kFp8E4M3FNUZ>(p, stream);
-    case GatherDtype::kNvfp4: return launch_out<GatherDtype::kNvfp4>(p, stream);
-  }
-  return kInvalidValue;
+  const auto invalid = [] { return kInvalidValue; };
+  return dispatch_dtype(
+      kTableDtypes, p.table_dtype,
+      [&](auto in) {
+        return dispatch_dtype(
+            kFloatDtypes, p.out_dtype,
+            [&](auto out) {
+              return launch_typed<decltype(in)::kDtype, decltype(out)::kDtype>(p, stream);
+            },
+            invalid);
+      },
+      invalid);
 }
 
 }  // namespace qwen4exp

@@ -10,7 +10,7 @@
 // division in the hot path.
 #include <limits>
 
-#include "ngram_ids.h"
+#include "../common/ngram_ids.h"
 
 namespace qwen4exp {
 namespace {

@@ -16,7 +16,8 @@
 // write-back; taps whose input row falls outside the batch read 0. Nothing reads or writes out
 // of bounds, whatever the indices hold.
 #include "block_reduce.h"
-#include "ple_conv.h"
+#include "../common/dispatch.h"
+#include "../common/ple_conv.h"
 
 namespace qwen4exp {
 namespace {
@@ -63,7 +64,7 @@ QWEN4EXP_DEVICE void conv_output(const PleConvParams& p, int64_t t, int64_t c0) 
     produce = live;
   } else if (p.num_requests > 0) {
     const IndexView& qsl = p.query_start_loc;
-    const int64_t r = conv_find_request(qsl, p.num_requests, t);
+    const int64_t r = find_request(qsl, p.num_requests, t);
     start = qsl[r];
     const bool in_range = t >= start && t < qsl[p.num_requests];
     slot = p.state_indices[r];
@@ -235,21 +236,19 @@ hipError_t launch_typed(const PleConvParams& p, hipStream_t stream) {
   return vec ? launch_vec<T, W, kVec>(p, stream) : launch_vec<T, W, 1>(p, stream);
 }
 
-template <typename T>
-hipError_t launch_weights(const PleConvParams& p, hipStream_t stream) {
-  if (p.weight_dtype == FloatType::kFloat32) return launch_typed<T, float>(p, stream);
-  return launch_typed<T, T>(p, stream);
-}
-
 }  // namespace
 
 hipError_t launch_ple_conv(const PleConvParams& p, hipStream_t stream) {
   if (p.channels == 0) return hipSuccess;  // nothing to compute or keep (a GPU refuses an empty grid)
-  switch (p.dtype) {
-    case FloatType::kBFloat16: return launch_weights<bf16_t>(p, stream);
-    case FloatType::kFloat16: return launch_weights<f16_t>(p, stream);
-    default: return launch_typed<float, float>(p, stream);
-  }
+  return dispatch_dtype(
+      kFloatDtypes, p.dtype,
+      [&](auto dtype) {
+        using T = typename decltype(dtype)::type;
+        // The weights are fp32 or the activations' own dtype.
+        return p.weight_dtype == Dtype::kF32 ? launch_typed<T, float>(p, stream)
+                                             : launch_typed<T, T>(p, stream);
+      },
+      [] { return hipErrorInvalidValue; });
 }
 
 }  // namespace qwen4exp

@@ -14,7 +14,8 @@
 //   (the tolerance tests/test_ple_gate.py states for every backend).
 // - "fp32" rounding: Σk², Σq², Σk·q·(1+w_k)(1+w_q) in one reduction, then the outputs.
 #include "block_reduce.h"
-#include "ple_gate.h"
+#include "../common/dispatch.h"
+#include "../common/ple_gate.h"
 
 namespace qwen4exp {
 namespace {
@@ -213,20 +214,18 @@ hipError_t launch_typed(const PleGateParams& p, hipStream_t stream) {
               : launch(ple_gate_kernel<T, W, false, false>);
 }
 
-template <typename T>
-hipError_t launch_weights(const PleGateParams& p, hipStream_t stream) {
-  if (p.weight_dtype == FloatType::kFloat32) return launch_typed<T, float>(p, stream);
-  return launch_typed<T, T>(p, stream);
-}
-
 }  // namespace
 
 hipError_t launch_ple_gate(const PleGateParams& p, hipStream_t stream) {
-  switch (p.dtype) {
-    case FloatType::kBFloat16: return launch_weights<bf16_t>(p, stream);
-    case FloatType::kFloat16: return launch_weights<f16_t>(p, stream);
-    default: return launch_typed<float, float>(p, stream);
-  }
+  return dispatch_dtype(
+      kFloatDtypes, p.dtype,
+      [&](auto dtype) {
+        using T = typename decltype(dtype)::type;
+        // The weights are fp32 or the activations' own dtype.
+        return p.weight_dtype == Dtype::kF32 ? launch_typed<T, float>(p, stream)
+                                             : launch_typed<T, T>(p, stream);
+      },
+      [] { return hipErrorInvalidValue; });
 }
 
 }  // namespace qwen4exp

@@ -1,11 +1,11 @@
-// Exhaustive-edge and random check of csrc/hip/fast_divmod.h against the hardware division.
+// Exhaustive-edge and random check of csrc/common/fast_divmod.h against the hardware division.
 // Built and run by tests/test_fast_divmod.py with the host C++ compiler (the header is torch-free
 // and the same code runs on the CPU and GPU paths). Prints "ok <count>" or the first mismatch.
 #include <cinttypes>
 #include <cstdio>
 #include <vector>
 
-#include "hip/fast_divmod.h"
+#include "common/fast_divmod.h"
 
 using qwen4exp::FastDivmodU64;
 

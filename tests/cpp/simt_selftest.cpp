@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "hip/block_reduce.h"
-#include "hip/platform.h"
+#include "common/platform.h"
 
 namespace {
 

@@ -31,6 +31,12 @@ using hipError_t = cudaError_t;
 #define hipErrorInvalidValue cudaErrorInvalidValue
 #define hipGetLastError cudaGetLastError
 #define hipGetErrorString cudaGetErrorString
+// Pinned host tables (csrc/gpu/host_table.cpp).
+#define hipHostGetDevicePointer cudaHostGetDevicePointer
+#define hipHostRegister cudaHostRegister
+#define hipHostUnregister cudaHostUnregister
+#define hipHostRegisterMapped cudaHostRegisterMapped
+#define hipHostRegisterPortable cudaHostRegisterPortable
 #endif
 
 // Some GPU runtime is here to launch kernels on (the launchers' declarations need it).
@@ -133,6 +139,16 @@ QWEN4EXP_HD uint64_t mul_hi_u64(uint64_t a, uint64_t b) {
 }
 
 #if defined(QWEN4EXP_KERNEL_COMPILE)
+// v from the lane whose index is this lane's xor `mask`, within the wave (CUDA names the lanes
+// taking part; every lane of the wave does here).
+QWEN4EXP_DEVICE float shuffle_xor(float v, int mask) {
+#if defined(QWEN4EXP_CUDA)
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+#else
+  return __shfl_xor(v, mask);
+#endif
+}
+
 // kernel<<<grid, block, shared_bytes, stream>>>(args...), returning this launch's status. The
 // error state is cleared first, so that an older, unrelated failure of another runtime call is not
 // reported as ours (an error that poisons the context, such as a fault in an earlier kernel,

@@ -7,7 +7,7 @@
 // hip_fp8.h (absent from ROCm 5.2) nor cuda_fp8.h is needed.
 #pragma once
 
-#include "float16.h"
+#include "float_types.h"
 #include "platform.h"
 
 namespace qwen4exp {
@@ -48,87 +48,38 @@ QWEN4EXP_HD uint32_t e2m1_to_float_bits(uint32_t code) {
 // Elements of an NVFP4 row per block scale.
 constexpr int kNvfp4Block = 16;
 
-// Storage formats of gather_rows (tables: all six; outputs: the first three). kNvfp4 is vLLM's
-// packed layout: uint8 rows of d/2 bytes (element 2k in the low nibble of byte k, 2k+1 in the
-// high one) with one float8_e4m3fn scale per kNvfp4Block elements and a global fp32 scale.
-enum class GatherDtype : int32_t {
-  kF32 = 0,
-  kBF16 = 1,
-  kF16 = 2,
-  kFp8E4M3FN = 3,
-  kFp8E4M3FNUZ = 4,
-  kNvfp4 = 5,
-};
-
-constexpr bool is_fp8(GatherDtype t) {
-  return t == GatherDtype::kFp8E4M3FN || t == GatherDtype::kFp8E4M3FNUZ;
-}
-
-constexpr bool is_output_dtype(GatherDtype t) {
-  return t == GatherDtype::kF32 || t == GatherDtype::kBF16 || t == GatherDtype::kF16;
+constexpr bool is_fp8(Dtype t) {
+  return t == Dtype::kFp8E4M3FN || t == Dtype::kFp8E4M3FNUZ;
 }
 
 // Table elements per storage word (an NVFP4 byte holds two).
-constexpr int elems_per_word(GatherDtype t) { return t == GatherDtype::kNvfp4 ? 2 : 1; }
+constexpr int elems_per_word(Dtype t) { return t == Dtype::kNvfp4 ? 2 : 1; }
 
-// The raw storage word of each format.
-template <GatherDtype T>
-struct StorageOf {
-  using type = uint16_t;
-};
-template <>
-struct StorageOf<GatherDtype::kF32> {
-  using type = float;
-};
-template <>
-struct StorageOf<GatherDtype::kFp8E4M3FN> {
-  using type = uint8_t;
-};
-template <>
-struct StorageOf<GatherDtype::kFp8E4M3FNUZ> {
-  using type = uint8_t;
-};
-template <>
-struct StorageOf<GatherDtype::kNvfp4> {
-  using type = uint8_t;
-};
-template <GatherDtype T>
-using storage_t = typename StorageOf<T>::type;
-
-template <GatherDtype T>
+// One element as fp32 (exact for every format).
+template <Dtype T>
 QWEN4EXP_HD float decode(storage_t<T> x) {
-  static_assert(T != GatherDtype::kNvfp4, "an NVFP4 byte is two elements: use nvfp4_value");
-  if constexpr (T == GatherDtype::kF32) {
-    return x;
-  } else if constexpr (T == GatherDtype::kBF16) {
-    return bf16_bits_to_float(x);
-  } else if constexpr (T == GatherDtype::kF16) {
-    return fp16_bits_to_float(x);
-  } else if constexpr (T == GatherDtype::kFp8E4M3FN) {
+  static_assert(T != Dtype::kNvfp4, "an NVFP4 byte is two elements: use nvfp4_value");
+  if constexpr (T == Dtype::kFp8E4M3FN) {
     return fp8_e4m3fn_to_float(x);
-  } else {
+  } else if constexpr (T == Dtype::kFp8E4M3FNUZ) {
     return fp8_e4m3fnuz_to_float(x);
+  } else {
+    return to_float(x);
   }
 }
 
 // Rounds an fp32 value into an output format (fp32, bf16 or fp16), as torch's `.to()` does.
-template <GatherDtype T>
+template <Dtype T>
 QWEN4EXP_HD storage_t<T> encode(float f) {
-  static_assert(!is_fp8(T), "gather_rows never writes fp8");
-  if constexpr (T == GatherDtype::kF32) {
-    return f;
-  } else if constexpr (T == GatherDtype::kBF16) {
-    return float_to_bf16_bits(f);
-  } else {
-    return float_to_fp16_bits(f);
-  }
+  static_assert(is_float_dtype(T), "gather_rows writes fp32, bf16 or fp16 only");
+  return from_float<storage_t<T>>(f);
 }
 
 // One element of an fp8 table in the output format: vLLM's eager `row.to(out) * scale.to(out)`.
 // The fp8 value is exact in every output format (4 significant bits, exponents within range), so
 // that product is round_out(float(x) · float(scale_out)); the fp32 product itself is exact for
 // bf16/fp16 scales (4 + 11 significant bits), and is what torch computes for an fp32 output.
-template <GatherDtype In, GatherDtype Out>
+template <Dtype In, Dtype Out>
 QWEN4EXP_HD storage_t<Out> dequantize(uint8_t x, float scale_out) {
   return encode<Out>(decode<In>(x) * scale_out);
 }
@@ -142,7 +93,7 @@ QWEN4EXP_HD float nvfp4_value(uint32_t code, float block_scale, float global_sca
 }
 
 // The per-tensor scale as torch rounds it to the output dtype, back in fp32.
-template <GatherDtype Out>
+template <Dtype Out>
 QWEN4EXP_HD float round_scale(float scale) {
   return decode<Out>(encode<Out>(scale));
 }

@@ -9,21 +9,10 @@
 #pragma once
 
 #include "fast_divmod.h"
+#include "index_view.h"
 #include "platform.h"
 
 namespace qwen4exp {
-
-// An int32 or int64 vector with a stride, read as int64 (query_start_loc, context rows).
-struct IntView {
-  const void* data;
-  int64_t stride;  // in elements
-  bool is_int64;
-
-  QWEN4EXP_HD int64_t operator[](int64_t i) const {
-    return is_int64 ? static_cast<const int64_t*>(data)[i * stride]
-                    : static_cast<int64_t>(static_cast<const int32_t*>(data)[i * stride]);
-  }
-};
 
 // Largest supported n-gram order; windows live in registers. The released model uses N = 3.
 constexpr int kMaxNgramSize = 8;
@@ -32,9 +21,9 @@ constexpr int kMaxNgramSize = 8;
 constexpr int kMaxNgramHeads = 1024;
 
 struct NgramIdsParams {
-  IntView input_ids;       // [T]
-  IntView query_start_loc; // [R + 1]
-  IntView context;         // [R, N-1]: element (r, c) at index r·row_stride + c·col_stride
+  IndexView input_ids;       // [T]
+  IndexView query_start_loc; // [R + 1]
+  IndexView context;         // [R, N-1]: element (r, c) at index r·row_stride + c·col_stride
   int64_t context_row_stride;
   int64_t context_col_stride;
   const int64_t* multipliers;   // [N], contiguous
@@ -50,22 +39,6 @@ struct NgramIdsParams {
   int32_t heads_per_ngram; // K_h
   int32_t num_heads;       // NH = (N - 1) · K_h
 };
-
-// r = the last request with qsl[r] <= t, clamped to [0, R-1] (tokens past qsl[R] belong to the
-// last request, as in vLLM). Binary search over qsl[1..R]; R >= 1.
-QWEN4EXP_HD int64_t find_request(const IntView& qsl, int64_t num_requests, int64_t t) {
-  int64_t lo = 1, hi = num_requests + 1;  // first index in [1, R+1) with qsl[idx] > t
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (qsl[mid] <= t) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  const int64_t r = lo - 1;
-  return r < num_requests - 1 ? r : num_requests - 1;
-}
 
 // Fills window[s] (s = 1..depth) with the s-th predecessor of token t under the EOS barrier:
 // walking back from t, the first EOS met is kept and every older position reads EOS. window[0]

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "float_types.h"
+#include "index_view.h"
 #include "platform.h"
 
 namespace qwen4exp {
@@ -15,21 +16,6 @@ constexpr int kMaxConvKernel = 8;
 constexpr int kMaxConvDilation = 8;
 
 enum class ConvMode : int32_t { kDecode = 0, kPrefill = 1, kSpec = 2 };
-
-// An integer (or bool) vector with a stride, read as int64; data == nullptr means "absent".
-struct IndexView {
-  const void* data;
-  int64_t stride;  // elements
-  int32_t bytes;   // 1 (bool/uint8), 4 (int32) or 8 (int64)
-
-  QWEN4EXP_HD bool present() const { return data != nullptr; }
-  QWEN4EXP_HD int64_t operator[](int64_t i) const {
-    const int64_t at = i * stride;
-    if (bytes == 8) return static_cast<const int64_t*>(data)[at];
-    if (bytes == 4) return static_cast<const int32_t*>(data)[at];
-    return static_cast<const uint8_t*>(data)[at];
-  }
-};
 
 struct PleConvParams {
   // inputs, residual and outer_residual: rows of C channels (unit channel stride); physical row
@@ -66,8 +52,8 @@ struct PleConvParams {
   int32_t state_len;              // S = (K - 1)·δ
   int32_t query_len;              // q: spec_query_len in spec mode, else 1
   ConvMode mode;
-  FloatType dtype;         // inputs, residual, outer_residual and conv_state
-  FloatType weight_dtype;  // conv_weights
+  Dtype dtype;         // inputs, residual, outer_residual and conv_state
+  Dtype weight_dtype;  // conv_weights
 };
 
 // Physical row of logical row t, or -1 when the token map sends it out of range.
@@ -75,22 +61,6 @@ QWEN4EXP_HD int64_t conv_physical_row(const PleConvParams& p, int64_t t) {
   if (!p.token_indices.present()) return t;
   const int64_t row = p.token_indices[t];
   return (row >= 0 && row < p.num_physical_rows) ? row : int64_t{-1};
-}
-
-// Request of logical token t in prefill/spec: the last r with qsl[r] <= t, clamped to [0, R-1],
-// as vLLM finds it (R >= 1). Binary search over qsl[1..R].
-QWEN4EXP_HD int64_t conv_find_request(const IndexView& qsl, int64_t num_requests, int64_t t) {
-  int64_t lo = 1, hi = num_requests + 1;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (qsl[mid] <= t) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  const int64_t r = lo - 1;
-  return r < num_requests - 1 ? r : num_requests - 1;
 }
 
 // The spec read offset: the window starts at the last accepted token's slot column.

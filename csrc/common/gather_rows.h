@@ -36,8 +36,8 @@ struct GatherRowsParams {
   // vocab_end and vocab_end - vocab_start <= rows. Every other id gives a zero row.
   int64_t vocab_start;
   int64_t vocab_end;
-  GatherDtype table_dtype;
-  GatherDtype out_dtype;
+  Dtype table_dtype;
+  Dtype out_dtype;
 
   QWEN4EXP_HD int64_t id_at(int64_t t, int64_t h) const {
     const int64_t offset = t * ids_row_stride + h * ids_col_stride;

@@ -34,8 +34,8 @@ struct PleGateParams {
   int32_t width;       // H
   int32_t streams;     // M = C / H
   float eps;
-  FloatType dtype;
-  FloatType weight_dtype;
+  Dtype dtype;
+  Dtype weight_dtype;
   GateRounding rounding;
 };
 

@@ -1,7 +1,9 @@
-// Typed 16-bit storage for the ple_gate/ple_conv kernels: bf16_t and f16_t wrap the bit patterns
-// of float16.h, so one kernel template serves fp32, bf16 and fp16 through to_float / from_float.
+// The kernels' element types, one system for every op: the Dtype tag params structs carry, the
+// storage type of each (bf16_t and f16_t wrap the bit patterns of float16.h, so one kernel
+// template serves fp32, bf16 and fp16 through to_float / from_float), and the conversions.
 // c10::BFloat16 and c10::Half have the same layout (one uint16_t): the host glue reinterprets
-// tensor data pointers as these types.
+// tensor data pointers as these types. fp8 and NVFP4 decoding is fp8.h; dtype -> template
+// dispatch is dispatch.h.
 #pragma once
 
 #include <cmath>
@@ -18,8 +20,43 @@ struct f16_t {
   uint16_t bits;
 };
 
-// The storage type of a kernel's activations, as a runtime tag in params structs.
-enum class FloatType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+// Element formats, as a runtime tag in params structs. Activations (ple_gate, ple_conv) and
+// gather outputs are kF32, kBF16 or kF16; gather tables may be any. kNvfp4 is vLLM's packed
+// layout: uint8 rows of d/2 bytes (element 2k in the low nibble of byte k, 2k+1 in the high
+// one) with one float8_e4m3fn scale per kNvfp4Block elements and a global fp32 scale.
+enum class Dtype : int32_t {
+  kF32 = 0,
+  kBF16 = 1,
+  kF16 = 2,
+  kFp8E4M3FN = 3,
+  kFp8E4M3FNUZ = 4,
+  kNvfp4 = 5,
+};
+
+// The storage word of each format (an NVFP4 byte holds two elements).
+template <Dtype D>
+struct StorageOf {
+  using type = uint8_t;  // fp8 and NVFP4
+};
+template <>
+struct StorageOf<Dtype::kF32> {
+  using type = float;
+};
+template <>
+struct StorageOf<Dtype::kBF16> {
+  using type = bf16_t;
+};
+template <>
+struct StorageOf<Dtype::kF16> {
+  using type = f16_t;
+};
+template <Dtype D>
+using storage_t = typename StorageOf<D>::type;
+
+// The formats of activations and of gather outputs.
+constexpr bool is_float_dtype(Dtype t) {
+  return t == Dtype::kF32 || t == Dtype::kBF16 || t == Dtype::kF16;
+}
 
 QWEN4EXP_HD float to_float(float x) { return x; }
 QWEN4EXP_HD float to_float(bf16_t x) { return bf16_bits_to_float(x.bits); }
