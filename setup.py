@@ -95,6 +95,18 @@ def cuda_archs() -> list[str]:
     return sorted({f.split("code=")[-1] for f in flags if "code=" in f})
 
 
+def kernel_sources(role: str) -> list[str]:
+    """The paths of csrc/kernel_sources.txt with ``role`` ("kernel" or "simt"): the list CMake
+    reads too."""
+    paths = []
+    with open(os.path.join(CSRC, "kernel_sources.txt")) as listing:
+        for line in listing:
+            fields = line.split("#", 1)[0].split()
+            if fields and fields[0] == role:
+                paths.append(os.path.join(CSRC, fields[1]))
+    return paths
+
+
 def shims(sources: list[str], folder: str, suffix: str) -> list[str]:
     """One-line files that #include each source, so that a compiler chosen by file extension
     (nvcc for .cu, the C++ compiler for .cpp) builds the source as it is, and so that one source
@@ -135,7 +147,7 @@ def simt_extensions(
     other wave size's) of the same inline functions. No a·b+c is contracted into an FMA, as on the
     GPUs (setup.py's device flags). `#pragma unroll` is the GPU compilers' and means nothing here.
     """
-    simt_sources = [os.path.join(CSRC, "simt", f) for f in ("runtime.cpp", "glue.cpp")]
+    simt_sources = [*kernel_sources("simt"), os.path.join(CSRC, "simt", "glue.cpp")]
     extensions = []
     for wave in SIMT_WAVE_SIZES:
         flags = [
@@ -165,7 +177,10 @@ def build_extension():
 
     target = choose_target(torch)
     cpu_sources = sorted(glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
-    hip_sources = sorted(glob.glob(os.path.join(CSRC, "hip", "*.hip")))
+    hip_sources = kernel_sources("kernel")
+    unlisted = set(glob.glob(os.path.join(CSRC, "hip", "*.hip"))) - set(hip_sources)
+    if unlisted:
+        sys.exit(f"csrc/kernel_sources.txt does not list {sorted(map(rel, unlisted))}")
     gpu_glue = sorted(glob.glob(os.path.join(CSRC, "gpu", "*.cpp")))
     sources = [rel(os.path.join(CSRC, "bindings.cpp"))] + [rel(s) for s in cpu_sources]
 

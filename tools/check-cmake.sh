@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The CMake package of the torch-free kernel library (CMakeLists.txt): for each backend this
+# machine can build — SIMT (the kernels on the CPU, 64-wide waves) always, CUDA where nvcc is —
+# configure, build, install into a scratch prefix, then build tests/cpp/cmake_consumer against
+# the installed package (find_package(qwen4exp_kernels)) and run it: on SIMT always, on CUDA
+# only where a GPU answers. Fails on any step, and when a build tree lacks compile_commands.json.
+#   tools/check-cmake.sh            (CUDA_ARCH=90 by default; CUDA_HOME picks the toolkit)
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+
+# Runs a command with its output in $log; on failure prints the log and fails.
+logged() {
+  "$@" >>"$log" 2>&1 || { cat "$log"; echo "check-cmake: FAIL: $*"; return 1; }
+}
+
+check_backend() {
+  local backend="$1"
+  shift
+  local build="$work/$backend/build" prefix="$work/$backend/install"
+  log="$work/$backend.log"
+  echo "check-cmake: $backend: configure, build, install"
+  logged cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+    -DQWEN4EXP_BACKEND="$backend" "$@"
+  logged cmake --build "$build"
+  if [ ! -s "$build/compile_commands.json" ]; then
+    echo "check-cmake: $backend: no compile_commands.json"
+    return 1
+  fi
+  logged cmake --install "$build" --prefix "$prefix"
+  echo "check-cmake: $backend: the consumer, against the installed package"
+  logged cmake -S "$root/tests/cpp/cmake_consumer" -B "$work/$backend/consumer" "${generator[@]}" \
+    -DCMAKE_PREFIX_PATH="$prefix" "$@"
+  logged cmake --build "$work/$backend/consumer"
+}
+
+check_backend SIMT -DQWEN4EXP_SIMT_WAVE_SIZE=64
+"$work/SIMT/consumer/run_gather"
+
+cuda_home="${CUDA_HOME:-/usr/local/cuda}"
+if [ -x "$cuda_home/bin/nvcc" ]; then
+  check_backend CUDA -DCMAKE_CUDA_COMPILER="$cuda_home/bin/nvcc" -DCUDAToolkit_ROOT="$cuda_home" \
+    -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}"
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    "$work/CUDA/consumer/run_gather"
+  else
+    echo "check-cmake: CUDA: built and linked; not run (no GPU here)"
+  fi
+else
+  echo "check-cmake: CUDA: skipped (no nvcc at $cuda_home)"
+fi
+echo "check-cmake: ok"
