@@ -3,7 +3,7 @@
 # torch there (no venv, no downloads: the H200 lent to this project reaches no registry), runs
 # the test suite on CPU and GPU, and the benchmark on the GPU, writing everything into OUTDIR.
 #   usage: tools/gpu_check.sh OUTDIR
-# Files: build_info.json, build.log, pytest.log, pytest.xml, memcheck.log,
+# Files: build_info.json, build.log, pytest.log, pytest.xml, memcheck.log, cmake.log,
 #        bench-<date>-<device>.json, bench.log (8 with nvidia-smi.txt: the device tool returns 8)
 # MEMCHECK_SECONDS (default 240) bounds the compute-sanitizer run; 0 skips it.
 set -uo pipefail
@@ -59,12 +59,23 @@ if [ "$memcheck_seconds" != 0 ]; then
 fi
 echo "== memcheck exit $memcheck_status (86: a memory error; 124: ran out of time)"
 
+echo "== CMake package (tools/check-cmake.sh: its C++ consumer runs on this GPU)"
+cmake_status=0
+if command -v cmake >/dev/null 2>&1; then
+  CUDA_ARCH="${TORCH_CUDA_ARCH_LIST//./}" tools/check-cmake.sh >"$out/cmake.log" 2>&1
+  cmake_status=$?
+  tail -n 3 "$out/cmake.log"
+else
+  echo "cmake not found" | tee "$out/cmake.log"
+fi
+
 echo "== benchmark"
 # --threads all: host threads do not change GPU kernel times; "1,all" would double the run.
 device="$("$PY" -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "-"))')"
 "$PY" -m qwen4exp_ext.bench --device cuda --threads all \
   --json "$out/bench-$(date +%F)-$device.json" 2>&1 | tee "$out/bench.log"
 bench_status=${PIPESTATUS[0]}
-echo "== tests exit $tests_status, memcheck exit $memcheck_status, bench exit $bench_status"
-[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ] &&
+echo "== tests exit $tests_status, memcheck exit $memcheck_status, cmake exit $cmake_status," \
+  "bench exit $bench_status"
+[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ] && [ "$cmake_status" -eq 0 ] &&
   { [ "$memcheck_status" -eq 0 ] || [ "$memcheck_status" -eq 124 ]; }
