@@ -1,4 +1,4 @@
-"""Time-bounded fuzzing of every op against the reference oracle (SPEC.md §9.8), on every backend
+"""Time-bounded fuzzing of every op against the reference oracle (SPEC §9.8), on every backend
 this machine has.
 
 Each test draws whole calls with hypothesis: sizes (0, 1, odd, prime and larger), every supported

@@ -1,4 +1,4 @@
-"""gather_rows (SPEC.md §4): every (table dtype × id dtype × out dtype × shard) case bit-equal to
+"""gather_rows (SPEC §4): every (table dtype × id dtype × out dtype × shard) case bit-equal to
 the reference, out-of-range ids as zero rows, strided views, rows beyond element 2^31, the
 shard-sum property, opcheck, errors and a torch.compile smoke test — on every backend here.
 

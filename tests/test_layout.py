@@ -1,4 +1,4 @@
-"""Hash constants and table layout (SPEC.md §2): golden values, exact primality, and speed."""
+"""Hash constants and table layout (SPEC §2): golden values, exact primality, and speed."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""NGramEmbedding (SPEC.md §2-§4, seed 000): buffers, forward == reference ids + gather, and
-load_weights / load_safetensors with every error the seed raises."""
+"""NGramEmbedding (SPEC §2-§4, vLLM's Qwen4ExpNGramEmbedding): buffers, forward == reference ids
++ gather, and load_weights / load_safetensors with every error vLLM's loader raises."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ngram_ids (SPEC.md §3): golden values, parity with the reference oracle and with transformers
+"""ngram_ids (SPEC §3): golden values, parity with the reference oracle and with transformers
 5.18, the §9 properties (chunk-split invariance, EOS barrier, ids in range), opcheck, errors and a
 torch.compile smoke test — on every backend this machine has."""
 

@@ -1,4 +1,4 @@
-"""ple_conv (SPEC.md §6): parity with vLLM 0.33.0's own Triton kernels (run by Triton's CPU
+"""ple_conv (SPEC §6): parity with vLLM 0.33.0's own Triton kernels (run by Triton's CPU
 interpreter) in every mode, parity with the reference oracle on odd shapes, both state layouts,
 token maps and every dtype, the SPEC §9 properties 1 and 4-8 (hypothesis), opcheck, errors and a
 torch.compile smoke test — on every backend this machine has.

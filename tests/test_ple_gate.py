@@ -1,4 +1,4 @@
-"""ple_gate (SPEC.md §5): parity with vLLM 0.33.0's own Triton kernel (run by Triton's CPU
+"""ple_gate (SPEC §5): parity with vLLM 0.33.0's own Triton kernel (run by Triton's CPU
 interpreter), parity with the reference oracle on odd shapes and strided views in every dtype,
 the stated tolerance of the fast ("fp32") mode against an fp64 evaluation, SPEC §9 properties 1
 (row independence, the gate's chunk-split invariance) and 8 (hypothesis), opcheck, errors and a

@@ -294,7 +294,7 @@ def test_state_errors():
         layer(torch.zeros(1, 24), torch.tensor([1]), cache.prepare([("a", [1])]))
 
 
-# --- state shape/dtype helpers (seed 004) -------------------------------------------------------
+# --- state shape/dtype helpers (vLLM's qwen4_exp) ----------------------------------------------
 
 
 def test_state_shape_and_dtype_helpers():

@@ -1,4 +1,4 @@
-"""The oracle itself: reference.py against SPEC.md, its golden values, HF transformers 5.18 and
+"""The oracle itself: reference.py against docs/SPEC.md, its golden values, HF transformers 5.18 and
 the properties of SPEC §9. CPU only; every case is seeded."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Vocabulary sharding (SPEC.md §4): shard bounds, and two CPU processes (gloo) whose sharded
+"""Vocabulary sharding (SPEC §4): shard bounds, and two CPU processes (gloo) whose sharded
 lookups, all-reduced or reduce-scattered, equal the unsharded lookup exactly."""
 
 from __future__ import annotations

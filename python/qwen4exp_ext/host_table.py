@@ -1,4 +1,4 @@
-"""Embedding tables that live in host memory (SPEC.md §4).
+"""Embedding tables that live in host memory (SPEC §4).
 
 Three uses:
 

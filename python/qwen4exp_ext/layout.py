@@ -1,4 +1,4 @@
-"""Hash constants and table layout of one PLE layer (SPEC.md §2).
+"""Hash constants and table layout of one PLE layer (SPEC §2).
 
 Everything here is exact integer arithmetic in Python ints (arbitrary precision), done once at
 model build time. Checkpoints ship these values as buffers that overwrite the computed ones, so the

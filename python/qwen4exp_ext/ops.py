@@ -78,7 +78,7 @@ class KernelOps:
         heads_per_ngram: int,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hashed n-gram row ids, SPEC.md §3 (vLLM's ``ple_ngram_ids``: same signature, result).
+        """Hashed n-gram row ids, SPEC §3 (vLLM's ``ple_ngram_ids``: same signature, result).
 
         input_ids [T] (int32/int64, any shape is flattened), query_start_loc [R+1], ngram_context
         [R, N-1] (the N-1 tokens before each request's chunk, oldest first), layer_multipliers [N],
@@ -118,7 +118,7 @@ class KernelOps:
         out_dtype: torch.dtype | None = None,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Embedding rows of every head of every token, concatenated — SPEC.md §4.
+        """Embedding rows of every head of every token, concatenated — SPEC §4.
 
         ``table`` [rows, d] in fp32/bf16/fp16/float8_e4m3fn/float8_e4m3fnuz (rows contiguous;
         fp8 needs the per-tensor fp32 ``scale``, best passed as a 1-element tensor on the table's
@@ -191,7 +191,7 @@ class KernelOps:
         rounding: str = "vllm",
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Context-aware gate of every hyper-connection stream, SPEC.md §5 (vLLM's ``ple_gate``).
+        """Context-aware gate of every hyper-connection stream, SPEC §5 (vLLM's ``ple_gate``).
 
         key [T, C] and value [T, H] (row-major views, e.g. column slices of one [T, C+H]
         projection), hidden [T, C], norm weights [C] (fp32 or the activations' dtype), activations
@@ -242,7 +242,7 @@ class KernelOps:
         spec_query_len: int = 1,
         token_indices: torch.Tensor | None = None,
     ) -> None:
-        """Dilated causal depthwise conv + SiLU with per-request state, SPEC.md §6 (vLLM's
+        """Dilated causal depthwise conv + SiLU with per-request state, SPEC §6 (vLLM's
         ``ple_conv``, same signature and results). Mutates ``residual`` and ``conv_state``.
 
         inputs/residual/outer_residual [T, C] (row-major views), conv_state [slots, C, W] with any

@@ -1,9 +1,9 @@
 """Plain-PyTorch reference of every qwen4exp kernel: the oracle the kernels are tested against.
 
-Each function is written from SPEC.md, section by section, in the most obviously correct form that
-is still vectorised (it doubles as the eager "transformers-style" baseline of the benchmarks). It
-runs on any device PyTorch supports. Nothing here is ever tuned to agree with a kernel: when a
-kernel and this file disagree, SPEC.md decides.
+Each function is written from docs/SPEC.md, section by section, in the most obviously correct
+form that is still vectorised (the bench times it too, as the "oracle" column). It runs on any
+device PyTorch supports. Nothing here is ever tuned to agree with a kernel: when a kernel and
+this file disagree, docs/SPEC.md decides.
 
 Sections: §3 ``ngram_ids``, §4 ``gather_rows``, §5 ``ple_gate``, §6 ``ple_conv``, §7
 ``ple_layer``, §8 ``hc_mix``/``hc_combine`` and ``gated_residual_mix``/``gated_residual_combine``.

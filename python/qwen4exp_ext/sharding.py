@@ -1,4 +1,4 @@
-"""Vocabulary sharding of the PLE table across ranks (SPEC.md §4).
+"""Vocabulary sharding of the PLE table across ranks (SPEC §4).
 
 Rank r of W owns the global rows [start_r, end_r) of the padded table (contiguous, equal blocks
 of ceil(rows / W), the last one shorter) and gathers with ``vocab_start=start_r,

@@ -28,7 +28,7 @@ from qwen4exp_ext import layout, ops, reference
 from qwen4exp_ext.bench.registry import Case
 from qwen4exp_ext.testing import exact_mismatch
 
-# Released config, SPEC.md §1.
+# Released config, SPEC §1.
 VOCAB_SIZE = 248_320
 NGRAM_SIZE = 3
 HEADS_PER_NGRAM = 8

@@ -43,7 +43,7 @@ from qwen4exp_ext import ops, reference
 from qwen4exp_ext.bench.registry import Case, vllm_ple_op
 from qwen4exp_ext.testing import close_mismatch, exact_mismatch, tolerance
 
-# Released config, SPEC.md §1.
+# Released config, SPEC §1.
 CHANNELS = 10240
 KERNEL = 4
 DILATION = 3

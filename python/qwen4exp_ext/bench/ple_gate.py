@@ -35,7 +35,7 @@ from qwen4exp_ext import ops, reference
 from qwen4exp_ext.bench.registry import Case, vllm_ple_op
 from qwen4exp_ext.testing import close_mismatch, tolerance
 
-# Released config, SPEC.md §1.
+# Released config, SPEC §1.
 WIDTH = 2560  # H
 STREAMS = 4  # M
 CHANNELS = WIDTH * STREAMS  # C

@@ -1,4 +1,4 @@
-"""Hyper-connections of Qwen4Exp (SPEC.md §8; seed 004's ``HyperConnectionBase`` and
+"""Hyper-connections of Qwen4Exp (SPEC §8; vLLM qwen4_exp's ``HyperConnectionBase`` and
 ``GatedResidual``), plain PyTorch.
 
 A decoder block reads one [.., H] input mixed from the M residual streams ([.., M·H], stream m in

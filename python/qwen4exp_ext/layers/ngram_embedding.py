@@ -1,4 +1,4 @@
-"""The hashed n-gram embedding of one PLE layer (SPEC.md §2-§4; seed 000's
+"""The hashed n-gram embedding of one PLE layer (SPEC §2-§4; vLLM's
 ``Qwen4ExpNGramEmbedding``), on our kernels: ``ngram_ids`` then ``gather_rows``.
 
 The table ([R_pad, d], R_pad = 320,001,536 rows for the released layer) can be placed
@@ -253,7 +253,7 @@ class NGramEmbedding(nn.Module):
         )
         return self.lookup(ids)
 
-    # --- checkpoint loading (seed 000 ``load_weights``) ----------------------------------------
+    # --- checkpoint loading (vLLM's ``Qwen4ExpNGramEmbedding.load_weights``) ---------------------
 
     def _checkpoint_shard_rows(self, shard_index: int) -> tuple[int, int]:
         """(first global row, row count) of checkpoint shard ``shard_index``."""

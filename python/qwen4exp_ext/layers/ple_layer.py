@@ -1,4 +1,4 @@
-"""The Qwen4Exp PLE layer as a plain nn.Module on our kernels (SPEC.md §7; seed 000's
+"""The Qwen4Exp PLE layer as a plain nn.Module on our kernels (SPEC §7; vLLM's
 ``Qwen4ExpPLELayer``), with its own state handling (:class:`~.state.PLEState`) instead of vLLM's.
 
 out = hidden + gated + SiLU(conv(conv_in)) where emb = gather(ngram_ids(...)),

@@ -1,4 +1,4 @@
-"""Standalone streaming state for PLE layers (SPEC.md §6-§7), for users who do not run vLLM.
+"""Standalone streaming state for PLE layers (SPEC §6-§7), for users who do not run vLLM.
 
 :class:`PLEState` owns what vLLM's Mamba cache and input batch own for the PLE layers: one
 conv-state slot per live request (slot 0 is the null slot, as in vLLM) for every PLE layer, and
@@ -37,7 +37,7 @@ __all__ = [
 StateLayout = Literal["dim_first", "window_first"]
 
 
-# --- seed 004: the Mamba state shape/dtype helpers ---------------------------------------------
+# --- vLLM qwen4_exp's Mamba state shape/dtype helpers -----------------------------------------
 
 
 def _text_config(config: Any) -> Any:
@@ -55,7 +55,7 @@ def ple_conv_state_len(config: Any) -> int:
 def get_ple_mamba_state_shape(
     config: Any, num_spec: int = 0, *, layout: StateLayout = "dim_first"
 ) -> tuple[tuple[int, int]]:
-    """Per-request PLE conv state shape, seed 004's ``get_ple_mamba_state_shape_from_config``:
+    """Per-request PLE conv state shape, vLLM qwen4_exp's ``get_ple_mamba_state_shape_from_config``:
     ((C, S + num_spec),) dim-first (vLLM's ``is_conv_state_dim_first``), else ((S + num_spec, C),).
     The PLE state is replicated over tensor-parallel ranks (``tp_world_size=1``)."""
     text = _text_config(config)
