@@ -28,8 +28,10 @@ TORCH_LIBRARY(qwen4exp, m) {
   m.def("cpu_gather_stream_bytes() -> int", &qwen4exp::cpu_gather_stream_bytes);
   // Sets that size (-1: the default, from the cache sizes) and returns the setting it replaces.
   m.def("set_cpu_gather_stream_bytes(int bytes) -> int", [](int64_t bytes) -> int64_t {
-    TORCH_CHECK_VALUE(bytes >= -1, "set_cpu_gather_stream_bytes: bytes must be >= 0 (or -1 for "
-                      "the default), got ", bytes);
+    TORCH_CHECK_VALUE(bytes >= -1,
+                      "set_cpu_gather_stream_bytes: bytes must be >= 0 (or -1 for "
+                      "the default), got ",
+                      bytes);
     return qwen4exp::switches::cpu_gather_stream_bytes.exchange(bytes);
   });
   // SPEC §4, pinned host tables: pins (or host-registers) a CPU tensor's memory once and returns

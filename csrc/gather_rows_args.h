@@ -20,7 +20,8 @@ inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at
               table.sizes());
   TORCH_CHECK(dtype_of(table.scalar_type(), &p.table_dtype),
               "gather_rows: table must be float32, bfloat16, float16, float8_e4m3fn, "
-              "float8_e4m3fnuz or uint8 (NVFP4), got ", table.scalar_type());
+              "float8_e4m3fnuz or uint8 (NVFP4), got ",
+              table.scalar_type());
   TORCH_CHECK(table.stride(1) == 1 || table.size(1) <= 1,
               "gather_rows: table rows must be contiguous (stride(1) == 1), got strides ",
               table.strides());
@@ -36,8 +37,7 @@ inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at
                   output.size(1) == num_heads * width,
               "gather_rows: output must be [T, NH·d] = [", num_tokens, ", ", num_heads * width,
               "], got ", output.sizes());
-  TORCH_CHECK(dtype_of(output.scalar_type(), &p.out_dtype) &&
-                  is_float_dtype(p.out_dtype),
+  TORCH_CHECK(dtype_of(output.scalar_type(), &p.out_dtype) && is_float_dtype(p.out_dtype),
               "gather_rows: output must be float32, bfloat16 or float16, got ",
               output.scalar_type());
   TORCH_CHECK(output.stride(1) == 1 || output.size(1) <= 1,
@@ -48,18 +48,17 @@ inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at
               ") must satisfy 0 <= vocab_start <= vocab_end <= vocab_start + rows (", rows,
               " table rows)");
   const auto device = table.device();
-  TORCH_CHECK(ids.device() == device, "gather_rows: ids is on ", ids.device(),
-              " but table is on ", device);
+  TORCH_CHECK(ids.device() == device, "gather_rows: ids is on ", ids.device(), " but table is on ",
+              device);
   TORCH_CHECK(output.device() == device, "gather_rows: output is on ", output.device(),
               " but table is on ", device);
   if (nvfp4) {
     TORCH_CHECK(block_scales.has_value(),
                 "gather_rows: a uint8 table is NVFP4 [rows, d/2] and needs its block_scales "
                 "(float8_e4m3fn [rows, d/16])");
-    TORCH_CHECK(width % kNvfp4Block == 0,
-                "gather_rows: an NVFP4 row holds a multiple of ", kNvfp4Block,
-                " elements, so the packed width d/2 must be a multiple of ", kNvfp4Block / 2,
-                ", got ", table.size(1));
+    TORCH_CHECK(width % kNvfp4Block == 0, "gather_rows: an NVFP4 row holds a multiple of ",
+                kNvfp4Block, " elements, so the packed width d/2 must be a multiple of ",
+                kNvfp4Block / 2, ", got ", table.size(1));
     const at::Tensor& bs = *block_scales;
     TORCH_CHECK(bs.scalar_type() == at::kFloat8_e4m3fn,
                 "gather_rows: block_scales must be float8_e4m3fn, got ", bs.scalar_type());

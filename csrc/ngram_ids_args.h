@@ -12,9 +12,7 @@
 
 namespace qwen4exp {
 
-inline bool is_index_dtype(at::ScalarType t) {
-  return t == at::kInt || t == at::kLong;
-}
+inline bool is_index_dtype(at::ScalarType t) { return t == at::kInt || t == at::kLong; }
 
 inline NgramIdsParams check_ngram_ids_args(const at::Tensor& input_ids,
                                            const at::Tensor& query_start_loc,
@@ -70,8 +68,8 @@ inline NgramIdsParams check_ngram_ids_args(const at::Tensor& input_ids,
                   output.size(1) == num_heads,
               "ngram_ids: output must be [T, NH] = [", input_ids.numel(), ", ", num_heads,
               "], got ", output.sizes());
-  TORCH_CHECK(is_index_dtype(output.scalar_type()), "ngram_ids: output must be int64 or int32, got ",
-              output.scalar_type());
+  TORCH_CHECK(is_index_dtype(output.scalar_type()),
+              "ngram_ids: output must be int64 or int32, got ", output.scalar_type());
   const auto device = input_ids.device();
   const std::pair<const char*, const at::Tensor*> others[] = {
       {"query_start_loc", &query_start_loc},     {"ngram_context", &ngram_context},
@@ -114,11 +112,12 @@ inline void check_ngram_ids_values(const NgramIdsParams& p, bool output_int32) {
     TORCH_CHECK(qsl[r + 1] >= qsl[r], "ngram_ids: query_start_loc must be non-decreasing, got ",
                 qsl[r], " then ", qsl[r + 1], " at index ", r);
   }
-  TORCH_CHECK(qsl[p.num_requests] <= p.num_tokens, "ngram_ids: query_start_loc[R] = ",
-              qsl[p.num_requests], " is past the ", p.num_tokens, " tokens of input_ids");
+  TORCH_CHECK(qsl[p.num_requests] <= p.num_tokens,
+              "ngram_ids: query_start_loc[R] = ", qsl[p.num_requests], " is past the ",
+              p.num_tokens, " tokens of input_ids");
   for (int h = 0; h < p.num_heads; ++h) {
-    TORCH_CHECK(p.sizes[h] > 0, "ngram_ids: ngram_heads_vocab_sizes[", h, "] must be positive, got ",
-                p.sizes[h]);
+    TORCH_CHECK(p.sizes[h] > 0, "ngram_ids: ngram_heads_vocab_sizes[", h,
+                "] must be positive, got ", p.sizes[h]);
     TORCH_CHECK(p.offsets[h] >= 0, "ngram_ids: ngram_heads_offsets[", h,
                 "] must be non-negative, got ", p.offsets[h]);
     TORCH_CHECK(p.offsets[h] <= std::numeric_limits<int64_t>::max() - p.sizes[h],

@@ -35,8 +35,8 @@ inline IndexView conv_index_view(const at::Tensor& t, const char* name, int64_t 
               " must be 1-D, got shape ", t.sizes());
   TORCH_CHECK(t.size(0) >= min_len, "ple_conv: ", name, " needs at least ", min_len,
               " entries, got ", t.size(0));
-  TORCH_CHECK(t.device() == device, "ple_conv: ", name, " is on ", t.device(),
-              " but inputs is on ", device);
+  TORCH_CHECK(t.device() == device, "ple_conv: ", name, " is on ", t.device(), " but inputs is on ",
+              device);
   return index_view(t);
 }
 
@@ -54,16 +54,15 @@ inline void check_conv_rows(const at::Tensor& t, const char* name, const at::Ten
 inline PleConvParams check_ple_conv_args(
     const at::Tensor& inputs, const at::Tensor& residual, const at::Tensor& conv_state,
     const at::Tensor& conv_weights, const at::Tensor& state_indices,
-    const std::optional<at::Tensor>& outer_residual, const std::string& mode_name,
-    int64_t dilation, const std::optional<at::Tensor>& query_start_loc,
+    const std::optional<at::Tensor>& outer_residual, const std::string& mode_name, int64_t dilation,
+    const std::optional<at::Tensor>& query_start_loc,
     const std::optional<at::Tensor>& num_accepted_tokens,
     const std::optional<at::Tensor>& has_initial_states, int64_t spec_query_len,
     const std::optional<at::Tensor>& token_indices) {
   PleConvParams p{};
   p.mode = parse_conv_mode(mode_name);
   const auto device = inputs.device();
-  TORCH_CHECK(inputs.dim() == 2, "ple_conv: inputs must be 2-D [T, C], got shape ",
-              inputs.sizes());
+  TORCH_CHECK(inputs.dim() == 2, "ple_conv: inputs must be 2-D [T, C], got shape ", inputs.sizes());
   TORCH_CHECK(float_dtype_of(inputs.scalar_type(), &p.dtype),
               "ple_conv: inputs must be float32, bfloat16 or float16, got ", inputs.scalar_type());
   TORCH_CHECK(inputs.size(1) <= 1 || inputs.stride(1) == 1,
@@ -96,10 +95,10 @@ inline PleConvParams check_ple_conv_args(
   const int64_t query_len = spec ? spec_query_len : 1;
   const int64_t state_width = state_len + query_len - 1;
 
-  TORCH_CHECK(conv_state.dim() == 3 && conv_state.size(1) == channels &&
-                  conv_state.size(2) >= state_width,
-              "ple_conv: conv_state must have shape [slots, channels, window], with channels=",
-              channels, " and window >= ", state_width, ", got ", conv_state.sizes());
+  TORCH_CHECK(
+      conv_state.dim() == 3 && conv_state.size(1) == channels && conv_state.size(2) >= state_width,
+      "ple_conv: conv_state must have shape [slots, channels, window], with channels=", channels,
+      " and window >= ", state_width, ", got ", conv_state.sizes());
   TORCH_CHECK(conv_state.scalar_type() == inputs.scalar_type(),
               "ple_conv: conv_state must have inputs' dtype ", inputs.scalar_type(), ", got ",
               conv_state.scalar_type());
@@ -135,8 +134,8 @@ inline PleConvParams check_ple_conv_args(
       p.num_accepted_tokens = conv_index_view(*num_accepted_tokens, "num_accepted_tokens",
                                               p.num_requests, false, device);
     } else {
-      p.has_initial_states = conv_index_view(*has_initial_states, "has_initial_states",
-                                             p.num_requests, true, device);
+      p.has_initial_states =
+          conv_index_view(*has_initial_states, "has_initial_states", p.num_requests, true, device);
     }
   }
 
@@ -172,8 +171,8 @@ inline void check_ple_conv_values(const PleConvParams& p) {
   if (p.token_indices.present()) {
     for (int64_t t = 0; t < p.num_rows; ++t) {
       const int64_t row = p.token_indices[t];
-      TORCH_CHECK(row >= 0 && row < p.num_physical_rows, "ple_conv: token_indices[", t, "] = ",
-                  row, " is outside the ", p.num_physical_rows, " rows of inputs");
+      TORCH_CHECK(row >= 0 && row < p.num_physical_rows, "ple_conv: token_indices[", t, "] = ", row,
+                  " is outside the ", p.num_physical_rows, " rows of inputs");
     }
   }
   std::vector<bool> used(p.num_slots, false);
@@ -197,8 +196,9 @@ inline void check_ple_conv_values(const PleConvParams& p) {
                   qsl[r + 1] - qsl[r], " tokens, more than spec_query_len = ", p.query_len);
     }
   }
-  TORCH_CHECK(qsl[p.num_requests] <= p.num_rows, "ple_conv: query_start_loc[R] = ",
-              qsl[p.num_requests], " is past the ", p.num_rows, " tokens");
+  TORCH_CHECK(qsl[p.num_requests] <= p.num_rows,
+              "ple_conv: query_start_loc[R] = ", qsl[p.num_requests], " is past the ", p.num_rows,
+              " tokens");
 }
 
 }  // namespace qwen4exp

@@ -41,11 +41,10 @@ inline PleGateParams check_ple_gate_args(const at::Tensor& key, const at::Tensor
   TORCH_CHECK(value.dim() == 2 && value.size(0) == num_tokens && value.size(1) >= 1,
               "ple_gate: value must be [T, H] = [", num_tokens, ", H], got shape ", value.sizes());
   const int64_t width = value.size(1);
-  TORCH_CHECK(channels % width == 0 && channels >= width,
-              "ple_gate: hidden's C = ", channels, " must be a positive multiple of value's H = ",
-              width);
-  TORCH_CHECK(width <= (int64_t{1} << 24),
-              "ple_gate: H = ", width, " is more than the supported 2^24");
+  TORCH_CHECK(channels % width == 0 && channels >= width, "ple_gate: hidden's C = ", channels,
+              " must be a positive multiple of value's H = ", width);
+  TORCH_CHECK(width <= (int64_t{1} << 24), "ple_gate: H = ", width,
+              " is more than the supported 2^24");
   TORCH_CHECK(key.dim() == 2 && key.size(0) == num_tokens && key.size(1) == channels,
               "ple_gate: key must be [T, C] = [", num_tokens, ", ", channels, "], got shape ",
               key.sizes());
@@ -74,9 +73,11 @@ inline PleGateParams check_ple_gate_args(const at::Tensor& key, const at::Tensor
     TORCH_CHECK(w.is_contiguous(), "ple_gate: ", weight_names[i], " must be contiguous");
   }
   const auto device = hidden.device();
-  const std::pair<const char*, const at::Tensor*> others[] = {
-      {"key", &key},           {"value", &value},          {"norm_key_w", &norm_key_w},
-      {"norm_query_w", &norm_query_w}, {"norm_conv_w", &norm_conv_w}};
+  const std::pair<const char*, const at::Tensor*> others[] = {{"key", &key},
+                                                              {"value", &value},
+                                                              {"norm_key_w", &norm_key_w},
+                                                              {"norm_query_w", &norm_query_w},
+                                                              {"norm_conv_w", &norm_conv_w}};
   for (const auto& [name, tensor] : others) {
     TORCH_CHECK(tensor->device() == device, "ple_gate: ", name, " is on ", tensor->device(),
                 " but hidden is on ", device);

@@ -48,9 +48,7 @@ QWEN4EXP_HD uint32_t e2m1_to_float_bits(uint32_t code) {
 // Elements of an NVFP4 row per block scale.
 constexpr int kNvfp4Block = 16;
 
-constexpr bool is_fp8(Dtype t) {
-  return t == Dtype::kFp8E4M3FN || t == Dtype::kFp8E4M3FNUZ;
-}
+constexpr bool is_fp8(Dtype t) { return t == Dtype::kFp8E4M3FN || t == Dtype::kFp8E4M3FNUZ; }
 
 // Table elements per storage word (an NVFP4 byte holds two).
 constexpr int elems_per_word(Dtype t) { return t == Dtype::kNvfp4 ? 2 : 1; }

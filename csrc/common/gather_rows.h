@@ -30,8 +30,8 @@ struct GatherRowsParams {
   // byte r·block_scales_row_stride + j (same device as the table: pinned host memory too).
   const uint8_t* block_scales;
   int64_t block_scales_row_stride;  // bytes
-  int64_t num_tokens;  // T
-  int64_t num_heads;   // NH
+  int64_t num_tokens;               // T
+  int64_t num_heads;                // NH
   // Global ids in [vocab_start, vocab_end) read table[id - vocab_start]; 0 <= vocab_start <=
   // vocab_end and vocab_end - vocab_start <= rows. Every other id gives a zero row.
   int64_t vocab_start;

@@ -21,23 +21,23 @@ constexpr int kMaxNgramSize = 8;
 constexpr int kMaxNgramHeads = 1024;
 
 struct NgramIdsParams {
-  IndexView input_ids;       // [T]
-  IndexView query_start_loc; // [R + 1]
-  IndexView context;         // [R, N-1]: element (r, c) at index r·row_stride + c·col_stride
+  IndexView input_ids;        // [T]
+  IndexView query_start_loc;  // [R + 1]
+  IndexView context;          // [R, N-1]: element (r, c) at index r·row_stride + c·col_stride
   int64_t context_row_stride;
   int64_t context_col_stride;
-  const int64_t* multipliers;   // [N], contiguous
-  const int64_t* sizes;         // [NH], contiguous
-  const int64_t* offsets;       // [NH], contiguous
-  void* output;                 // [T, NH] int64 or int32
+  const int64_t* multipliers;  // [N], contiguous
+  const int64_t* sizes;        // [NH], contiguous
+  const int64_t* offsets;      // [NH], contiguous
+  void* output;                // [T, NH] int64 or int32
   int64_t output_row_stride;
   int64_t output_col_stride;
-  int64_t num_tokens;      // T
-  int64_t num_requests;    // R
+  int64_t num_tokens;    // T
+  int64_t num_requests;  // R
   int64_t eos_token_id;
-  int32_t context_len;     // N - 1, in [1, kMaxNgramSize - 1]
-  int32_t heads_per_ngram; // K_h
-  int32_t num_heads;       // NH = (N - 1) · K_h
+  int32_t context_len;      // N - 1, in [1, kMaxNgramSize - 1]
+  int32_t heads_per_ngram;  // K_h
+  int32_t num_heads;        // NH = (N - 1) · K_h
 };
 
 // Fills window[s] (s = 1..depth) with the s-th predecessor of token t under the EOS barrier:

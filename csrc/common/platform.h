@@ -108,11 +108,11 @@ template <typename T>
 using shared_type_t = T;
 }  // namespace qwen4exp
 #if defined(QWEN4EXP_SIMT)
-#define QWEN4EXP_SHARED(Type, name)                                                     \
-  static const char name##_qwen4exp_shared_tag = 0;                                    \
+#define QWEN4EXP_SHARED(Type, name)                                                       \
+  static const char name##_qwen4exp_shared_tag = 0;                                       \
   ::qwen4exp::shared_type_t<Type>& name = *static_cast<::qwen4exp::shared_type_t<Type>*>( \
-      ::qwen4exp::simt::static_shared(&name##_qwen4exp_shared_tag,                      \
-                                      sizeof(::qwen4exp::shared_type_t<Type>),           \
+      ::qwen4exp::simt::static_shared(&name##_qwen4exp_shared_tag,                        \
+                                      sizeof(::qwen4exp::shared_type_t<Type>),            \
                                       alignof(::qwen4exp::shared_type_t<Type>)))
 #define QWEN4EXP_DYNAMIC_SHARED(Type, name) \
   Type* name = static_cast<Type*>(::qwen4exp::simt::dynamic_shared(alignof(Type)))

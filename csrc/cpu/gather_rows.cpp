@@ -123,9 +123,9 @@ QWEN4EXP_ALWAYS_INLINE void fp8_rows_body(const uint8_t* __restrict src, OutV* _
   }
 }
 
-#define QWEN4EXP_FP8_ROWS(NAME, IN, OUT)                                                     \
+#define QWEN4EXP_FP8_ROWS(NAME, IN, OUT)                                                    \
   QWEN4EXP_CPU_CLONES void NAME(const uint8_t* src, OUT* dst, int64_t n, float scale_out) { \
-    fp8_rows_body<IN>(src, dst, n, scale_out);                                               \
+    fp8_rows_body<IN>(src, dst, n, scale_out);                                              \
   }
 QWEN4EXP_FP8_ROWS(fp8_e4m3fn_rows_f32, Dtype::kFp8E4M3FN, float)
 QWEN4EXP_FP8_ROWS(fp8_e4m3fn_rows_bf16, Dtype::kFp8E4M3FN, bf16_t)
@@ -145,8 +145,8 @@ bool cpu_has_avx512f() {
 }
 
 bool cpu_has_avx512bw_vl() {
-  static const bool has = __builtin_cpu_supports("avx512f") &&
-                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
   return has;
 }
 
@@ -231,9 +231,9 @@ QWEN4EXP_ALWAYS_INLINE void convert_rows_body(const InV* src, OutV* dst, int64_t
   }
 }
 
-#define QWEN4EXP_CONVERT_ROWS(NAME, IN, OUT)                                \
-  QWEN4EXP_CPU_CLONES void NAME(const IN* src, OUT* dst, int64_t n) {      \
-    convert_rows_body(src, dst, n);                                         \
+#define QWEN4EXP_CONVERT_ROWS(NAME, IN, OUT)                          \
+  QWEN4EXP_CPU_CLONES void NAME(const IN* src, OUT* dst, int64_t n) { \
+    convert_rows_body(src, dst, n);                                   \
   }
 QWEN4EXP_CONVERT_ROWS(convert_f32_bf16, float, bf16_t)
 QWEN4EXP_CONVERT_ROWS(convert_f32_f16, float, f16_t)
@@ -281,18 +281,18 @@ QWEN4EXP_ALWAYS_INLINE void nvfp4_rows_body(const uint8_t* __restrict src,
       const uint32_t word = static_cast<uint32_t>(packed >> (32 * half));
       const u32x8 codes = (simd::splat_u(word) >> shifts) & 0xFu;
       const u32x8 m = codes & 7u;
-      const u32x8 magnitude =
-          m >= 2u ? 0x3F000000u + (m << 22) : (m == 1u ? simd::splat_u(0x3F000000u) : 0u);
+      const u32x8 magnitude = m >= 2u ? 0x3F000000u + (m << 22)
+                                      : (m == 1u ? simd::splat_u(0x3F000000u) : 0u);
       const simd::f32x8 e2m1 = simd::as_f32(magnitude | ((codes & 8u) << 28));
       simd::store(dst + block * kNvfp4Block + half * 8, (e2m1 * block_scale) * global);
     }
   }
 }
 
-#define QWEN4EXP_NVFP4_ROWS(NAME, OUT)                                                   \
-  QWEN4EXP_CPU_CLONES void NAME(const uint8_t* src, const uint8_t* scales, OUT* dst,     \
-                                int64_t n, float global_scale, const float* scale_values) { \
-    nvfp4_rows_body(src, scales, dst, n, global_scale, scale_values);                    \
+#define QWEN4EXP_NVFP4_ROWS(NAME, OUT)                                                          \
+  QWEN4EXP_CPU_CLONES void NAME(const uint8_t* src, const uint8_t* scales, OUT* dst, int64_t n, \
+                                float global_scale, const float* scale_values) {                \
+    nvfp4_rows_body(src, scales, dst, n, global_scale, scale_values);                           \
   }
 QWEN4EXP_NVFP4_ROWS(nvfp4_rows_f32, float)
 QWEN4EXP_NVFP4_ROWS(nvfp4_rows_bf16, bf16_t)
@@ -342,8 +342,8 @@ struct RowConverter {
   // fp8 with AVX-512BW only: the 256 outputs, and the in-register lookup over them.
   std::array<OutT, 256> lut{};
   void (*lut_rows)(const uint8_t*, OutT*, int64_t, const OutT*) = nullptr;
-  float global_scale = 0.0f;              // NVFP4 only
-  const float* scale_values = nullptr;    // NVFP4 only: e4m3fn_values()
+  float global_scale = 0.0f;            // NVFP4 only
+  const float* scale_values = nullptr;  // NVFP4 only: e4m3fn_values()
 
   explicit RowConverter(const GatherRowsParams& p) {
     if constexpr (In == Dtype::kNvfp4) {
@@ -581,9 +581,8 @@ void stream_worker(const StreamJob<In, Out>& job) {
       if (j + kPrefetchDistance < owned) prefetch_row(row_of[order[j + kPrefetchDistance]]);
       const int64_t i = order[j];
       const char* src = table + row_of[i] * table_row_bytes;
-      const uint8_t* scales = In == Dtype::kNvfp4
-                                  ? q.block_scales + row_of[i] * q.block_scales_row_stride
-                                  : nullptr;
+      const uint8_t* scales =
+          In == Dtype::kNvfp4 ? q.block_scales + row_of[i] * q.block_scales_row_stride : nullptr;
       char* dst = item_output(begin + i);
       if constexpr (In == Out) {
         write_row<false>(stores, dst, src, row_bytes);
@@ -779,8 +778,8 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
       const auto prefetch_item = [&](int64_t i) __attribute__((always_inline)) {
         if (rows[i] == nullptr) return;
         prefetch_bytes(rows[i], row_bytes);
-        if constexpr (kNvfp4) prefetch_bytes(reinterpret_cast<const char*>(scale_rows[i]),
-                                             scale_row_bytes);
+        if constexpr (kNvfp4)
+          prefetch_bytes(reinterpret_cast<const char*>(scale_rows[i]), scale_row_bytes);
       };
       for (int64_t i = 0; i < std::min(count, kPrefetchDistance); ++i) prefetch_item(i);
       t = begin / nh;
@@ -799,8 +798,6 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
     }
   });
 }
-
-
 
 void gather_rows_cpu(const at::Tensor& table, const at::Tensor& ids,
                      const std::optional<at::Tensor>& scale,

@@ -49,14 +49,13 @@ void ngram_ids_cpu_impl(const NgramIdsParams& p) {
 
 void ngram_ids_cpu(const at::Tensor& input_ids, const at::Tensor& query_start_loc,
                    const at::Tensor& ngram_context, const at::Tensor& layer_multipliers,
-                   const at::Tensor& ngram_heads_vocab_sizes,
-                   const at::Tensor& ngram_heads_offsets, int64_t eos_token_id,
-                   int64_t heads_per_ngram, const at::Tensor& output) {
+                   const at::Tensor& ngram_heads_vocab_sizes, const at::Tensor& ngram_heads_offsets,
+                   int64_t eos_token_id, int64_t heads_per_ngram, const at::Tensor& output) {
   const NgramIdsParams p = check_ngram_ids_args(
       input_ids, query_start_loc, ngram_context, layer_multipliers, ngram_heads_vocab_sizes,
       ngram_heads_offsets, eos_token_id, heads_per_ngram, output);
-  TORCH_CHECK(input_ids.device().is_cpu(), "ngram_ids: CPU kernel called with ",
-              input_ids.device(), " tensors");
+  TORCH_CHECK(input_ids.device().is_cpu(), "ngram_ids: CPU kernel called with ", input_ids.device(),
+              " tensors");
   const bool output_int32 = output.scalar_type() == at::kInt;
   check_ngram_ids_values(p, output_int32);
   if (p.num_tokens == 0) return;

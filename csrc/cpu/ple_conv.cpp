@@ -125,8 +125,8 @@ struct ConvCtx {
 // to T, SiLU. taps[k] points at channel c0 (the chunk's first; c = c0 + i); they are contiguous
 // rows unless `contiguous` is false (a dim-first state).
 template <typename T, bool kFull>
-QWEN4EXP_ALWAYS_INLINE simd::f32x8 conv8(const ConvCtx<T>& ctx, const Tap<T>* taps,
-                                         bool contiguous, int64_t c, int64_t i, int lanes) {
+QWEN4EXP_ALWAYS_INLINE simd::f32x8 conv8(const ConvCtx<T>& ctx, const Tap<T>* taps, bool contiguous,
+                                         int64_t c, int64_t i, int lanes) {
   using simd::f32x8;
   const int64_t channels = ctx.p.channels;
   f32x8 acc = simd::splat(0.0f);
@@ -186,8 +186,8 @@ QWEN4EXP_ALWAYS_INLINE void conv_chunk_at(const ConvCtx<T>& ctx, const Tap<T>* t
   for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
     const int64_t c = c0 + i;
     const f32x8 y0 = produce ? conv8<T, true>(ctx, taps, contiguous, c, i, kLanes) : zero;
-    const f32x8 y1 =
-        produce ? conv8<T, true>(ctx, taps, contiguous, c + kLanes, i + kLanes, kLanes) : zero;
+    const f32x8 y1 = produce ? conv8<T, true>(ctx, taps, contiguous, c + kLanes, i + kLanes, kLanes)
+                             : zero;
     finish8<T, true>(residual, outer, y0, c, kLanes);
     finish8<T, true>(residual, outer, y1, c + kLanes, kLanes);
   }
@@ -201,8 +201,8 @@ QWEN4EXP_ALWAYS_INLINE void conv_chunk_at(const ConvCtx<T>& ctx, const Tap<T>* t
 
 // The same with taps that point at channel 0 (whole rows or state entries).
 template <typename T>
-QWEN4EXP_ALWAYS_INLINE void conv_chunk(const ConvCtx<T>& ctx, const Tap<T>* taps, int64_t c0,
-                                       int n, bool produce, T* residual, const T* outer) {
+QWEN4EXP_ALWAYS_INLINE void conv_chunk(const ConvCtx<T>& ctx, const Tap<T>* taps, int64_t c0, int n,
+                                       bool produce, T* residual, const T* outer) {
   Tap<T> at[kMaxConvKernel] = {};
   if (produce) {
     for (int k = 0; k < ctx.p.kernel_size; ++k) {
@@ -214,8 +214,8 @@ QWEN4EXP_ALWAYS_INLINE void conv_chunk(const ConvCtx<T>& ctx, const Tap<T>* taps
 
 // dst[c] = src[c] (or 0) for c in [c0, c0+n): one state entry, channel-strided.
 template <typename T>
-QWEN4EXP_ALWAYS_INLINE void copy_entry(T* dst, int64_t dst_stride, const T* src,
-                                       int64_t src_stride, int64_t c0, int n) {
+QWEN4EXP_ALWAYS_INLINE void copy_entry(T* dst, int64_t dst_stride, const T* src, int64_t src_stride,
+                                       int64_t c0, int n) {
   if (src == nullptr) {
     for (int i = 0; i < n; ++i) dst[(c0 + i) * dst_stride] = from_float<T>(0.0f);
   } else if (dst_stride == 1 && src_stride == 1) {
@@ -280,8 +280,8 @@ QWEN4EXP_ALWAYS_INLINE void decode_tokens(const ConvCtx<T>& ctx, int64_t begin, 
         continue;
       }
       for (int i = 0; i + 1 < S; ++i) {
-        copy_entry(ctx.state_entry(slot, i), cs, read ? ctx.state_entry(slot, i + 1) : nullptr,
-                   cs, c0, n);
+        copy_entry(ctx.state_entry(slot, i), cs, read ? ctx.state_entry(slot, i + 1) : nullptr, cs,
+                   c0, n);
       }
       if (S > 0) copy_entry(ctx.state_entry(slot, S - 1), cs, x, 1, c0, n);
     }
@@ -375,9 +375,9 @@ QWEN4EXP_ALWAYS_INLINE void write_back_request(const ConvCtx<T>& ctx, int64_t r)
 
 // ---- entry points per dtype (each compiled for three instruction sets) ------------------------
 
-#define QWEN4EXP_CONV_ENTRY(NAME, T, BODY)                                         \
+#define QWEN4EXP_CONV_ENTRY(NAME, T, BODY)                                           \
   QWEN4EXP_CPU_CLONES void NAME(const ConvCtx<T>& ctx, int64_t begin, int64_t end) { \
-    BODY<T>(ctx, begin, end);                                                     \
+    BODY<T>(ctx, begin, end);                                                        \
   }
 QWEN4EXP_CONV_ENTRY(decode_f32, float, decode_tokens)
 QWEN4EXP_CONV_ENTRY(decode_bf16, bf16_t, decode_tokens)
@@ -431,14 +431,12 @@ void ple_conv_cpu_impl(const PleConvParams& p) {
   // A token is C channels of up to K + 3 rows: a couple of tokens already fill a thread.
   const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, p.channels));
   if (p.mode == ConvMode::kDecode) {
-    at::parallel_for(0, p.num_rows, grain, [&](int64_t begin, int64_t end) {
-      ConvEntries<T>::decode(ctx, begin, end);
-    });
+    at::parallel_for(0, p.num_rows, grain,
+                     [&](int64_t begin, int64_t end) { ConvEntries<T>::decode(ctx, begin, end); });
     return;
   }
-  at::parallel_for(0, p.num_rows, grain, [&](int64_t begin, int64_t end) {
-    ConvEntries<T>::chunk(ctx, begin, end);
-  });
+  at::parallel_for(0, p.num_rows, grain,
+                   [&](int64_t begin, int64_t end) { ConvEntries<T>::chunk(ctx, begin, end); });
   // Every output has read the old state; now the state moves on.
   at::parallel_for(0, p.num_requests, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) write_back_request(ctx, r);
@@ -453,10 +451,10 @@ void ple_conv_cpu(const at::Tensor& inputs, const at::Tensor& residual,
                   const std::optional<at::Tensor>& num_accepted_tokens,
                   const std::optional<at::Tensor>& has_initial_states, int64_t spec_query_len,
                   const std::optional<at::Tensor>& token_indices) {
-  const PleConvParams p = check_ple_conv_args(
-      inputs, residual, conv_state, conv_weights, state_indices, outer_residual, std::string(mode),
-      dilation, query_start_loc, num_accepted_tokens, has_initial_states, spec_query_len,
-      token_indices);
+  const PleConvParams p = check_ple_conv_args(inputs, residual, conv_state, conv_weights,
+                                              state_indices, outer_residual, std::string(mode),
+                                              dilation, query_start_loc, num_accepted_tokens,
+                                              has_initial_states, spec_query_len, token_indices);
   TORCH_CHECK(inputs.device().is_cpu(), "ple_conv: CPU kernel called with ", inputs.device(),
               " tensors");
   check_ple_conv_values(p);

@@ -158,6 +158,7 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_vllm(const PleGateParams& p, const GateWei
       T* gated = gated_row + base;
       T* conv = conv_row + base;
 
+      // clang-format off: a lambda argument before `leaves` would put every argument on a line
       const float sum_kk = numpy_sum(H, [&](int i, int n) QWEN4EXP_LAMBDA_INLINE {
         const f32x8 x = load_n(k + i, n);
         return x * x;
@@ -184,6 +185,7 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_vllm(const PleGateParams& p, const GateWei
         simd::store_n(gated + i, x, n);
         return x * x;
       }, leaves);
+      // clang-format on
       const f32x8 rg = splat(1.0f / std::sqrt(sum_gg / h_f + eps));
       for (int i = 0; i < H; i += kLanes) {
         const int n = std::min(kLanes, H - i);
@@ -260,10 +262,10 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_fp32(const PleGateParams& p, const GateWei
 }
 
 // One non-template entry per (dtype, rounding), each compiled for three instruction sets.
-#define QWEN4EXP_GATE_ENTRY(NAME, T, BODY)                                                 \
+#define QWEN4EXP_GATE_ENTRY(NAME, T, BODY)                                                   \
   QWEN4EXP_CPU_CLONES void NAME(const PleGateParams& p, const GateWeights& w, int64_t begin, \
-                                int64_t end) {                                            \
-    BODY<T>(p, w, begin, end);                                                            \
+                                int64_t end) {                                               \
+    BODY<T>(p, w, begin, end);                                                               \
   }
 QWEN4EXP_GATE_ENTRY(gate_f32_vllm, float, gate_rows_vllm)
 QWEN4EXP_GATE_ENTRY(gate_bf16_vllm, bf16_t, gate_rows_vllm)

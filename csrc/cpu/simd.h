@@ -84,8 +84,7 @@ QWEN4EXP_ALWAYS_INLINE u32x8 f32_to_f16x8_bits(f32x8 x) {
   // |x| < 2^-14: |x|·2^24 is exact; adding 2^23 rounds it to an integer, to nearest even.
   const f32x8 scaled = as_f32(a) * 16777216.0f + 8388608.0f;
   const u32x8 subnormal = sign | (as_u32(scaled) - 0x4B000000u);
-  return a > 0x7F800000u ? nan
-                         : (a >= 0x477FF000u ? inf : (a >= 0x38800000u ? normal : subnormal));
+  return a > 0x7F800000u ? nan : (a >= 0x477FF000u ? inf : (a >= 0x38800000u ? normal : subnormal));
 }
 
 // ---- typed loads, stores and rounding ---------------------------------------------------------

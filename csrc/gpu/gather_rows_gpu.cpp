@@ -15,13 +15,13 @@ void gather_rows_gpu(const at::Tensor& table, const at::Tensor& ids,
                      int64_t vocab_end, const at::Tensor& output) {
   const GatherRowsParams p =
       check_gather_rows_args(table, ids, scale, block_scales, vocab_start, vocab_end, output);
-  TORCH_CHECK(glue::on_kernel_device(table), "gather_rows: GPU kernel called with ",
-              table.device(), " tensors");
+  TORCH_CHECK(glue::on_kernel_device(table), "gather_rows: GPU kernel called with ", table.device(),
+              " tensors");
   if (p.num_tokens == 0 || p.num_heads == 0 || p.width == 0) return;
   const glue::DeviceGuard device_guard(table.device());
   const hipError_t status = launch_gather_rows(p, glue::current_stream());
-  TORCH_CHECK(status == hipSuccess, "gather_rows: kernel launch failed: ",
-              hipGetErrorString(status));
+  TORCH_CHECK(status == hipSuccess,
+              "gather_rows: kernel launch failed: ", hipGetErrorString(status));
 }
 
 }  // namespace

@@ -55,8 +55,10 @@ void release_view(void* host_base) {
 }
 
 at::Tensor host_table_device_view(const at::Tensor& host, c10::Device device) {
-  TORCH_CHECK(host.device().is_cpu(), "host_table_device_view: host_table must be a CPU tensor, "
-              "got one on ", host.device());
+  TORCH_CHECK(host.device().is_cpu(),
+              "host_table_device_view: host_table must be a CPU tensor, "
+              "got one on ",
+              host.device());
   TORCH_CHECK(device.is_cuda(), "host_table_device_view: device must be a CUDA/ROCm device, got ",
               device);
   TORCH_CHECK(host.storage().nbytes() > 0, "host_table_device_view: host_table is empty");

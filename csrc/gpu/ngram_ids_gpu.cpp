@@ -13,9 +13,8 @@ namespace {
 
 void ngram_ids_gpu(const at::Tensor& input_ids, const at::Tensor& query_start_loc,
                    const at::Tensor& ngram_context, const at::Tensor& layer_multipliers,
-                   const at::Tensor& ngram_heads_vocab_sizes,
-                   const at::Tensor& ngram_heads_offsets, int64_t eos_token_id,
-                   int64_t heads_per_ngram, const at::Tensor& output) {
+                   const at::Tensor& ngram_heads_vocab_sizes, const at::Tensor& ngram_heads_offsets,
+                   int64_t eos_token_id, int64_t heads_per_ngram, const at::Tensor& output) {
   const NgramIdsParams p = check_ngram_ids_args(
       input_ids, query_start_loc, ngram_context, layer_multipliers, ngram_heads_vocab_sizes,
       ngram_heads_offsets, eos_token_id, heads_per_ngram, output);

@@ -18,12 +18,12 @@ void ple_conv_gpu(const at::Tensor& inputs, const at::Tensor& residual,
                   const std::optional<at::Tensor>& num_accepted_tokens,
                   const std::optional<at::Tensor>& has_initial_states, int64_t spec_query_len,
                   const std::optional<at::Tensor>& token_indices) {
-  const PleConvParams p = check_ple_conv_args(
-      inputs, residual, conv_state, conv_weights, state_indices, outer_residual, std::string(mode),
-      dilation, query_start_loc, num_accepted_tokens, has_initial_states, spec_query_len,
-      token_indices);
-  TORCH_CHECK(glue::on_kernel_device(inputs), "ple_conv: GPU kernel called with ",
-              inputs.device(), " tensors");
+  const PleConvParams p = check_ple_conv_args(inputs, residual, conv_state, conv_weights,
+                                              state_indices, outer_residual, std::string(mode),
+                                              dilation, query_start_loc, num_accepted_tokens,
+                                              has_initial_states, spec_query_len, token_indices);
+  TORCH_CHECK(glue::on_kernel_device(inputs), "ple_conv: GPU kernel called with ", inputs.device(),
+              " tensors");
   if (debug_checks_enabled()) {
     PleConvParams host = p;
     HostIndexCopies copies;

@@ -25,8 +25,8 @@ std::tuple<at::Tensor, at::Tensor> ple_gate_gpu(const at::Tensor& key, const at:
                                                 c10::string_view rounding) {
   PleGateParams p = check_ple_gate_args(key, value, hidden, norm_key_w, norm_query_w, norm_conv_w,
                                         eps, std::string(rounding));
-  TORCH_CHECK(glue::on_kernel_device(hidden), "ple_gate: GPU kernel called with ",
-              hidden.device(), " tensors");
+  TORCH_CHECK(glue::on_kernel_device(hidden), "ple_gate: GPU kernel called with ", hidden.device(),
+              " tensors");
   auto outputs = allocate_ple_gate_outputs(hidden, p);
   run_ple_gate_gpu(p, hidden);
   return outputs;
@@ -38,8 +38,8 @@ void ple_gate_out_gpu(const at::Tensor& key, const at::Tensor& value, const at::
                       const at::Tensor& gated, const at::Tensor& conv_input) {
   PleGateParams p = check_ple_gate_args(key, value, hidden, norm_key_w, norm_query_w, norm_conv_w,
                                         eps, std::string(rounding));
-  TORCH_CHECK(glue::on_kernel_device(hidden), "ple_gate: GPU kernel called with ",
-              hidden.device(), " tensors");
+  TORCH_CHECK(glue::on_kernel_device(hidden), "ple_gate: GPU kernel called with ", hidden.device(),
+              " tensors");
   check_ple_gate_outputs(hidden, gated, conv_input, p);
   run_ple_gate_gpu(p, hidden);
 }

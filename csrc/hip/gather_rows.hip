@@ -26,7 +26,8 @@ namespace {
 
 constexpr int kThreadsPerBlock = 256;
 
-// The one error code the launcher returns itself (an unknown dtype enum: unreachable from the glue).
+// The one error code the launcher returns itself (an unknown dtype enum: unreachable from the
+// glue).
 constexpr hipError_t kInvalidValue = hipErrorInvalidValue;
 constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread
 constexpr int kVecBytes = 16;
@@ -116,10 +117,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
         if (row >= 0) {
           owned[u] = true;
           data[u] = *reinterpret_cast<const Vec16*>(table + row * table_row_bytes +
-                                                     static_cast<int64_t>(piece) * kVecBytes);
+                                                    static_cast<int64_t>(piece) * kVecBytes);
           if constexpr (kNvfp4) {
-            const uint8_t* scales = p.block_scales + row * p.block_scales_row_stride +
-                                    static_cast<int64_t>(piece) * 2;
+            const uint8_t* scales =
+                p.block_scales + row * p.block_scales_row_stride + static_cast<int64_t>(piece) * 2;
             scale_bytes[u] = static_cast<uint32_t>(scales[0]) |
                              (static_cast<uint32_t>(scales[1]) << 8);
           }
@@ -195,8 +196,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) gather_rows_scalar_kernel(Ga
     OutT value = encode<Out>(0.0f);
     if (row >= 0) {
       if constexpr (In == Dtype::kNvfp4) {
-        const uint8_t byte =
-            static_cast<const uint8_t*>(p.table)[row * p.table_row_stride + c / 2];
+        const uint8_t byte = static_cast<const uint8_t*>(p.table)[row * p.table_row_stride + c / 2];
         const uint32_t code = (static_cast<uint32_t>(byte) >> ((c & 1) * 4)) & 0xFu;
         const float block_scale =
             fp8_e4m3fn_to_float(p.block_scales[row * p.block_scales_row_stride + c / kNvfp4Block]);

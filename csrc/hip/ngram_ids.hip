@@ -44,7 +44,6 @@ QWEN4EXP_DEVICE void ngram_id(const NgramIdsParams& p, const FastDivmodU64* head
       static_cast<OutT>(id);
 }
 
-
 // kMaxContext: N-1 for the common orders (the window then stays in registers), or the largest
 // supported context for the rest.
 template <typename OutT, int kMaxContext>

@@ -93,7 +93,8 @@ QWEN4EXP_DEVICE void conv_output(const PleConvParams& p, int64_t t, int64_t c0) 
       if (h < S) {
         if (read) {
 #pragma unroll
-          for (int v = 0; v < VEC; ++v) tap[v] = to_float(*state_at<T>(p, slot, offset + h, c0 + v));
+          for (int v = 0; v < VEC; ++v)
+            tap[v] = to_float(*state_at<T>(p, slot, offset + h, c0 + v));
         }
       } else {
         const int64_t logical = start + h - S;
@@ -106,7 +107,8 @@ QWEN4EXP_DEVICE void conv_output(const PleConvParams& p, int64_t t, int64_t c0) 
       }
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
-        const float w = to_float(weights[(c0 + v) * p.weight_channel_stride + k * p.weight_tap_stride]);
+        const float w =
+            to_float(weights[(c0 + v) * p.weight_channel_stride + k * p.weight_tap_stride]);
         acc[v] += w * tap[v];
       }
     }
@@ -136,8 +138,8 @@ QWEN4EXP_DEVICE void conv_output(const PleConvParams& p, int64_t t, int64_t c0) 
     for (int i = 0; i + 1 < S; ++i) {
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
-        *state_at<T>(p, slot, i, c0 + v) =
-            init ? *state_at<T>(p, slot, i + 1, c0 + v) : from_float<T>(0.0f);
+        *state_at<T>(p, slot, i, c0 + v) = init ? *state_at<T>(p, slot, i + 1, c0 + v)
+                                                : from_float<T>(0.0f);
       }
     }
     float x[VEC];
@@ -149,8 +151,8 @@ QWEN4EXP_DEVICE void conv_output(const PleConvParams& p, int64_t t, int64_t c0) 
 
 template <typename T, typename W, int VEC>
 __global__ void __launch_bounds__(kThreads) ple_conv_outputs_kernel(PleConvParams p) {
-  for_each_row_and_channels<VEC>(
-      p, p.num_rows, [&](int64_t t, int64_t c0) { conv_output<T, W, VEC>(p, t, c0); });
+  for_each_row_and_channels<VEC>(p, p.num_rows,
+                                 [&](int64_t t, int64_t c0) { conv_output<T, W, VEC>(p, t, c0); });
 }
 
 // Request r's new state, channels [c0, c0 + VEC).
@@ -189,8 +191,7 @@ QWEN4EXP_DEVICE void conv_write_back(const PleConvParams& p, int64_t r, int64_t 
     } else {
       const int64_t src = conv_physical_row(p, start + m - S);
       if (src < 0) continue;
-      load_floats<T, VEC>(static_cast<const T*>(p.inputs) + src * p.inputs_row_stride + c0,
-                          value);
+      load_floats<T, VEC>(static_cast<const T*>(p.inputs) + src * p.inputs_row_stride + c0, value);
     }
 #pragma unroll
     for (int v = 0; v < VEC; ++v) *state_at<T>(p, slot, i, c0 + v) = from_float<T>(value[v]);
@@ -199,8 +200,8 @@ QWEN4EXP_DEVICE void conv_write_back(const PleConvParams& p, int64_t r, int64_t 
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads) ple_conv_write_back_kernel(PleConvParams p) {
-  for_each_row_and_channels<VEC>(
-      p, p.num_requests, [&](int64_t r, int64_t c0) { conv_write_back<T, VEC>(p, r, c0); });
+  for_each_row_and_channels<VEC>(p, p.num_requests,
+                                 [&](int64_t r, int64_t c0) { conv_write_back<T, VEC>(p, r, c0); });
 }
 
 template <typename T, typename W, int VEC>
@@ -212,8 +213,8 @@ hipError_t launch_vec(const PleConvParams& p, hipStream_t stream) {
                 static_cast<unsigned>(channel_blocks < kMaxGridY ? channel_blocks : kMaxGridY));
   };
   if (p.num_rows > 0) {
-    const hipError_t status = launch_kernel(ple_conv_outputs_kernel<T, W, VEC>, grid(p.num_rows),
-                                            kThreads, 0, stream, p);
+    const hipError_t status =
+        launch_kernel(ple_conv_outputs_kernel<T, W, VEC>, grid(p.num_rows), kThreads, 0, stream, p);
     if (status != hipSuccess) return status;
   }
   if (p.mode != ConvMode::kDecode && p.num_requests > 0) {
@@ -226,8 +227,7 @@ hipError_t launch_vec(const PleConvParams& p, hipStream_t stream) {
 template <typename T, typename W>
 hipError_t launch_typed(const PleConvParams& p, hipStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
-  const bool vec = p.channels % kVec == 0 &&
-                   aligned16(reinterpret_cast<uint64_t>(p.inputs)) &&
+  const bool vec = p.channels % kVec == 0 && aligned16(reinterpret_cast<uint64_t>(p.inputs)) &&
                    aligned16(reinterpret_cast<uint64_t>(p.residual)) &&
                    aligned16(reinterpret_cast<uint64_t>(p.outer_residual)) &&
                    aligned16(p.inputs_row_stride * sizeof(T)) &&
@@ -239,7 +239,8 @@ hipError_t launch_typed(const PleConvParams& p, hipStream_t stream) {
 }  // namespace
 
 hipError_t launch_ple_conv(const PleConvParams& p, hipStream_t stream) {
-  if (p.channels == 0) return hipSuccess;  // nothing to compute or keep (a GPU refuses an empty grid)
+  if (p.channels == 0)
+    return hipSuccess;  // nothing to compute or keep (a GPU refuses an empty grid)
   return dispatch_dtype(
       kFloatDtypes, p.dtype,
       [&](auto dtype) {

@@ -190,17 +190,15 @@ __global__ void __launch_bounds__(kThreads) ple_gate_kernel(PleGateParams p) {
 template <typename T, typename W>
 hipError_t launch_typed(const PleGateParams& p, hipStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
-  const bool whole = p.width % kVec == 0 &&
-                     aligned16(reinterpret_cast<uint64_t>(p.key)) &&
-                     aligned16(reinterpret_cast<uint64_t>(p.value)) &&
-                     aligned16(reinterpret_cast<uint64_t>(p.hidden)) &&
-                     aligned16(reinterpret_cast<uint64_t>(p.gated)) &&
-                     aligned16(reinterpret_cast<uint64_t>(p.conv_input)) &&
-                     aligned16(p.key_row_stride * sizeof(T)) &&
-                     aligned16(p.value_row_stride * sizeof(T)) &&
-                     aligned16(p.hidden_row_stride * sizeof(T)) &&
-                     aligned16(p.gated_row_stride * sizeof(T)) &&
-                     aligned16(p.conv_input_row_stride * sizeof(T));
+  const bool whole =
+      p.width % kVec == 0 && aligned16(reinterpret_cast<uint64_t>(p.key)) &&
+      aligned16(reinterpret_cast<uint64_t>(p.value)) &&
+      aligned16(reinterpret_cast<uint64_t>(p.hidden)) &&
+      aligned16(reinterpret_cast<uint64_t>(p.gated)) &&
+      aligned16(reinterpret_cast<uint64_t>(p.conv_input)) &&
+      aligned16(p.key_row_stride * sizeof(T)) && aligned16(p.value_row_stride * sizeof(T)) &&
+      aligned16(p.hidden_row_stride * sizeof(T)) && aligned16(p.gated_row_stride * sizeof(T)) &&
+      aligned16(p.conv_input_row_stride * sizeof(T));
   const dim3 grid(static_cast<unsigned>(p.num_tokens < kMaxGridX ? p.num_tokens : kMaxGridX));
   const auto launch = [&](auto kernel) {
     return launch_kernel(kernel, grid, kThreads, 0, stream, p);

@@ -83,7 +83,8 @@ namespace {
 
 #define QWEN4EXP_SIMT_STR2(x) #x
 #define QWEN4EXP_SIMT_STR(x) QWEN4EXP_SIMT_STR2(x)
-#define QWEN4EXP_SIMT_SYMBOL(name) "qwen4exp_simt" QWEN4EXP_SIMT_STR(QWEN4EXP_SIMT_WAVE_SIZE) "_" name
+#define QWEN4EXP_SIMT_SYMBOL(name) \
+  "qwen4exp_simt" QWEN4EXP_SIMT_STR(QWEN4EXP_SIMT_WAVE_SIZE) "_" name
 
 // switch(save, load): pushes the callee-saved registers on the current stack, stores the stack
 // pointer in *save, and pops the same from the stack at `load`. A new fiber's stack is laid out as
@@ -91,8 +92,10 @@ namespace {
 // arg in rbx. The SSE and x87 control words are not switched (kernel code never changes them, and
 // ldmxcsr/fldcw would be most of a switch's time): every lane runs in the launching thread's
 // floating-point environment.
+// clang-format off
 extern "C" void qwen4exp_simt_switch(void** save, void* load) __asm__(QWEN4EXP_SIMT_SYMBOL("switch"));
 extern "C" void qwen4exp_simt_trampoline() __asm__(QWEN4EXP_SIMT_SYMBOL("trampoline"));
+// clang-format on
 __asm__(
     ".text\n"
     ".p2align 4\n"
@@ -179,7 +182,7 @@ void fiber_switch(FiberContext& from, FiberContext& to) { swapcontext(&from.cont
 
 #endif
 
-// ---- AddressSanitizer's view of the stacks -------------------------------------------------------
+// ---- AddressSanitizer's view of the stacks ------------------------------------------------------
 
 struct StackBounds {
   const void* bottom = nullptr;
@@ -205,7 +208,7 @@ void asan_poison(const void*, size_t) {}
 void asan_unpoison(const void*, size_t) {}
 #endif
 
-// ---- Lanes and blocks -----------------------------------------------------------------------------
+// ---- Lanes and blocks ---------------------------------------------------------------------------
 
 enum class Wait : uint8_t { kRunnable, kBarrier, kShuffle, kDone, kFailed };
 
@@ -213,20 +216,20 @@ struct Lane {
   FiberContext context;
   LaneCoordinates coordinates;
   Wait wait = Wait::kRunnable;
-  int index = 0;  // linear thread index in the block
+  int index = 0;          // linear thread index in the block
   uint64_t barriers = 0;  // __syncthreads reached
   uint64_t shuffles = 0;  // shuffles reached
-  Site site{"", 0};  // the barrier or shuffle it waits at
+  Site site{"", 0};       // the barrier or shuffle it waits at
   char* stack = nullptr;
   void* fake_stack = nullptr;  // ASan's fake stack of this fiber while it is switched out
 };
 
 constexpr size_t kStackBytes = size_t{256} << 10;  // virtual; a kernel touches a few pages
 constexpr size_t kStackColors = 64 << 10;
-constexpr size_t kStackTopBytes = 16 << 10;  // holds lane_entry's frame
-constexpr size_t kRedzone = 64;                       // poisoned bytes between shared objects
-constexpr size_t kArenaBytes = 2 * kMaxSharedBytes;   // room for the limit plus the redzones
-constexpr unsigned char kPoison = 0xFF;               // NaN as fp32/fp64, -1 as integers
+constexpr size_t kStackTopBytes = 16 << 10;          // holds lane_entry's frame
+constexpr size_t kRedzone = 64;                      // poisoned bytes between shared objects
+constexpr size_t kArenaBytes = 2 * kMaxSharedBytes;  // room for the limit plus the redzones
+constexpr unsigned char kPoison = 0xFF;              // NaN as fp32/fp64, -1 as integers
 
 struct StaticObject {
   const void* tag;
@@ -240,8 +243,8 @@ class StackPool {
     if (base_ == nullptr) {
       page_ = static_cast<size_t>(sysconf(_SC_PAGESIZE));
       const size_t bytes = kMaxThreadsPerBlock * (kStackBytes + page_);
-      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                     -1, 0);
+      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (p == MAP_FAILED) {
         std::fprintf(stderr, "simt: cannot map %zu bytes of fiber stacks\n", bytes);
         std::abort();
@@ -355,12 +358,14 @@ std::string dims(const dim3& d) {
 // here passes on both (ROCm counts the grid in threads, in 32 bits per dimension).
 std::string launch_limits(const dim3& grid, const dim3& block, size_t shared_bytes) {
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
-  if (block.x == 0 || block.y == 0 || block.z == 0) return "a block of " + dims(block) + " threads is empty";
+  if (block.x == 0 || block.y == 0 || block.z == 0)
+    return "a block of " + dims(block) + " threads is empty";
   if (threads > kMaxThreadsPerBlock || block.z > 64) {
     return "a block of " + dims(block) + " threads is more than the " +
            std::to_string(kMaxThreadsPerBlock) + " a GPU runs (and z <= 64)";
   }
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return "a grid of " + dims(grid) + " blocks is empty";
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0)
+    return "a grid of " + dims(grid) + " blocks is empty";
   if (grid.x > 0x7FFFFFFFu || grid.y > 65535 || grid.z > 65535) {
     return "a grid of " + dims(grid) + " blocks is past the limits (x < 2^31, y and z <= 65535)";
   }
@@ -408,7 +413,8 @@ hipError_t Scheduler::run(const KernelBody& body, dim3 grid, dim3 block, size_t 
       // The lanes left suspended are abandoned: their stacks are reused from the top.
       for (int i = 0; i < lanes_in_block_; ++i) asan_unpoison(stacks_.stack(i), kStackBytes);
       end_block_shared();
-      return fail(hipErrorLaunchFailure, "block " + dims(dim3(block_idx.x, block_idx.y, block_idx.z)) +
+      return fail(hipErrorLaunchFailure, "block " +
+                                             dims(dim3(block_idx.x, block_idx.y, block_idx.z)) +
                                              " of grid " + dims(grid) + ": " + error_);
     }
     end_block_shared();
@@ -436,8 +442,9 @@ bool Scheduler::run_block(const uint3& block_idx) {
     lane.index = i;
     const unsigned xy = block_dim_.x * block_dim_.y;
     const unsigned u = static_cast<unsigned>(i);
-    lane.coordinates = LaneCoordinates{uint3{u % block_dim_.x, (u / block_dim_.x) % block_dim_.y, u / xy},
-                                       block_idx, block_dim_, grid_dim_};
+    lane.coordinates =
+        LaneCoordinates{uint3{u % block_dim_.x, (u / block_dim_.x) % block_dim_.y, u / xy},
+                        block_idx, block_dim_, grid_dim_};
     lane.stack = stacks_.stack(i);
     // Stack tops 64 bytes apart modulo 64 KiB: otherwise every lane's frames fall in the same
     // few cache sets (the stacks are a multiple of 4 KiB apart) and each switch misses.
@@ -490,8 +497,8 @@ bool Scheduler::release_waves() {
     if (shuffling == 0) continue;
     const Lane& lead = lanes_[first];
     if (last - first < kWaveSize || waiting_elsewhere > 0) {
-      error_ = "a shuffle in wave " + std::to_string(first / kWaveSize) +
-               " while some of its " + std::to_string(kWaveSize) +
+      error_ = "a shuffle in wave " + std::to_string(first / kWaveSize) + " while some of its " +
+               std::to_string(kWaveSize) +
                " lanes have returned or do not exist (their registers are undefined)";
       return false;
     }

@@ -30,9 +30,9 @@ int main() {
     divisors.insert(divisors.end(), {p - 1, p, p + 1});
   }
   // Released-model head sizes (primes just above 2e7) and extremes of the int64 range.
-  for (uint64_t d : {20000003ull, 20000023ull, 20000171ull, 1009ull, 4294967291ull,
-                     4294967311ull, 9223372036854775783ull, 9223372036854775807ull,
-                     18446744073709551557ull, 18446744073709551615ull}) {
+  for (uint64_t d : {20000003ull, 20000023ull, 20000171ull, 1009ull, 4294967291ull, 4294967311ull,
+                     9223372036854775783ull, 9223372036854775807ull, 18446744073709551557ull,
+                     18446744073709551615ull}) {
     divisors.push_back(d);
   }
   for (int i = 0; i < 2000; ++i) divisors.push_back(next_random() >> (next_random() % 64) | 1);
@@ -48,9 +48,11 @@ int main() {
         return 1;
       }
     }
+    // clang-format off
     std::vector<uint64_t> numerators = {0, 1, 2, d - 1, d, d + 1, 2 * d - 1, 2 * d,
                                         ~uint64_t{0}, ~uint64_t{0} - 1, uint64_t{1} << 63,
                                         (uint64_t{1} << 63) - 1, (uint64_t{1} << 63) + 1};
+    // clang-format on
     const uint64_t top = ~uint64_t{0} / d;  // largest multiple of d and its neighbours
     numerators.insert(numerators.end(), {top * d, top * d - 1, top * d + (d - 1)});
     for (int i = 0; i < 200; ++i) numerators.push_back(next_random());
@@ -58,8 +60,8 @@ int main() {
     for (uint64_t n : numerators) {
       ++checks;
       if (qwen4exp::fast_div(f, n) != n / d || qwen4exp::fast_mod(f, n) != n % d) {
-        std::printf("mismatch: n=%" PRIu64 " d=%" PRIu64 " got q=%" PRIu64 " r=%" PRIu64 "\n", n,
-                    d, qwen4exp::fast_div(f, n), qwen4exp::fast_mod(f, n));
+        std::printf("mismatch: n=%" PRIu64 " d=%" PRIu64 " got q=%" PRIu64 " r=%" PRIu64 "\n", n, d,
+                    qwen4exp::fast_div(f, n), qwen4exp::fast_mod(f, n));
         return 1;
       }
       if (d <= static_cast<uint64_t>(INT64_MAX)) {

@@ -129,7 +129,8 @@ __global__ void barrier_after_return_kernel(int* out) {
 void test_divergent_barrier() {
   std::vector<int> out(64);
   check_fails(launch_kernel(divergent_barrier_kernel, 1, 64, 0, nullptr, out.data()),
-              hipErrorLaunchFailure, "different __syncthreads", "a barrier in divergent code fails");
+              hipErrorLaunchFailure, "different __syncthreads",
+              "a barrier in divergent code fails");
   check(launch_kernel(barrier_after_return_kernel, 1, 64, 0, nullptr, out.data()) == hipSuccess,
         "a barrier after some threads returned passes");
 }
@@ -145,7 +146,8 @@ void test_shuffles() {
   bool ok = true;
   for (int width : {2, 8, kWaveSize}) {
     for (int mask = 1; mask < kWaveSize; mask *= 2) {
-      if (launch_kernel(shuffle_kernel, 1, 128, 0, nullptr, out.data(), mask, width) != hipSuccess) {
+      if (launch_kernel(shuffle_kernel, 1, 128, 0, nullptr, out.data(), mask, width) !=
+          hipSuccess) {
         ok = false;
         continue;
       }
@@ -217,11 +219,13 @@ void test_reductions() {
   const hipError_t status =
       launch_kernel(first_warp_reduction_kernel, 1, 64, 0, nullptr, in.data(), out.data());
   if (kWaveSize == 32) {
+    // clang-format off
     check(status == hipSuccess && out[0] == [&] {
       float s = 0;
       for (int t = 0; t < 32; ++t) s += in[t];
       return s;
     }(), "a first-warp reduction is right at wave 32");
+    // clang-format on
   } else {
     check_fails(status, hipErrorLaunchFailure, "have returned or do not exist",
                 "a shuffle over half a 64-lane wave fails");
@@ -280,13 +284,13 @@ void test_dynamic_shared_and_limits() {
         "32 KiB static + 8 KiB dynamic shared memory fits");
   check_fails(launch_kernel(big_static_shared_kernel, 1, 64, 20000, nullptr, f.data()),
               hipErrorLaunchFailure, "shared memory", "32 KiB static + 20000 B dynamic fails");
-  check_fails(launch_kernel(noop_kernel, 1, 1, 48 * 1024 + 1, nullptr), hipErrorInvalidConfiguration,
-              "dynamic shared memory", "more than 48 KiB of dynamic shared memory is refused");
+  check_fails(launch_kernel(noop_kernel, 1, 1, 48 * 1024 + 1, nullptr),
+              hipErrorInvalidConfiguration, "dynamic shared memory",
+              "more than 48 KiB of dynamic shared memory is refused");
   check_fails(launch_kernel(noop_kernel, 1, 1025, 0, nullptr), hipErrorInvalidConfiguration,
               "threads is more than", "a 1025-thread block is refused");
   check_fails(launch_kernel(noop_kernel, dim3(1, 1, 1), dim3(32, 32, 2), 0, nullptr),
-              hipErrorInvalidConfiguration, "threads is more than",
-              "a 32x32x2 block is refused");
+              hipErrorInvalidConfiguration, "threads is more than", "a 32x32x2 block is refused");
   check_fails(launch_kernel(noop_kernel, 0, 64, 0, nullptr), hipErrorInvalidConfiguration, "empty",
               "an empty grid is refused");
   check_fails(launch_kernel(noop_kernel, dim3(1, 65536), 64, 0, nullptr),
