@@ -33,7 +33,8 @@ export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 export QWEN4EXP_BUILD_SIMT="${QWEN4EXP_BUILD_SIMT:-1}"
 
 stamp="$VENV/.qwen4exp-deps"
-deps="$TORCH_REQ pytest>=8 pytest-xdist hypothesis>=6.100 numpy transformers==5.18.0 safetensors matplotlib ninja setuptools>=69 wheel ruff"
+# clang-format is pinned: another version formats differently (tools/check-format.sh).
+deps="$TORCH_REQ pytest>=8 pytest-xdist hypothesis>=6.100 numpy transformers==5.18.0 safetensors matplotlib ninja setuptools>=69 wheel ruff clang-format==23.1.5"
 vllm_reqs="$QWEN4EXP_ROOT/tools/requirements-vllm.txt"
 want="$deps | $(md5sum <"$vllm_reqs")"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
