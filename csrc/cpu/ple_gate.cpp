@@ -142,21 +142,16 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_vllm(const PleGateParams& p, const GateWei
   std::vector<float> leaf_buf(H / kPairwiseLeaf + 1);
   float* leaves = leaf_buf.data();
   for (int64_t t = begin; t < end; ++t) {
-    const TokenRows<T> rows(p, t);
-    const T* key = rows.key;
-    const T* hidden = rows.hidden;
-    const T* value = rows.value;
-    T* gated_row = rows.gated;
-    T* conv_row = rows.conv_input;
+    const TokenRows<T> row(p, t);
     for (int m = 0; m < p.streams; ++m) {
       const int64_t base = static_cast<int64_t>(m) * H;
-      const T* k = key + base;
-      const T* q = hidden + base;
+      const T* k = row.key + base;
+      const T* q = row.hidden + base;
       const float* wk = w.key1.data() + base;
       const float* wq = w.query1.data() + base;
       const float* wc = w.conv1.data() + base;
-      T* gated = gated_row + base;
-      T* conv = conv_row + base;
+      T* gated = row.gated + base;
+      T* conv = row.conv_input + base;
 
       // clang-format off: a lambda argument before `leaves` would put every argument on a line
       const float sum_kk = numpy_sum(H, [&](int i, int n) QWEN4EXP_LAMBDA_INLINE {
@@ -181,7 +176,7 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_vllm(const PleGateParams& p, const GateWei
 
       // gated = round(g·value) is stored as it is summed; the conv norm reads it back.
       const float sum_gg = numpy_sum(H, [&](int i, int n) QWEN4EXP_LAMBDA_INLINE {
-        const f32x8 x = simd::round<T>(g * load_n(value + i, n));
+        const f32x8 x = simd::round<T>(g * load_n(row.value + i, n));
         simd::store_n(gated + i, x, n);
         return x * x;
       }, leaves);
@@ -205,16 +200,11 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_fp32(const PleGateParams& p, const GateWei
   const float sqrt_h = std::sqrt(h_f);
   const float eps = p.eps;
   for (int64_t t = begin; t < end; ++t) {
-    const TokenRows<T> rows(p, t);
-    const T* key = rows.key;
-    const T* hidden = rows.hidden;
-    const T* value = rows.value;
-    T* gated_row = rows.gated;
-    T* conv_row = rows.conv_input;
+    const TokenRows<T> row(p, t);
     // One Σvalue² serves every stream: Σ(g·v)² = g²·Σv².
     f32x8 acc_vv = splat(0.0f);
     for (int i = 0; i < H; i += kLanes) {
-      const f32x8 v = load_n(value + i, std::min(kLanes, H - i));
+      const f32x8 v = load_n(row.value + i, std::min(kLanes, H - i));
       acc_vv += v * v;
     }
     float sum_vv = 0.f;
@@ -222,8 +212,8 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_fp32(const PleGateParams& p, const GateWei
 
     for (int m = 0; m < p.streams; ++m) {
       const int64_t base = static_cast<int64_t>(m) * H;
-      const T* k = key + base;
-      const T* q = hidden + base;
+      const T* k = row.key + base;
+      const T* q = row.hidden + base;
       const float* wf = w.fused.data() + base;
       const float* wc = w.conv1.data() + base;
       f32x8 acc_kk = splat(0.0f), acc_qq = splat(0.0f), acc_kq = splat(0.0f);
@@ -249,11 +239,11 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_fp32(const PleGateParams& p, const GateWei
       const float rg = 1.0f / std::sqrt(g * g * sum_vv / h_f + eps);
       const f32x8 g8 = splat(g);
       const f32x8 g_rg = splat(g * rg);
-      T* gated = gated_row + base;
-      T* conv = conv_row + base;
+      T* gated = row.gated + base;
+      T* conv = row.conv_input + base;
       for (int i = 0; i < H; i += kLanes) {
         const int n = std::min(kLanes, H - i);
-        const f32x8 v = load_n(value + i, n);
+        const f32x8 v = load_n(row.value + i, n);
         simd::store_n(gated + i, g8 * v, n);
         simd::store_n(conv + i, g_rg * v * load_n(wc + i, n), n);
       }
