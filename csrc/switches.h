@@ -32,13 +32,11 @@ inline std::atomic<int64_t> cpu_gather_stream_bytes{-1};
 inline void define_switch_ops(torch::Library& m) {
   m.def("set_debug_checks(bool enabled) -> ()",
         [](bool enabled) { debug_checks_process.store(enabled, std::memory_order_relaxed); });
-  // Sets this thread's setting (1, 0, or -1 for none) and returns the one it replaces.
-  m.def("swap_thread_debug_checks(int setting) -> int", [](int64_t setting) -> int64_t {
+  // Sets this thread's setting: 1, 0, or -1 for none (Python keeps what it replaces).
+  m.def("set_thread_debug_checks(int setting) -> ()", [](int64_t setting) {
     TORCH_CHECK_VALUE(setting >= -1 && setting <= 1,
-                      "swap_thread_debug_checks: setting must be -1, 0 or 1, got ", setting);
-    const int8_t previous = debug_checks_thread;
+                      "set_thread_debug_checks: setting must be -1, 0 or 1, got ", setting);
     debug_checks_thread = static_cast<int8_t>(setting);
-    return previous;
   });
 }
 

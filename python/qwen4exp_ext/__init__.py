@@ -14,6 +14,20 @@ from typing import Any
 import torch
 
 
+@cache
+def build_info() -> dict[str, Any]:
+    """What the loaded binary was built with: backends, GPU archs, torch version.
+
+    ``backends`` lists the kernels compiled in ("cpu", plus "cuda" or "rocm");
+    ``simt_wave_sizes`` the wave sizes of the SIMT emulator built in (:mod:`qwen4exp_ext.simt`);
+    ``torch`` is the version built against, ``torch_runtime`` the one running now (they must
+    agree in major.minor).
+    """
+    info = json.loads(torch.ops.qwen4exp.build_info())
+    info["torch_runtime"] = torch.__version__
+    return info
+
+
 def _major_minor(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
 
@@ -33,7 +47,7 @@ def _load_kernels() -> None:
             f"qwen4exp_ext: its kernels do not load under torch {torch.__version__} ({error}); if "
             f"they were built against another torch, {rebuild}"
         ) from error
-    built = json.loads(torch.ops.qwen4exp.build_info())["torch"]
+    built = build_info()["torch"]
     if _major_minor(built) != _major_minor(str(torch.__version__)):
         raise ImportError(
             f"qwen4exp_ext was built against torch {built} but torch {torch.__version__} is "
@@ -47,20 +61,6 @@ from . import _switches, ops  # noqa: E402  (they bind the library loaded above)
 
 __all__ = ["build_info", "debug_checks", "debug_checks_enabled", "ops", "set_debug_checks"]
 __version__ = "0.1.0"
-
-
-@cache
-def build_info() -> dict[str, Any]:
-    """What the loaded binary was built with: backends, GPU archs, torch version.
-
-    ``backends`` lists the kernels compiled in ("cpu", plus "cuda" or "rocm");
-    ``simt_wave_sizes`` the wave sizes of the SIMT emulator built in (:mod:`qwen4exp_ext.simt`);
-    ``torch`` is the version built against, ``torch_runtime`` the one running now (they must
-    agree in major.minor).
-    """
-    info = json.loads(torch.ops.qwen4exp.build_info())
-    info["torch_runtime"] = torch.__version__
-    return info
 
 
 def debug_checks(enabled: bool = True) -> contextlib.AbstractContextManager[None]:

@@ -42,7 +42,7 @@ def attach(namespace: str) -> None:
         library.set_debug_checks(_debug_checks_process)
         # Only the calling thread's block reaches a library bound inside it: the others' blocks
         # are not known here (the emulator libraries are bound by tests and debugging sessions).
-        library.swap_thread_debug_checks(_thread_debug_checks())
+        library.set_thread_debug_checks(_thread_debug_checks())
         _libraries.append(namespace)
 
 
@@ -63,7 +63,7 @@ def _set_thread_debug_checks(setting: int) -> None:
     _this_thread.debug_checks = setting
     with _lock:
         for namespace in _libraries:
-            getattr(torch.ops, namespace).swap_thread_debug_checks(setting)
+            getattr(torch.ops, namespace).set_thread_debug_checks(setting)
 
 
 @contextlib.contextmanager
