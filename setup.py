@@ -96,8 +96,8 @@ def cuda_archs() -> list[str]:
 
 
 def kernel_sources(role: str) -> list[str]:
-    """The paths of csrc/kernel_sources.txt with ``role`` ("kernel" or "simt"): the list CMake
-    reads too."""
+    """The paths of csrc/kernel_sources.txt with ``role`` ("kernel", "simt", "cpu" or
+    "cpu_threads"): the list CMake reads too."""
     paths = []
     with open(os.path.join(CSRC, "kernel_sources.txt")) as listing:
         for line in listing:
@@ -176,13 +176,20 @@ def build_extension():
     from torch.utils import cpp_extension
 
     target = choose_target(torch)
-    cpu_sources = sorted(glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
+    cpu_sources = kernel_sources("cpu")
     hip_sources = kernel_sources("kernel")
-    unlisted = set(glob.glob(os.path.join(CSRC, "hip", "*.hip"))) - set(hip_sources)
+    listed = set(hip_sources) | set(cpu_sources) | set(kernel_sources("cpu_threads"))
+    found = glob.glob(os.path.join(CSRC, "hip", "*.hip")) + glob.glob(
+        os.path.join(CSRC, "cpu", "*.cpp")
+    )
+    unlisted = set(found) - listed
     if unlisted:
         sys.exit(f"csrc/kernel_sources.txt does not list {sorted(map(rel, unlisted))}")
     gpu_glue = sorted(glob.glob(os.path.join(CSRC, "gpu", "*.cpp")))
-    sources = [rel(os.path.join(CSRC, "bindings.cpp"))] + [rel(s) for s in cpu_sources]
+    # bindings.cpp defines the ops; cpu_ops.cpp registers the CPU kernels under them and gives
+    # them ATen's threads (the CMake library's are OpenMP's: csrc/cpu/threads_openmp.cpp).
+    torch_glue = [os.path.join(CSRC, "bindings.cpp"), os.path.join(CSRC, "cpu_ops.cpp")]
+    sources = [rel(s) for s in torch_glue + cpu_sources]
 
     debug = os.environ.get("QWEN4EXP_DEBUG", "0") == "1"
     # QWEN4EXP_SANITIZE=address,undefined (any -fsanitize= list) instruments the host C++ code

@@ -1,7 +1,7 @@
 // The qwen4exp op library: the kernel ops (their schemas in csrc/schemas.h) and the package's
-// utilities. Backends register their kernels in their own files (TORCH_LIBRARY_IMPL at the end of
-// csrc/cpu/*.cpp and csrc/gpu/*.cpp); the Python door with the fake (meta) implementations is
-// python/qwen4exp_ext/ops.py.
+// utilities. Backends register their kernels in their own files (TORCH_LIBRARY_IMPL in
+// csrc/cpu_ops.cpp and at the end of csrc/gpu/*.cpp); the Python door with the fake (meta)
+// implementations is python/qwen4exp_ext/ops.py.
 //
 // The namespace is `qwen4exp`, never `_C`: vLLM owns torch.ops._C in the same process.
 #include <Python.h>
@@ -9,12 +9,9 @@
 
 #include <string>
 
+#include "common/gather_rows.h"
 #include "schemas.h"
 #include "switches.h"
-
-namespace qwen4exp {
-int64_t cpu_gather_stream_bytes();  // csrc/cpu/gather_rows.cpp
-}  // namespace qwen4exp
 
 #ifndef QWEN4EXP_BUILD_INFO_JSON
 #error "setup.py defines QWEN4EXP_BUILD_INFO_JSON (what this binary was built with)"
@@ -32,7 +29,7 @@ TORCH_LIBRARY(qwen4exp, m) {
                       "set_cpu_gather_stream_bytes: bytes must be >= 0 (or -1 for "
                       "the default), got ",
                       bytes);
-    return qwen4exp::switches::cpu_gather_stream_bytes.exchange(bytes);
+    return qwen4exp::set_cpu_gather_stream_bytes(bytes);
   });
   // SPEC §4, pinned host tables: pins (or host-registers) a CPU tensor's memory once and returns
   // a view of it on `device` (hip/cudaHostGetDevicePointer) that kernels read over PCIe. GPU

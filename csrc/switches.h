@@ -1,10 +1,11 @@
-// The run-time switches of an op library: the GPU glue's debug checks (csrc/debug_checks.h) and
-// the CPU gather's streaming threshold (csrc/cpu/gather_rows.cpp).
+// The run-time switch of an op library: the GPU glue's debug checks (csrc/debug_checks.h). The
+// other switch, the CPU gather's streaming threshold, belongs to that torch-free kernel
+// (csrc/common/gather_rows.h); csrc/bindings.cpp makes it an op.
 //
 // Python owns them (python/qwen4exp_ext/_switches.py): it reads their environment variables
 // once, at import, and sets every loaded library (torch.ops.qwen4exp and the SIMT emulator's)
-// through the ops defined here. Kernels read them with one relaxed atomic load: no getenv per
-// call, and no os.environ writes that would race with a getenv on another thread.
+// through ops. Kernels and glue read them with one relaxed atomic load: no getenv per call, and
+// no os.environ writes that would race with a getenv on another thread.
 #pragma once
 
 #include <torch/library.h>
@@ -24,10 +25,6 @@ inline bool debug_checks() {
   const int8_t here = debug_checks_thread;
   return here >= 0 ? here == 1 : debug_checks_process.load(std::memory_order_relaxed);
 }
-
-// The CPU gather streams outputs of at least this many bytes; -1: the default, what this
-// process's threads can keep in cache (qwen4exp_ext.ops.set_cpu_gather_stream_bytes).
-inline std::atomic<int64_t> cpu_gather_stream_bytes{-1};
 
 inline void define_switch_ops(torch::Library& m) {
   m.def("set_debug_checks(bool enabled) -> ()",

@@ -1,8 +1,8 @@
-"""The run-time switches (python/qwen4exp_ext/_switches.py, csrc/switches.h): the debug checks and
-the CPU gather's streaming threshold are read from the environment once, at import, and set
-through functions afterwards; the debug-check block holds for its thread, never writes
-os.environ, and reaches the C++ glue of every op library (seen through the emulator's ops, which
-raise on a bad head size only with the checks on)."""
+"""The run-time switches (python/qwen4exp_ext/_switches.py; in C++ csrc/switches.h and the CPU
+gather's own): the debug checks and the CPU gather's streaming threshold are read from the
+environment once, at import, and set through functions afterwards; the debug-check block holds
+for its thread, never writes os.environ, and reaches the C++ glue of every op library (seen
+through the emulator's ops, which raise on a bad head size only with the checks on)."""
 
 from __future__ import annotations
 

@@ -52,7 +52,20 @@ struct GatherRowsParams {
   }
 };
 
-#if defined(QWEN4EXP_HAS_LAUNCHERS)  // the CPU build sees only the params
+// The CPU kernel (csrc/cpu/gather_rows.cpp): gathers on the calling thread and the CPU kernels'
+// threads (csrc/cpu/threads.h) and returns when done. Expects what launch_gather_rows expects,
+// with every pointer in host memory. Throws std::invalid_argument on a dtype pair it has no
+// kernel for.
+QWEN4EXP_API void run_gather_rows_cpu(const GatherRowsParams& p);
+
+// The CPU kernel streams outputs of at least this many bytes (sorted reads, non-temporal
+// stores); -1 where this CPU or build has no streaming path. The default is what this process's
+// threads can keep in cache.
+QWEN4EXP_API int64_t cpu_gather_stream_bytes();
+// Sets that size (bytes >= 0, or -1 for the default) and returns the setting it replaces.
+QWEN4EXP_API int64_t set_cpu_gather_stream_bytes(int64_t bytes);
+
+#if defined(QWEN4EXP_HAS_LAUNCHERS)  // a CPU-only build sees only the params
 // Enqueues the gather on `stream`; returns the launch status. Expects T·NH·d > 0.
 hipError_t launch_gather_rows(const GatherRowsParams& p, hipStream_t stream);
 #endif

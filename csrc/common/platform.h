@@ -67,6 +67,16 @@ using hipError_t = cudaError_t;
 #define QWEN4EXP_HD inline
 #endif
 
+// The entry points of the kernel library for C++ engines (the CPU kernels' run_<op>_cpu): visible
+// from its shared library, which hides everything else (CMakeLists.txt), so that the inline
+// helpers of its CPU build never merge with the device-pass versions an emulator build next to it
+// has of the same functions.
+#if defined(__GNUC__) || defined(__clang__)
+#define QWEN4EXP_API __attribute__((visibility("default")))
+#else
+#define QWEN4EXP_API
+#endif
+
 // Full unrolling of short fixed-trip loops (keeps small arrays in registers on the GPU).
 #if defined(__HIPCC__) || defined(__CUDACC__) || defined(__clang__)
 #define QWEN4EXP_UNROLL _Pragma("unroll")

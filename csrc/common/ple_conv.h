@@ -70,7 +70,12 @@ QWEN4EXP_HD int64_t conv_spec_offset(const PleConvParams& p, int64_t r) {
   return offset > p.query_len - 1 ? p.query_len - 1 : offset;
 }
 
-#if defined(QWEN4EXP_HAS_LAUNCHERS)  // the CPU build sees only the params
+// The CPU kernel (csrc/cpu/ple_conv.cpp), on the calling thread and the CPU kernels' threads;
+// returns when done. Expects what launch_ple_conv expects (T or R may be 0), in host memory.
+// Throws std::invalid_argument on a dtype it has no kernel for.
+QWEN4EXP_API void run_ple_conv_cpu(const PleConvParams& p);
+
+#if defined(QWEN4EXP_HAS_LAUNCHERS)  // a CPU-only build sees only the params
 // Enqueues the conv (outputs, then the state write-back for prefill/spec) on `stream`; returns the
 // launch status. Expects T > 0 or, for prefill/spec, R > 0.
 hipError_t launch_ple_conv(const PleConvParams& p, hipStream_t stream);

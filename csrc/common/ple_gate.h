@@ -39,7 +39,12 @@ struct PleGateParams {
   GateRounding rounding;
 };
 
-#if defined(QWEN4EXP_HAS_LAUNCHERS)  // the CPU build sees only the params
+// The CPU kernel (csrc/cpu/ple_gate.cpp), on the calling thread and the CPU kernels' threads;
+// returns when done. Expects H > 0 and host memory; T may be 0. Throws std::invalid_argument on a
+// weight dtype it has no kernel for.
+QWEN4EXP_API void run_ple_gate_cpu(const PleGateParams& p);
+
+#if defined(QWEN4EXP_HAS_LAUNCHERS)  // a CPU-only build sees only the params
 // Enqueues the gate on `stream`; returns the launch status. Expects T > 0 and H > 0.
 hipError_t launch_ple_gate(const PleGateParams& p, hipStream_t stream);
 #endif

@@ -12,15 +12,13 @@
 //
 // An output larger than this process's threads can keep in cache (a prefill) takes the
 // streaming path instead, where the CPU has AVX: see "The streaming path" below.
-#include <ATen/Parallel.h>
-#include <torch/all.h>
-
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -36,9 +34,9 @@
 #endif
 
 #include "../common/dispatch.h"
-#include "../gather_rows_args.h"
-#include "../switches.h"
+#include "../common/gather_rows.h"
 #include "simd.h"
+#include "threads.h"
 
 namespace qwen4exp {
 namespace {
@@ -610,7 +608,7 @@ template <Dtype In, Dtype Out>
 void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out>& convert,
                            RowStores stores) {
   const int64_t items = p.num_tokens * p.num_heads;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t threads = std::max<int64_t>(1, cpu::num_threads());
   const int64_t block_items = std::clamp<int64_t>((items + 2 * threads - 1) / (2 * threads),
                                                   kStreamMinBlockItems, kStreamBlockItems);
   // Buckets of 2^shift rows, about as many buckets as items in a block: finer buys nothing (a
@@ -629,7 +627,7 @@ void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out
                                shift,
                                (last_row >> shift) + 1,
                                &next_block};
-  at::parallel_for(0, job.blocks, 1, [&](int64_t, int64_t) { stream_worker(job); });
+  cpu::parallel_for(0, job.blocks, 1, [&](int64_t, int64_t) { stream_worker(job); });
 }
 
 // What one thread of this process can count on keeping in cache: its core's L2 plus its share
@@ -696,18 +694,31 @@ const CacheShare& cache_share() {
   return share;
 }
 
+// set_cpu_gather_stream_bytes's setting; -1: the default. Read with one relaxed load per call.
+std::atomic<int64_t> stream_bytes_setting{-1};
+
 }  // namespace
 
 // Outputs of at least this many bytes take the streaming path; -1 where it is not available
 // (no streaming stores: not x86-64, or no AVX). The default is what this process's threads can
 // keep in cache (cache_share: per thread the core's L2 and its share of the L3); Python sets
-// another (csrc/switches.h), so tests can force either path.
+// another (ops.set_cpu_gather_stream_bytes), so tests can force either path.
 int64_t cpu_gather_stream_bytes() {
   if (best_row_stores() == RowStores::kPlain) return -1;
-  const int64_t set = switches::cpu_gather_stream_bytes.load(std::memory_order_relaxed);
+  const int64_t set = stream_bytes_setting.load(std::memory_order_relaxed);
   if (set >= 0) return set;
   const CacheShare& share = cache_share();
-  return std::max<int64_t>(1, at::get_num_threads()) * (share.l2 + share.l3);
+  return std::max<int64_t>(1, cpu::num_threads()) * (share.l2 + share.l3);
+}
+
+int64_t set_cpu_gather_stream_bytes(int64_t bytes) {
+  if (bytes < -1) {
+    throw std::invalid_argument(
+        "set_cpu_gather_stream_bytes: bytes must be >= 0 (or -1 for the "
+        "default), got " +
+        std::to_string(bytes));
+  }
+  return stream_bytes_setting.exchange(bytes);
 }
 
 namespace {
@@ -746,7 +757,7 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
   const int64_t scale_row_bytes = width / kNvfp4Block;
   const int64_t out_row_stride = p.output_row_stride;
   const int64_t items = p.num_tokens * nh;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t threads = std::max<int64_t>(1, cpu::num_threads());
   const int64_t block_items =
       std::clamp<int64_t>(items / (2 * threads), kMinBlockItems, kBlockItems);
   const int64_t blocks = (items + block_items - 1) / block_items;
@@ -755,7 +766,7 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
   std::atomic<int64_t> next_block{0};
   // One decode token is 16 rows: below a couple of blocks a second thread costs more than it
   // saves.
-  at::parallel_for(0, blocks, 2, [&](int64_t, int64_t) {
+  cpu::parallel_for(0, blocks, 2, [&](int64_t, int64_t) {
     // Pass 1 resolves a block's ids into row addresses (nullptr: not owned, a zero row); pass 2
     // copies row i while prefetching row i + kPrefetchDistance. Keeping the id decoding and
     // bounds checks out of the copy loop leaves it as short as a plain memcpy loop, so the
@@ -799,16 +810,13 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
   });
 }
 
-void gather_rows_cpu(const at::Tensor& table, const at::Tensor& ids,
-                     const std::optional<at::Tensor>& scale,
-                     const std::optional<at::Tensor>& block_scales, int64_t vocab_start,
-                     int64_t vocab_end, const at::Tensor& output) {
-  const GatherRowsParams p =
-      check_gather_rows_args(table, ids, scale, block_scales, vocab_start, vocab_end, output);
-  TORCH_CHECK(table.device().is_cpu(), "gather_rows: CPU kernel called with ", table.device(),
-              " tensors");
+}  // namespace
+
+void run_gather_rows_cpu(const GatherRowsParams& p) {
   if (p.num_tokens == 0 || p.num_heads == 0 || p.width == 0) return;
-  const auto unsupported = [] { TORCH_CHECK(false, "gather_rows: unsupported dtype"); };
+  const auto unsupported = [] {
+    throw std::invalid_argument("gather_rows: no CPU kernel for this table and output dtype");
+  };
   dispatch_dtype(
       kTableDtypes, p.table_dtype,
       [&](auto in) {
@@ -820,9 +828,4 @@ void gather_rows_cpu(const at::Tensor& table, const at::Tensor& ids,
       unsupported);
 }
 
-}  // namespace
 }  // namespace qwen4exp
-
-TORCH_LIBRARY_IMPL(qwen4exp, CPU, m) {
-  m.impl("gather_rows", &qwen4exp::gather_rows_cpu);
-}

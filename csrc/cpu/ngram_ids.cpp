@@ -3,14 +3,12 @@
 // Parallel over tokens. Tokens arrive sorted by request, so each worker binary-searches the
 // request of its first token once and then walks forward; per token it builds the window once,
 // derives the N-1 mixes incrementally, and reduces each head with the precomputed fast-modulo
-// constants of csrc/hip/fast_divmod.h (the same exact arithmetic as the GPU kernel).
-#include <ATen/Parallel.h>
-#include <torch/all.h>
-
-#include <limits>
+// constants of csrc/common/fast_divmod.h (the same exact arithmetic as the GPU kernel).
+#include <algorithm>
 #include <vector>
 
-#include "../ngram_ids_args.h"
+#include "../common/ngram_ids.h"
+#include "threads.h"
 
 namespace qwen4exp {
 namespace {
@@ -25,7 +23,7 @@ void ngram_ids_cpu_impl(const NgramIdsParams& p) {
 
   // ~16 heads per token: below a few thousand tokens a second thread costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max(1, p.num_heads));
-  at::parallel_for(0, p.num_tokens, grain, [&](int64_t begin, int64_t end) {
+  cpu::parallel_for(0, p.num_tokens, grain, [&](int64_t begin, int64_t end) {
     const IndexView& qsl = p.query_start_loc;
     int64_t r = p.num_requests > 0 ? find_request(qsl, p.num_requests, begin) : -1;
     int64_t window[kMaxContext + 1];
@@ -47,30 +45,17 @@ void ngram_ids_cpu_impl(const NgramIdsParams& p) {
   });
 }
 
-void ngram_ids_cpu(const at::Tensor& input_ids, const at::Tensor& query_start_loc,
-                   const at::Tensor& ngram_context, const at::Tensor& layer_multipliers,
-                   const at::Tensor& ngram_heads_vocab_sizes, const at::Tensor& ngram_heads_offsets,
-                   int64_t eos_token_id, int64_t heads_per_ngram, const at::Tensor& output) {
-  const NgramIdsParams p = check_ngram_ids_args(
-      input_ids, query_start_loc, ngram_context, layer_multipliers, ngram_heads_vocab_sizes,
-      ngram_heads_offsets, eos_token_id, heads_per_ngram, output);
-  TORCH_CHECK(input_ids.device().is_cpu(), "ngram_ids: CPU kernel called with ", input_ids.device(),
-              " tensors");
-  const bool output_int32 = output.scalar_type() == at::kInt;
-  check_ngram_ids_values(p, output_int32);
+}  // namespace
+
+void run_ngram_ids_cpu(const NgramIdsParams& p, bool output_int64) {
   if (p.num_tokens == 0) return;
   // The released model's N = 3 gets a fully unrolled window; other orders share the generic one.
   if (p.context_len == 2) {
-    output_int32 ? ngram_ids_cpu_impl<int32_t, 2>(p) : ngram_ids_cpu_impl<int64_t, 2>(p);
+    output_int64 ? ngram_ids_cpu_impl<int64_t, 2>(p) : ngram_ids_cpu_impl<int32_t, 2>(p);
   } else {
-    output_int32 ? ngram_ids_cpu_impl<int32_t, kMaxNgramSize - 1>(p)
-                 : ngram_ids_cpu_impl<int64_t, kMaxNgramSize - 1>(p);
+    output_int64 ? ngram_ids_cpu_impl<int64_t, kMaxNgramSize - 1>(p)
+                 : ngram_ids_cpu_impl<int32_t, kMaxNgramSize - 1>(p);
   }
 }
 
-}  // namespace
 }  // namespace qwen4exp
-
-TORCH_LIBRARY_IMPL(qwen4exp, CPU, m) {
-  m.impl("ngram_ids", &qwen4exp::ngram_ids_cpu);
-}

@@ -23,17 +23,16 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 
-#include <ATen/Parallel.h>
-#include <torch/all.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
 #include "../common/dispatch.h"
-#include "../ple_conv_args.h"
+#include "../common/ple_conv.h"
 #include "simd.h"
+#include "threads.h"
 
 namespace qwen4exp {
 namespace {
@@ -431,43 +430,26 @@ void ple_conv_cpu_impl(const PleConvParams& p) {
   // A token is C channels of up to K + 3 rows: a couple of tokens already fill a thread.
   const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, p.channels));
   if (p.mode == ConvMode::kDecode) {
-    at::parallel_for(0, p.num_rows, grain,
-                     [&](int64_t begin, int64_t end) { ConvEntries<T>::decode(ctx, begin, end); });
+    cpu::parallel_for(0, p.num_rows, grain,
+                      [&](int64_t begin, int64_t end) { ConvEntries<T>::decode(ctx, begin, end); });
     return;
   }
-  at::parallel_for(0, p.num_rows, grain,
-                   [&](int64_t begin, int64_t end) { ConvEntries<T>::chunk(ctx, begin, end); });
+  cpu::parallel_for(0, p.num_rows, grain,
+                    [&](int64_t begin, int64_t end) { ConvEntries<T>::chunk(ctx, begin, end); });
   // Every output has read the old state; now the state moves on.
-  at::parallel_for(0, p.num_requests, 1, [&](int64_t begin, int64_t end) {
+  cpu::parallel_for(0, p.num_requests, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) write_back_request(ctx, r);
   });
 }
 
-void ple_conv_cpu(const at::Tensor& inputs, const at::Tensor& residual,
-                  const at::Tensor& conv_state, const at::Tensor& conv_weights,
-                  const at::Tensor& state_indices, const std::optional<at::Tensor>& outer_residual,
-                  c10::string_view mode, int64_t dilation,
-                  const std::optional<at::Tensor>& query_start_loc,
-                  const std::optional<at::Tensor>& num_accepted_tokens,
-                  const std::optional<at::Tensor>& has_initial_states, int64_t spec_query_len,
-                  const std::optional<at::Tensor>& token_indices) {
-  const PleConvParams p = check_ple_conv_args(inputs, residual, conv_state, conv_weights,
-                                              state_indices, outer_residual, std::string(mode),
-                                              dilation, query_start_loc, num_accepted_tokens,
-                                              has_initial_states, spec_query_len, token_indices);
-  TORCH_CHECK(inputs.device().is_cpu(), "ple_conv: CPU kernel called with ", inputs.device(),
-              " tensors");
-  check_ple_conv_values(p);
+}  // namespace
+
+void run_ple_conv_cpu(const PleConvParams& p) {
   if (p.num_rows == 0 && p.num_requests == 0) return;
   dispatch_dtype(
       kFloatDtypes, p.dtype,
       [&](auto dtype) { ple_conv_cpu_impl<typename decltype(dtype)::type>(p); },
-      [] { TORCH_CHECK(false, "ple_conv: unsupported dtype"); });
+      [] { throw std::invalid_argument("ple_conv: no CPU kernel for this dtype"); });
 }
 
-}  // namespace
 }  // namespace qwen4exp
-
-TORCH_LIBRARY_IMPL(qwen4exp, CPU, m) {
-  m.impl("ple_conv", &qwen4exp::ple_conv_cpu);
-}

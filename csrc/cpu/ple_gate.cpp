@@ -23,16 +23,15 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 
-#include <ATen/Parallel.h>
-#include <torch/all.h>
-
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 #include <vector>
 
 #include "../common/dispatch.h"
-#include "../ple_gate_args.h"
+#include "../common/ple_gate.h"
 #include "simd.h"
+#include "threads.h"
 
 namespace qwen4exp {
 namespace {
@@ -272,55 +271,26 @@ GateRowsFn pick_gate_rows(Dtype dtype, GateRounding rounding) {
   switch (dtype) {
     case Dtype::kBF16: return vllm ? gate_bf16_vllm : gate_bf16_fp32;
     case Dtype::kF16: return vllm ? gate_f16_vllm : gate_f16_fp32;
-    default: return vllm ? gate_f32_vllm : gate_f32_fp32;
+    case Dtype::kF32: return vllm ? gate_f32_vllm : gate_f32_fp32;
+    default: throw std::invalid_argument("ple_gate: no CPU kernel for this activation dtype");
   }
 }
 
-void run_ple_gate_cpu(const PleGateParams& p, int64_t channels) {
+}  // namespace
+
+void run_ple_gate_cpu(const PleGateParams& p) {
   if (p.num_tokens == 0) return;
+  const int64_t channels = static_cast<int64_t>(p.width) * p.streams;
   GateWeights w;
   dispatch_dtype(
       kFloatDtypes, p.weight_dtype,
       [&](auto dtype) { fill_weights<typename decltype(dtype)::type>(p, channels, w); },
-      [] { TORCH_CHECK(false, "ple_gate: unsupported weight dtype"); });
+      [] { throw std::invalid_argument("ple_gate: no CPU kernel for this weight dtype"); });
   const GateRowsFn rows = pick_gate_rows(p.dtype, p.rounding);
   // A token is C elements of three inputs and two outputs: a few tokens already fill a thread.
   const int64_t grain = std::max<int64_t>(1, 16384 / channels);
-  at::parallel_for(0, p.num_tokens, grain,
-                   [&](int64_t begin, int64_t end) { rows(p, w, begin, end); });
+  cpu::parallel_for(0, p.num_tokens, grain,
+                    [&](int64_t begin, int64_t end) { rows(p, w, begin, end); });
 }
 
-std::tuple<at::Tensor, at::Tensor> ple_gate_cpu(const at::Tensor& key, const at::Tensor& value,
-                                                const at::Tensor& hidden,
-                                                const at::Tensor& norm_key_w,
-                                                const at::Tensor& norm_query_w,
-                                                const at::Tensor& norm_conv_w, double eps,
-                                                c10::string_view rounding) {
-  PleGateParams p = check_ple_gate_args(key, value, hidden, norm_key_w, norm_query_w, norm_conv_w,
-                                        eps, std::string(rounding));
-  TORCH_CHECK(hidden.device().is_cpu(), "ple_gate: CPU kernel called with ", hidden.device(),
-              " tensors");
-  auto outputs = allocate_ple_gate_outputs(hidden, p);
-  run_ple_gate_cpu(p, hidden.size(1));
-  return outputs;
-}
-
-void ple_gate_out_cpu(const at::Tensor& key, const at::Tensor& value, const at::Tensor& hidden,
-                      const at::Tensor& norm_key_w, const at::Tensor& norm_query_w,
-                      const at::Tensor& norm_conv_w, double eps, c10::string_view rounding,
-                      const at::Tensor& gated, const at::Tensor& conv_input) {
-  PleGateParams p = check_ple_gate_args(key, value, hidden, norm_key_w, norm_query_w, norm_conv_w,
-                                        eps, std::string(rounding));
-  TORCH_CHECK(hidden.device().is_cpu(), "ple_gate: CPU kernel called with ", hidden.device(),
-              " tensors");
-  check_ple_gate_outputs(hidden, gated, conv_input, p);
-  run_ple_gate_cpu(p, hidden.size(1));
-}
-
-}  // namespace
 }  // namespace qwen4exp
-
-TORCH_LIBRARY_IMPL(qwen4exp, CPU, m) {
-  m.impl("ple_gate", &qwen4exp::ple_gate_cpu);
-  m.impl("ple_gate_out", &qwen4exp::ple_gate_out_cpu);
-}

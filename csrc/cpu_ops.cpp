@@ -1,0 +1,114 @@
+// The CPU kernels as torch ops (TORCH_LIBRARY_IMPL CPU): each entry checks its tensors
+// (csrc/<op>_args.h), including the index values the CPU can read for free, builds the params
+// struct and runs the torch-free kernel of csrc/cpu/<op>.cpp. Also the threads those kernels run
+// on in this extension: ATen's, so that torch.set_num_threads applies to them (csrc/cpu/threads.h).
+#include <ATen/Parallel.h>
+#include <torch/all.h>
+
+#include <algorithm>
+#include <string>
+#include <tuple>
+
+#include "common/gather_rows.h"
+#include "common/ngram_ids.h"
+#include "common/ple_conv.h"
+#include "common/ple_gate.h"
+#include "cpu/threads.h"
+#include "gather_rows_args.h"
+#include "ngram_ids_args.h"
+#include "ple_conv_args.h"
+#include "ple_gate_args.h"
+
+namespace qwen4exp {
+
+namespace cpu {
+
+int64_t num_threads() { return std::max<int64_t>(1, at::get_num_threads()); }
+
+void parallel_for_range(int64_t begin, int64_t end, int64_t grain, RangeFn fn) {
+  at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { fn(b, e); });
+}
+
+}  // namespace cpu
+
+namespace {
+
+void check_on_cpu(const char* op, const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu(), op, ": CPU kernel called with ", t.device(), " tensors");
+}
+
+void ngram_ids_cpu(const at::Tensor& input_ids, const at::Tensor& query_start_loc,
+                   const at::Tensor& ngram_context, const at::Tensor& layer_multipliers,
+                   const at::Tensor& ngram_heads_vocab_sizes, const at::Tensor& ngram_heads_offsets,
+                   int64_t eos_token_id, int64_t heads_per_ngram, const at::Tensor& output) {
+  const NgramIdsParams p = check_ngram_ids_args(
+      input_ids, query_start_loc, ngram_context, layer_multipliers, ngram_heads_vocab_sizes,
+      ngram_heads_offsets, eos_token_id, heads_per_ngram, output);
+  check_on_cpu("ngram_ids", input_ids);
+  const bool output_int64 = output.scalar_type() == at::kLong;
+  check_ngram_ids_values(p, !output_int64);
+  run_ngram_ids_cpu(p, output_int64);
+}
+
+void gather_rows_cpu(const at::Tensor& table, const at::Tensor& ids,
+                     const std::optional<at::Tensor>& scale,
+                     const std::optional<at::Tensor>& block_scales, int64_t vocab_start,
+                     int64_t vocab_end, const at::Tensor& output) {
+  const GatherRowsParams p =
+      check_gather_rows_args(table, ids, scale, block_scales, vocab_start, vocab_end, output);
+  check_on_cpu("gather_rows", table);
+  run_gather_rows_cpu(p);
+}
+
+std::tuple<at::Tensor, at::Tensor> ple_gate_cpu(const at::Tensor& key, const at::Tensor& value,
+                                                const at::Tensor& hidden,
+                                                const at::Tensor& norm_key_w,
+                                                const at::Tensor& norm_query_w,
+                                                const at::Tensor& norm_conv_w, double eps,
+                                                c10::string_view rounding) {
+  PleGateParams p = check_ple_gate_args(key, value, hidden, norm_key_w, norm_query_w, norm_conv_w,
+                                        eps, std::string(rounding));
+  check_on_cpu("ple_gate", hidden);
+  auto outputs = allocate_ple_gate_outputs(hidden, p);
+  run_ple_gate_cpu(p);
+  return outputs;
+}
+
+void ple_gate_out_cpu(const at::Tensor& key, const at::Tensor& value, const at::Tensor& hidden,
+                      const at::Tensor& norm_key_w, const at::Tensor& norm_query_w,
+                      const at::Tensor& norm_conv_w, double eps, c10::string_view rounding,
+                      const at::Tensor& gated, const at::Tensor& conv_input) {
+  PleGateParams p = check_ple_gate_args(key, value, hidden, norm_key_w, norm_query_w, norm_conv_w,
+                                        eps, std::string(rounding));
+  check_on_cpu("ple_gate", hidden);
+  check_ple_gate_outputs(hidden, gated, conv_input, p);
+  run_ple_gate_cpu(p);
+}
+
+void ple_conv_cpu(const at::Tensor& inputs, const at::Tensor& residual,
+                  const at::Tensor& conv_state, const at::Tensor& conv_weights,
+                  const at::Tensor& state_indices, const std::optional<at::Tensor>& outer_residual,
+                  c10::string_view mode, int64_t dilation,
+                  const std::optional<at::Tensor>& query_start_loc,
+                  const std::optional<at::Tensor>& num_accepted_tokens,
+                  const std::optional<at::Tensor>& has_initial_states, int64_t spec_query_len,
+                  const std::optional<at::Tensor>& token_indices) {
+  const PleConvParams p = check_ple_conv_args(inputs, residual, conv_state, conv_weights,
+                                              state_indices, outer_residual, std::string(mode),
+                                              dilation, query_start_loc, num_accepted_tokens,
+                                              has_initial_states, spec_query_len, token_indices);
+  check_on_cpu("ple_conv", inputs);
+  check_ple_conv_values(p);
+  run_ple_conv_cpu(p);
+}
+
+}  // namespace
+}  // namespace qwen4exp
+
+TORCH_LIBRARY_IMPL(qwen4exp, CPU, m) {
+  m.impl("ngram_ids", &qwen4exp::ngram_ids_cpu);
+  m.impl("gather_rows", &qwen4exp::gather_rows_cpu);
+  m.impl("ple_gate", &qwen4exp::ple_gate_cpu);
+  m.impl("ple_gate_out", &qwen4exp::ple_gate_out_cpu);
+  m.impl("ple_conv", &qwen4exp::ple_conv_cpu);
+}
