@@ -1,5 +1,5 @@
-# qwen4exp_kernel_sources(<var> <role>): the csrc/kernel_sources.txt entries of <role> ("kernel"
-# or "simt") as absolute paths, in <var>. That file is the one list of the library's sources;
+# qwen4exp_kernel_sources(<var> <role>): the csrc/kernel_sources.txt entries of <role> ("kernel",
+# "simt", "cpu" or "cpu_threads") as absolute paths, in <var>. That file is the one list of the library's sources;
 # setup.py reads it too.
 function(qwen4exp_kernel_sources var role)
   set(listing ${CMAKE_CURRENT_FUNCTION_LIST_DIR}/../csrc/kernel_sources.txt)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The CMake package of the torch-free kernel library (CMakeLists.txt): for each backend this
-# machine can build — SIMT (the kernels on the CPU, 64-wide waves) always, CUDA where nvcc is —
-# configure, build, install into a scratch prefix, then build tests/cpp/cmake_consumer against
-# the installed package (find_package(qwen4exp_kernels)) and run it: on SIMT always, on CUDA
-# only where a GPU answers. Fails on any step, and when a build tree lacks compile_commands.json.
+# machine can build — CPU (the CPU kernels alone) and SIMT (those and the HIP kernels on the CPU,
+# 64-wide waves) always, CUDA where nvcc is — configure, build, install into a scratch prefix,
+# then build tests/cpp/cmake_consumer against the installed package (find_package(
+# qwen4exp_kernels)) and run it: on CPU and SIMT always, on CUDA only where a GPU answers. Fails
+# on any step, when a build tree lacks compile_commands.json, and when the CPU kernels' shared
+# library exports anything of ours but its entry points (QWEN4EXP_API).
 #   tools/check-cmake.sh            (CUDA_ARCH=90 by default; CUDA_HOME picks the toolkit)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -15,6 +17,24 @@ command -v ninja >/dev/null && generator=(-G Ninja)
 # Runs a command with its output in $log; on failure prints the log and fails.
 logged() {
   "$@" >>"$log" 2>&1 || { cat "$log"; echo "check-cmake: FAIL: $*"; return 1; }
+}
+
+# The qwen4exp symbols the CPU kernels' library exports must be its entry points and no more: an
+# exported inline helper could bind to an emulator build's version of it in the same program.
+check_exports() {
+  local library
+  library="$(find "$2" -name 'libqwen4exp_cpu_kernels.so' | head -n 1)"
+  [ -n "$library" ] || { echo "check-cmake: $1: no libqwen4exp_cpu_kernels.so installed"; return 1; }
+  local exported
+  # Each defined dynamic symbol, demangled, without its parameter list; ours start qwen4exp::.
+  exported="$(nm -DC --defined-only "$library" | cut -d' ' -f3- | sed 's/(.*//' |
+    grep '^qwen4exp::' | sort -u | tr '\n' ' ')"
+  local want="qwen4exp::cpu_gather_stream_bytes qwen4exp::run_gather_rows_cpu qwen4exp::run_ngram_ids_cpu qwen4exp::run_ple_conv_cpu qwen4exp::run_ple_gate_cpu qwen4exp::set_cpu_gather_stream_bytes "
+  if [ "$exported" != "$want" ]; then
+    echo "check-cmake: $1: libqwen4exp_cpu_kernels.so exports: $exported"
+    echo "check-cmake: $1: want only: $want"
+    return 1
+  fi
 }
 
 check_backend() {
@@ -31,12 +51,15 @@ check_backend() {
     return 1
   fi
   logged cmake --install "$build" --prefix "$prefix"
+  check_exports "$backend" "$prefix"
   echo "check-cmake: $backend: the consumer, against the installed package"
   logged cmake -S "$root/tests/cpp/cmake_consumer" -B "$work/$backend/consumer" "${generator[@]}" \
     -DCMAKE_PREFIX_PATH="$prefix" "$@"
   logged cmake --build "$work/$backend/consumer"
 }
 
+check_backend CPU
+"$work/CPU/consumer/run_gather"
 check_backend SIMT -DQWEN4EXP_SIMT_WAVE_SIZE=64
 "$work/SIMT/consumer/run_gather"
 
