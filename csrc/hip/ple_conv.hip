@@ -15,6 +15,8 @@
 // and prefill); query starts that run backwards or past the batch produce no output and no
 // write-back; taps whose input row falls outside the batch read 0. Nothing reads or writes out
 // of bounds, whatever the indices hold.
+#include <type_traits>
+
 #include "block_reduce.h"
 #include "../common/dispatch.h"
 #include "../common/ple_conv.h"
@@ -34,21 +36,21 @@ QWEN4EXP_DEVICE bool slot_in_range(const PleConvParams& p, int64_t slot) {
   return slot >= 0 && slot < p.num_slots;
 }
 
-// Calls body(index, c0) for every index < count (blocks along x) and every thread's first channel
-// c0 < C (blocks along y), whatever the grid's size.
+// Calls body(index, c0) for every index < count (blocks along x, looping past the grid) and this
+// thread's first channel c0 < C. The launcher gives every channel group a block along y, so a
+// thread keeps one c0 for the whole launch: a loop over channel groups too kept enough uniform
+// values live to spill SGPRs on AMD.
 template <int VEC, typename Body>
 QWEN4EXP_DEVICE void for_each_row_and_channels(const PleConvParams& p, int64_t count, Body body) {
-  const int64_t channel_step = static_cast<int64_t>(gridDim.y) * kThreads * VEC;
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x) * VEC;
+  if (c0 >= p.channels) return;
   for (int64_t index = blockIdx.x; index < count; index += gridDim.x) {
-    for (int64_t c0 = (static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x) * VEC;
-         c0 < p.channels; c0 += channel_step) {
-      body(index, c0);
-    }
+    body(index, c0);
   }
 }
 
 // Logical row t, channels [c0, c0 + VEC).
-template <typename T, typename W, int VEC>
+template <typename T, typename W, int VEC, ConvMode kMode>
 QWEN4EXP_DEVICE void conv_output(const PleConvParams& p, int64_t t, int64_t c0) {
   const int64_t row = conv_physical_row(p, t);
   if (row < 0) return;
@@ -56,7 +58,7 @@ QWEN4EXP_DEVICE void conv_output(const PleConvParams& p, int64_t t, int64_t c0) 
 
   bool produce = false, read = false, live = false, init = true;
   int64_t slot = kNullSlot, start = t, offset = 0;
-  if (p.mode == ConvMode::kDecode) {
+  if constexpr (kMode == ConvMode::kDecode) {
     slot = p.state_indices[t];
     live = slot != kNullSlot && slot_in_range(p, slot);
     init = !p.has_initial_states.present() || p.has_initial_states[t] != 0;
@@ -69,7 +71,7 @@ QWEN4EXP_DEVICE void conv_output(const PleConvParams& p, int64_t t, int64_t c0) 
     const bool in_range = t >= start && t < qsl[p.num_requests];
     slot = p.state_indices[r];
     live = slot != kNullSlot && slot_in_range(p, slot);
-    if (p.mode == ConvMode::kSpec) {
+    if constexpr (kMode == ConvMode::kSpec) {
       read = live;
       produce = in_range;
       offset = conv_spec_offset(p, r);
@@ -132,7 +134,7 @@ QWEN4EXP_DEVICE void conv_output(const PleConvParams& p, int64_t t, int64_t c0) 
   }
   store_floats<T, VEC>(residual, y);
 
-  if (p.mode == ConvMode::kDecode && live && S > 0) {
+  if (kMode == ConvMode::kDecode && live && S > 0) {  // folds away outside decode
     // Shift this thread's channels of the window by one and append x (zeros without an
     // initial state). Entry i reads entry i + 1 before anything writes it.
     for (int i = 0; i + 1 < S; ++i) {
@@ -149,14 +151,14 @@ QWEN4EXP_DEVICE void conv_output(const PleConvParams& p, int64_t t, int64_t c0) 
   }
 }
 
-template <typename T, typename W, int VEC>
+template <typename T, typename W, int VEC, ConvMode kMode>
 __global__ void __launch_bounds__(kThreads) ple_conv_outputs_kernel(PleConvParams p) {
-  for_each_row_and_channels<VEC>(p, p.num_rows,
-                                 [&](int64_t t, int64_t c0) { conv_output<T, W, VEC>(p, t, c0); });
+  for_each_row_and_channels<VEC>(
+      p, p.num_rows, [&](int64_t t, int64_t c0) { conv_output<T, W, VEC, kMode>(p, t, c0); });
 }
 
 // Request r's new state, channels [c0, c0 + VEC).
-template <typename T, int VEC>
+template <typename T, int VEC, ConvMode kMode>
 QWEN4EXP_DEVICE void conv_write_back(const PleConvParams& p, int64_t r, int64_t c0) {
   const int64_t slot = p.state_indices[r];
   if (slot == kNullSlot || !slot_in_range(p, slot)) return;
@@ -167,7 +169,7 @@ QWEN4EXP_DEVICE void conv_write_back(const PleConvParams& p, int64_t r, int64_t 
   const int64_t qlen = end - start;
   int64_t shift, offset = 0, count;
   bool init = true;
-  if (p.mode == ConvMode::kSpec) {
+  if constexpr (kMode == ConvMode::kSpec) {
     // Entries [0, S-1+qlen) become old[o+1 : o+S] ++ chunk; the unused tail is kept.
     shift = 1;
     offset = conv_spec_offset(p, r);
@@ -198,30 +200,46 @@ QWEN4EXP_DEVICE void conv_write_back(const PleConvParams& p, int64_t r, int64_t 
   }
 }
 
-template <typename T, int VEC>
+template <typename T, int VEC, ConvMode kMode>
 __global__ void __launch_bounds__(kThreads) ple_conv_write_back_kernel(PleConvParams p) {
-  for_each_row_and_channels<VEC>(p, p.num_requests,
-                                 [&](int64_t r, int64_t c0) { conv_write_back<T, VEC>(p, r, c0); });
+  for_each_row_and_channels<VEC>(
+      p, p.num_requests, [&](int64_t r, int64_t c0) { conv_write_back<T, VEC, kMode>(p, r, c0); });
 }
 
 template <typename T, typename W, int VEC>
 hipError_t launch_vec(const PleConvParams& p, hipStream_t stream) {
   const int64_t per_block = static_cast<int64_t>(kThreads) * VEC;
   const int64_t channel_blocks = (p.channels + per_block - 1) / per_block;
+  // More than 65535 · 256 · VEC channels (16.7 million at VEC = 1) are not launched.
+  if (channel_blocks > kMaxGridY) return hipErrorInvalidValue;
   const auto grid = [&](int64_t count) {
     return dim3(static_cast<unsigned>(count < kMaxGridX ? count : kMaxGridX),
-                static_cast<unsigned>(channel_blocks < kMaxGridY ? channel_blocks : kMaxGridY));
+                static_cast<unsigned>(channel_blocks));
   };
-  if (p.num_rows > 0) {
-    const hipError_t status =
-        launch_kernel(ple_conv_outputs_kernel<T, W, VEC>, grid(p.num_rows), kThreads, 0, stream, p);
-    if (status != hipSuccess) return status;
+  // Each mode is its own kernel: a kernel with all three keeps every mode's values live.
+  const auto launch_mode = [&](auto mode) -> hipError_t {
+    constexpr ConvMode kMode = decltype(mode)::value;
+    if (p.num_rows > 0) {
+      const hipError_t status = launch_kernel(ple_conv_outputs_kernel<T, W, VEC, kMode>,
+                                              grid(p.num_rows), kThreads, 0, stream, p);
+      if (status != hipSuccess) return status;
+    }
+    if constexpr (kMode != ConvMode::kDecode) {
+      if (p.num_requests > 0) {
+        return launch_kernel(ple_conv_write_back_kernel<T, VEC, kMode>, grid(p.num_requests),
+                             kThreads, 0, stream, p);
+      }
+    }
+    return hipSuccess;
+  };
+  switch (p.mode) {
+    case ConvMode::kDecode:
+      return launch_mode(std::integral_constant<ConvMode, ConvMode::kDecode>{});
+    case ConvMode::kPrefill:
+      return launch_mode(std::integral_constant<ConvMode, ConvMode::kPrefill>{});
+    case ConvMode::kSpec: return launch_mode(std::integral_constant<ConvMode, ConvMode::kSpec>{});
   }
-  if (p.mode != ConvMode::kDecode && p.num_requests > 0) {
-    return launch_kernel(ple_conv_write_back_kernel<T, VEC>, grid(p.num_requests), kThreads, 0,
-                         stream, p);
-  }
-  return hipSuccess;
+  return hipErrorInvalidValue;
 }
 
 template <typename T, typename W>
