@@ -14,9 +14,8 @@ class RangeFn {
  public:
   template <typename F>
   explicit RangeFn(const F& f)
-      : object_(&f), call_([](const void* o, int64_t b, int64_t e) {
-          (*static_cast<const F*>(o))(b, e);
-        }) {}
+      : object_(&f),
+        call_([](const void* o, int64_t b, int64_t e) { (*static_cast<const F*>(o))(b, e); }) {}
   void operator()(int64_t begin, int64_t end) const { call_(object_, begin, end); }
 
  private:
