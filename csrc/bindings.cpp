@@ -7,6 +7,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <stdexcept>
 #include <string>
 
 #include "common/gather_rows.h"
@@ -24,12 +25,13 @@ TORCH_LIBRARY(qwen4exp, m) {
   // non-temporal stores; csrc/cpu/gather_rows.cpp), -1 where this CPU or build has none.
   m.def("cpu_gather_stream_bytes() -> int", &qwen4exp::cpu_gather_stream_bytes);
   // Sets that size (-1: the default, from the cache sizes) and returns the setting it replaces.
+  // The kernel checks the value; its std::invalid_argument becomes Python's ValueError here.
   m.def("set_cpu_gather_stream_bytes(int bytes) -> int", [](int64_t bytes) -> int64_t {
-    TORCH_CHECK_VALUE(bytes >= -1,
-                      "set_cpu_gather_stream_bytes: bytes must be >= 0 (or -1 for "
-                      "the default), got ",
-                      bytes);
-    return qwen4exp::set_cpu_gather_stream_bytes(bytes);
+    try {
+      return qwen4exp::set_cpu_gather_stream_bytes(bytes);
+    } catch (const std::invalid_argument& e) {
+      TORCH_CHECK_VALUE(false, e.what());
+    }
   });
   // SPEC §4, pinned host tables: pins (or host-registers) a CPU tensor's memory once and returns
   // a view of it on `device` (hip/cudaHostGetDevicePointer) that kernels read over PCIe. GPU

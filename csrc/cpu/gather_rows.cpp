@@ -608,7 +608,7 @@ template <Dtype In, Dtype Out>
 void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out>& convert,
                            RowStores stores) {
   const int64_t items = p.num_tokens * p.num_heads;
-  const int64_t threads = std::max<int64_t>(1, cpu::num_threads());
+  const int64_t threads = cpu::num_threads();
   const int64_t block_items = std::clamp<int64_t>((items + 2 * threads - 1) / (2 * threads),
                                                   kStreamMinBlockItems, kStreamBlockItems);
   // Buckets of 2^shift rows, about as many buckets as items in a block: finer buys nothing (a
@@ -708,7 +708,7 @@ int64_t cpu_gather_stream_bytes() {
   const int64_t set = stream_bytes_setting.load(std::memory_order_relaxed);
   if (set >= 0) return set;
   const CacheShare& share = cache_share();
-  return std::max<int64_t>(1, cpu::num_threads()) * (share.l2 + share.l3);
+  return cpu::num_threads() * (share.l2 + share.l3);
 }
 
 int64_t set_cpu_gather_stream_bytes(int64_t bytes) {
@@ -757,7 +757,7 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
   const int64_t scale_row_bytes = width / kNvfp4Block;
   const int64_t out_row_stride = p.output_row_stride;
   const int64_t items = p.num_tokens * nh;
-  const int64_t threads = std::max<int64_t>(1, cpu::num_threads());
+  const int64_t threads = cpu::num_threads();
   const int64_t block_items =
       std::clamp<int64_t>(items / (2 * threads), kMinBlockItems, kBlockItems);
   const int64_t blocks = (items + block_items - 1) / block_items;
