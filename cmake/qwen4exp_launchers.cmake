@@ -3,10 +3,7 @@
 add_library(qwen4exp_kernels STATIC ${QWEN4EXP_KERNEL_SOURCES})
 add_library(qwen4exp::kernels ALIAS qwen4exp_kernels)
 set_target_properties(qwen4exp_kernels PROPERTIES EXPORT_NAME kernels POSITION_INDEPENDENT_CODE ON)
-target_compile_features(qwen4exp_kernels PUBLIC cxx_std_17)
-target_include_directories(qwen4exp_kernels PUBLIC
-  $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/csrc>
-  $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}/qwen4exp>)
+qwen4exp_public_interface(qwen4exp_kernels)
 
 if(QWEN4EXP_BACKEND STREQUAL "SIMT")
   if(NOT QWEN4EXP_SIMT_WAVE_SIZE MATCHES "^(32|64)$")
