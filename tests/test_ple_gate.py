@@ -145,6 +145,74 @@ def test_matches_vllm_triton_kernel(backend, dtype, tokens, width, streams):
             assert_within(g, e, tol, name)
 
 
+def numpy_order_gate(key, value, hidden, weights, eps=EPS):
+    """vLLM's `_ple_gate_kernel` operation by operation in numpy fp32, rounded to the storage
+    dtype where it rounds, its sums numpy's own (pairwise) sums over the zero-padded power-of-two
+    block: the order the CPU kernel documents. Independent of the interpreter, so it also pins
+    bf16, where the interpreter's bf16 handling differs from vLLM's compiled kernel."""
+    import numpy as np
+
+    dtype = hidden.dtype
+    tokens, channels = hidden.shape
+    width = value.shape[1]
+    streams = channels // width
+    block = 1 << (width - 1).bit_length()
+    f32 = np.float32
+
+    def rnd(x):
+        return torch.from_numpy(np.ascontiguousarray(x)).to(dtype).float().numpy()
+
+    def rows(x):  # [T, C] -> [T, M, block], zero-padded
+        out = np.zeros((tokens, streams, block), f32)
+        out[..., :width] = x.float().reshape(tokens, streams, width).numpy()
+        return out
+
+    def weight(w):
+        out = np.zeros((streams, block), f32)
+        out[:, :width] = f32(1.0) + w.float().reshape(streams, width).numpy()
+        return out
+
+    def inv_rms(x):  # 1/sqrt, as the kernel computes rsqrt
+        return f32(1.0) / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) / f32(width) + f32(eps))
+
+    k, q = rows(key), rows(hidden)
+    k_n = rnd(k * inv_rms(k) * weight(weights[0]))
+    q_n = rnd(q * inv_rms(q) * weight(weights[1]))
+    dot = rnd(np.sum(rnd(k_n * q_n), axis=-1))
+    d = rnd(dot / np.sqrt(f32(width)))
+    magnitude = rnd(np.sqrt(np.maximum(np.abs(d), f32(1e-6))))
+    a = np.sign(d) * magnitude
+    g = rnd(f32(1.0) / (f32(1.0) + np.exp(-a.astype(np.float64)).astype(f32)))
+    v = np.zeros((tokens, 1, block), f32)
+    v[..., 0, :width] = value.float().numpy()
+    gated = rnd(g[..., None] * v)
+    normed = gated * inv_rms(gated) * weight(weights[2])
+
+    def out(x):
+        x = torch.from_numpy(np.ascontiguousarray(x[..., :width])).reshape(tokens, channels)
+        return x.to(dtype)
+
+    return out(gated), out(normed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "tokens,width,streams",
+    [(200, 100, 3), (3, 2624, 1), (100, 656, 4), (7, 3, 5), (300, 130, 2), (300, 120, 2)]
+    + [(2, 2600, 2), (2, 16, 3), (3, 17, 1), (1, 8, 2), (2, 4, 1)],
+)
+def test_cpu_kernel_sums_in_numpy_order(dtype, tokens, width, streams):
+    """The CPU kernel's "vllm" rounding, bit for bit with numpy_order_gate in every dtype: its
+    blocked loops, which split 16-bit rows into even and odd elements, keep numpy's lane order,
+    the tails included. fp16 is where a wrong order shows: fp32 sums of bf16-rounded terms are
+    mostly exact, so in bf16 the order rarely changes a result."""
+    key, value, hidden, weights = make_inputs(tokens, width, streams, dtype, seed=width)
+    got = ops.ple_gate(key, value, hidden, *weights, EPS)
+    expected = numpy_order_gate(key, value, hidden, weights)
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e)
+
+
 # --- the reference, odd shapes, strided views ---------------------------------------------------
 
 

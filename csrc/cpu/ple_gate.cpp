@@ -8,7 +8,13 @@
 // use numpy's pairwise order over the kernel's power-of-two block (8 lane accumulators per
 // 128-element leaf, then a binary tree of leaves), which is the order Triton's interpreter sums
 // in; so in fp16 this kernel equals vLLM's kernel run by the interpreter bit for bit, and the
-// order is a well-conditioned, vectorisable one in its own right.
+// order is a well-conditioned, vectorisable one in its own right. Σk² and Σq² are summed side by
+// side in one sweep (each in its own order), so that the two rows stream in together.
+//
+// Rows are walked in simd.h's blocks of 16, which hold 16-bit rows split into even and odd
+// elements; the norm weights are laid out to match (weight_slot), and the pairwise sums keep
+// numpy's lanes apart (add_in_numpy_lanes). The loops are bound by instruction count, and this
+// halves the cost of each 16-bit load and store.
 //
 // "fp32" rounding is the fast single pass: per stream one sweep accumulates Σk², Σq² and
 // Σk·q·(1+w_k)(1+w_q) (the two norm weights fused into one), the conv norm of gated = g·value
@@ -24,6 +30,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <stdexcept>
 #include <vector>
@@ -40,9 +47,34 @@ using simd::f32x8;
 using simd::kLanes;
 constexpr int kPairwiseLeaf = 128;  // numpy's PW_BLOCKSIZE
 
+// The pairwise sums keep numpy's eight lane accumulators r0..r7 (lane j sums the elements j mod 8,
+// in order) in one f32x8. For T whose blocks split even and odd elements the accumulator holds them
+// as r0 r2 r4 r6 r1 r3 r5 r7, the order in which a split block's halves deliver them: its first 8
+// elements are lo's lanes 0-3 and hi's lanes 0-3, the next 8 the upper lanes.
+template <typename T>
+QWEN4EXP_ALWAYS_INLINE void add_in_numpy_lanes(f32x8& r, simd::f32x16 t) {
+  if constexpr (simd::kSplitsEvenOdd<T>) {
+    r += __builtin_shufflevector(t.lo, t.hi, 0, 1, 2, 3, 8, 9, 10, 11);
+    r += __builtin_shufflevector(t.lo, t.hi, 4, 5, 6, 7, 12, 13, 14, 15);
+  } else {
+    r += t.lo;
+    r += t.hi;
+  }
+}
+template <typename T>
+QWEN4EXP_ALWAYS_INLINE void add_in_numpy_lanes(f32x8& r, f32x8 t) {  // 8 elements in order
+  if constexpr (simd::kSplitsEvenOdd<T>) {
+    r += __builtin_shufflevector(t, t, 0, 2, 4, 6, 1, 3, 5, 7);
+  } else {
+    r += t;
+  }
+}
+
 // ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)): how numpy folds its eight lane accumulators.
-QWEN4EXP_ALWAYS_INLINE float fold_lanes(f32x8 r) {
-  return ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+template <typename T>
+QWEN4EXP_ALWAYS_INLINE float fold_lanes(f32x8 acc) {
+  const auto r = [&](int j) { return acc[simd::kSplitsEvenOdd<T> ? (j % 2) * 4 + j / 2 : j]; };
+  return ((r(0) + r(1)) + (r(2) + r(3))) + ((r(4) + r(5)) + (r(6) + r(7)));
 }
 
 // Combines leaf sums pairwise up a binary tree. Leaves past the end are all zero in the padded
@@ -55,59 +87,91 @@ QWEN4EXP_ALWAYS_INLINE float fold_leaves(float* leaves, int count) {
   return leaves[0];
 }
 
-// Σ terms(i) over i < n in numpy's pairwise order over the zero-padded power-of-two block (see
-// the file comment). terms(i, lanes) returns the 8 terms at [i, i+8), the lanes past `lanes`
-// zero. n >= 5 (smaller H sums sequentially, see sequential_sum).
-template <typename Terms>
-QWEN4EXP_ALWAYS_INLINE float pairwise_sum(int n, const Terms& terms, float* leaves) {
+// Σ terms(i, step)[s] over i < n, for each of the N sums s, in numpy's pairwise order over the
+// zero-padded power-of-two block (see the file comment); summed side by side in one sweep so
+// that the rows they read stream from memory together. terms returns, for simd::for_each_block's
+// step at i, N f32x16 of a whole block or N f32x8 of `step` elements in order (the lanes past it
+// zero). leaves holds N * (n / kPairwiseLeaf + 1) floats. n >= 5 (see sequential_sums).
+template <typename T, size_t N, typename Terms>
+QWEN4EXP_ALWAYS_INLINE std::array<float, N> pairwise_sums(int n, const Terms& terms,
+                                                          float* leaves) {
   const int num_leaves = (n + kPairwiseLeaf - 1) / kPairwiseLeaf;
   for (int b = 0; b < num_leaves; ++b) {
     const int end = std::min(n, (b + 1) * kPairwiseLeaf);
-    f32x8 r = simd::splat(0.0f);
-    for (int i = b * kPairwiseLeaf; i < end; i += kLanes) r += terms(i, std::min(kLanes, end - i));
-    leaves[b] = fold_lanes(r);
+    std::array<f32x8, N> r;
+    r.fill(simd::splat(0.0f));
+    simd::for_each_block(b * kPairwiseLeaf, end, [&](int i, auto step) QWEN4EXP_LAMBDA_INLINE {
+      const auto t = terms(i, step);
+      for (size_t s = 0; s < N; ++s) add_in_numpy_lanes<T>(r[s], t[s]);
+    });
+    for (size_t s = 0; s < N; ++s) leaves[s * num_leaves + b] = fold_lanes<T>(r[s]);
   }
-  return fold_leaves(leaves, num_leaves);
+  std::array<float, N> sums;
+  for (size_t s = 0; s < N; ++s) sums[s] = fold_leaves(leaves + s * num_leaves, num_leaves);
+  return sums;
 }
 
 // numpy's order for blocks shorter than 8 (H <= 4): one running sum from 0.
-template <typename Terms>
-QWEN4EXP_ALWAYS_INLINE float sequential_sum(int n, const Terms& terms) {
-  const f32x8 t = terms(0, n);
-  float sum = 0.f;
-  for (int i = 0; i < n; ++i) sum += t[i];
-  return sum;
+template <size_t N, typename Terms>
+QWEN4EXP_ALWAYS_INLINE std::array<float, N> sequential_sums(int n, const Terms& terms) {
+  const auto t = terms(0, n);
+  std::array<float, N> sums;
+  for (size_t s = 0; s < N; ++s) {
+    sums[s] = 0.f;
+    for (int i = 0; i < n; ++i) sums[s] += t[s][i];
+  }
+  return sums;
 }
 
-template <typename Terms>
+template <typename T, size_t N, typename Terms>
+QWEN4EXP_ALWAYS_INLINE std::array<float, N> numpy_sums(int n, const Terms& terms, float* leaves) {
+  return n <= 4 ? sequential_sums<N>(n, terms) : pairwise_sums<T, N>(n, terms, leaves);
+}
+
+// One sum: terms returns the f32x16 or f32x8 itself.
+template <typename T, typename Terms>
 QWEN4EXP_ALWAYS_INLINE float numpy_sum(int n, const Terms& terms, float* leaves) {
-  return n <= 4 ? sequential_sum(n, terms) : pairwise_sum(n, terms, leaves);
+  const auto one = [&](int i, auto step)
+                       QWEN4EXP_LAMBDA_INLINE { return std::array{terms(i, step)}; };
+  return numpy_sums<T, 1>(n, one, leaves)[0];
 }
 
-// The norm weights as fp32 (1 + w) factors, built once per call.
+// The norm weights as fp32 (1 + w) factors, built once per call, each stream's row in the block
+// layout of the activation dtype (simd::block_position) so that blocks of weights and of
+// activations load alike.
 struct GateWeights {
   std::vector<float> key1, query1, conv1;  // vllm rounding
   std::vector<float> fused;                // fp32 rounding: (1 + w_k)(1 + w_q)
 };
 
-template <typename W>
-void fill_weights(const PleGateParams& p, int64_t channels, GateWeights& w) {
+// Index in a weight row of channel c, for a stream width H, in the layout of activation type A.
+template <typename A>
+int64_t weight_slot(int64_t c, int H) {
+  const int j = static_cast<int>(c % H);
+  if (j >= H / simd::kBlock * simd::kBlock) return c;  // the tail steps load in order
+  return c - j % simd::kBlock + simd::block_position<A>(j % simd::kBlock);
+}
+
+template <typename A, typename W>
+void fill_weights(const PleGateParams& p, GateWeights& w) {
+  const int64_t channels = static_cast<int64_t>(p.width) * p.streams;
   const W* wk = static_cast<const W*>(p.norm_key_w);
   const W* wq = static_cast<const W*>(p.norm_query_w);
   const W* wc = static_cast<const W*>(p.norm_conv_w);
+  const bool vllm = p.rounding == GateRounding::kVllm;
   w.conv1.resize(channels);
-  for (int64_t c = 0; c < channels; ++c) w.conv1[c] = 1.0f + to_float(wc[c]);
-  if (p.rounding == GateRounding::kVllm) {
-    w.key1.resize(channels);
-    w.query1.resize(channels);
-    for (int64_t c = 0; c < channels; ++c) {
-      w.key1[c] = 1.0f + to_float(wk[c]);
-      w.query1[c] = 1.0f + to_float(wq[c]);
-    }
-  } else {
-    w.fused.resize(channels);
-    for (int64_t c = 0; c < channels; ++c) {
-      w.fused[c] = (1.0f + to_float(wk[c])) * (1.0f + to_float(wq[c]));
+  (vllm ? w.key1 : w.fused).resize(channels);
+  if (vllm) w.query1.resize(channels);
+  for (int64_t c = 0; c < channels; ++c) {
+    const int64_t slot = weight_slot<A>(c, p.width);
+    const float k1 = 1.0f + to_float(wk[c]);
+    const float q1 = 1.0f + to_float(wq[c]);
+    w.conv1[slot] = 1.0f + to_float(wc[c]);
+    if (vllm) {
+      w.key1[slot] = k1;
+      w.query1[slot] = q1;
+    } else {
+      w.fused[slot] = k1 * q1;
     }
   }
 }
@@ -138,7 +202,7 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_vllm(const PleGateParams& p, const GateWei
   const float h_f = static_cast<float>(H);
   const float sqrt_h = std::sqrt(h_f);
   const float eps = p.eps;
-  std::vector<float> leaf_buf(H / kPairwiseLeaf + 1);
+  std::vector<float> leaf_buf(2 * (H / kPairwiseLeaf + 1));
   float* leaves = leaf_buf.data();
   for (int64_t t = begin; t < end; ++t) {
     const TokenRows<T> row(p, t);
@@ -153,19 +217,16 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_vllm(const PleGateParams& p, const GateWei
       T* conv = row.conv_input + base;
 
       // clang-format off: a lambda argument before `leaves` would put every argument on a line
-      const float sum_kk = numpy_sum(H, [&](int i, int n) QWEN4EXP_LAMBDA_INLINE {
-        const f32x8 x = load_n(k + i, n);
-        return x * x;
-      }, leaves);
-      const float sum_qq = numpy_sum(H, [&](int i, int n) QWEN4EXP_LAMBDA_INLINE {
-        const f32x8 x = load_n(q + i, n);
-        return x * x;
+      const auto [sum_kk, sum_qq] = numpy_sums<T, 2>(H, [&](int i, auto n) QWEN4EXP_LAMBDA_INLINE {
+        const auto x = load_n(k + i, n);
+        const auto y = load_n(q + i, n);
+        return std::array{x * x, y * y};
       }, leaves);
       const f32x8 rk = splat(1.0f / std::sqrt(sum_kk / h_f + eps));
       const f32x8 rq = splat(1.0f / std::sqrt(sum_qq / h_f + eps));
-      const float dot = round_to<T>(numpy_sum(H, [&](int i, int n) QWEN4EXP_LAMBDA_INLINE {
-        const f32x8 kn = simd::round<T>(load_n(k + i, n) * rk * load_n(wk + i, n));
-        const f32x8 qn = simd::round<T>(load_n(q + i, n) * rq * load_n(wq + i, n));
+      const float dot = round_to<T>(numpy_sum<T>(H, [&](int i, auto n) QWEN4EXP_LAMBDA_INLINE {
+        const auto kn = simd::round<T>(load_n(k + i, n) * rk * load_n(wk + i, n));
+        const auto qn = simd::round<T>(load_n(q + i, n) * rq * load_n(wq + i, n));
         return simd::round<T>(kn * qn);
       }, leaves));
       const float d = round_to<T>(dot / sqrt_h);
@@ -174,19 +235,30 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_vllm(const PleGateParams& p, const GateWei
       const f32x8 g = splat(round_to<T>(sigmoid_f32(sign * magnitude)));
 
       // gated = round(g·value) is stored as it is summed; the conv norm reads it back.
-      const float sum_gg = numpy_sum(H, [&](int i, int n) QWEN4EXP_LAMBDA_INLINE {
-        const f32x8 x = simd::round<T>(g * load_n(row.value + i, n));
+      const float sum_gg = numpy_sum<T>(H, [&](int i, auto n) QWEN4EXP_LAMBDA_INLINE {
+        const auto x = simd::round<T>(g * load_n(row.value + i, n));
         simd::store_n(gated + i, x, n);
         return x * x;
       }, leaves);
       // clang-format on
       const f32x8 rg = splat(1.0f / std::sqrt(sum_gg / h_f + eps));
-      for (int i = 0; i < H; i += kLanes) {
-        const int n = std::min(kLanes, H - i);
+      simd::for_each_block(0, H, [&](int i, auto n) QWEN4EXP_LAMBDA_INLINE {
         simd::store_n(conv + i, load_n(gated + i, n) * rg * load_n(wc + i, n), n);
-      }
+      });
     }
   }
+}
+
+// The fp32 pass's sums, in any order: per block into two accumulators, a tail step into one.
+using simd::f32x16;
+constexpr f32x16 zero16 = {};
+QWEN4EXP_ALWAYS_INLINE void add_to(f32x16& acc, f32x16 t) { acc += t; }
+QWEN4EXP_ALWAYS_INLINE void add_to(f32x16& acc, f32x8 t) { acc.lo += t; }
+QWEN4EXP_ALWAYS_INLINE float lane_sum(f32x16 acc) {
+  const f32x8 v = acc.lo + acc.hi;
+  float sum = 0.f;
+  for (int j = 0; j < kLanes; ++j) sum += v[j];
+  return sum;
 }
 
 template <typename T>
@@ -201,13 +273,12 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_fp32(const PleGateParams& p, const GateWei
   for (int64_t t = begin; t < end; ++t) {
     const TokenRows<T> row(p, t);
     // One Σvalue² serves every stream: Σ(g·v)² = g²·Σv².
-    f32x8 acc_vv = splat(0.0f);
-    for (int i = 0; i < H; i += kLanes) {
-      const f32x8 v = load_n(row.value + i, std::min(kLanes, H - i));
-      acc_vv += v * v;
-    }
-    float sum_vv = 0.f;
-    for (int j = 0; j < kLanes; ++j) sum_vv += acc_vv[j];
+    f32x16 acc_vv = zero16;
+    simd::for_each_block(0, H, [&](int i, auto n) QWEN4EXP_LAMBDA_INLINE {
+      const auto v = load_n(row.value + i, n);
+      add_to(acc_vv, v * v);
+    });
+    const float sum_vv = lane_sum(acc_vv);
 
     for (int m = 0; m < p.streams; ++m) {
       const int64_t base = static_cast<int64_t>(m) * H;
@@ -215,21 +286,17 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_fp32(const PleGateParams& p, const GateWei
       const T* q = row.hidden + base;
       const float* wf = w.fused.data() + base;
       const float* wc = w.conv1.data() + base;
-      f32x8 acc_kk = splat(0.0f), acc_qq = splat(0.0f), acc_kq = splat(0.0f);
-      for (int i = 0; i < H; i += kLanes) {
-        const int n = std::min(kLanes, H - i);
-        const f32x8 kv = load_n(k + i, n);
-        const f32x8 qv = load_n(q + i, n);
-        acc_kk += kv * kv;
-        acc_qq += qv * qv;
-        acc_kq += kv * qv * load_n(wf + i, n);
-      }
-      float sum_kk = 0.f, sum_qq = 0.f, sum_kq = 0.f;
-      for (int j = 0; j < kLanes; ++j) {
-        sum_kk += acc_kk[j];
-        sum_qq += acc_qq[j];
-        sum_kq += acc_kq[j];
-      }
+      f32x16 acc_kk = zero16, acc_qq = zero16, acc_kq = zero16;
+      simd::for_each_block(0, H, [&](int i, auto n) QWEN4EXP_LAMBDA_INLINE {
+        const auto kv = load_n(k + i, n);
+        const auto qv = load_n(q + i, n);
+        add_to(acc_kk, kv * kv);
+        add_to(acc_qq, qv * qv);
+        add_to(acc_kq, kv * qv * load_n(wf + i, n));
+      });
+      const float sum_kk = lane_sum(acc_kk);
+      const float sum_qq = lane_sum(acc_qq);
+      const float sum_kq = lane_sum(acc_kq);
       const float rk = 1.0f / std::sqrt(sum_kk / h_f + eps);
       const float rq = 1.0f / std::sqrt(sum_qq / h_f + eps);
       const float d = sum_kq * rk * rq / sqrt_h;
@@ -240,12 +307,11 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_fp32(const PleGateParams& p, const GateWei
       const f32x8 g_rg = splat(g * rg);
       T* gated = row.gated + base;
       T* conv = row.conv_input + base;
-      for (int i = 0; i < H; i += kLanes) {
-        const int n = std::min(kLanes, H - i);
-        const f32x8 v = load_n(row.value + i, n);
+      simd::for_each_block(0, H, [&](int i, auto n) QWEN4EXP_LAMBDA_INLINE {
+        const auto v = load_n(row.value + i, n);
         simd::store_n(gated + i, g8 * v, n);
         simd::store_n(conv + i, g_rg * v * load_n(wc + i, n), n);
-      }
+      });
     }
   }
 }
@@ -281,12 +347,20 @@ GateRowsFn pick_gate_rows(Dtype dtype, GateRounding rounding) {
 void run_ple_gate_cpu(const PleGateParams& p) {
   if (p.num_tokens == 0) return;
   const int64_t channels = static_cast<int64_t>(p.width) * p.streams;
+  const GateRowsFn rows = pick_gate_rows(p.dtype, p.rounding);
   GateWeights w;
   dispatch_dtype(
-      kFloatDtypes, p.weight_dtype,
-      [&](auto dtype) { fill_weights<typename decltype(dtype)::type>(p, channels, w); },
-      [] { throw std::invalid_argument("ple_gate: no CPU kernel for this weight dtype"); });
-  const GateRowsFn rows = pick_gate_rows(p.dtype, p.rounding);
+      kFloatDtypes, p.dtype,
+      [&](auto activation) {
+        dispatch_dtype(
+            kFloatDtypes, p.weight_dtype,
+            [&](auto weight) {
+              fill_weights<typename decltype(activation)::type, typename decltype(weight)::type>(p,
+                                                                                                 w);
+            },
+            [] { throw std::invalid_argument("ple_gate: no CPU kernel for this weight dtype"); });
+      },
+      [] {});  // pick_gate_rows has refused other activation dtypes
   // A token is C elements of three inputs and two outputs: a few tokens already fill a thread.
   const int64_t grain = std::max<int64_t>(1, 16384 / channels);
   cpu::parallel_for(0, p.num_tokens, grain,

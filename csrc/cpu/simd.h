@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "../common/float_types.h"
 
@@ -61,8 +62,8 @@ QWEN4EXP_ALWAYS_INLINE u32x8 f32_to_bf16x8_bits(f32x8 x) {  // in the low 16 bit
   return ((u & 0x7FFFFFFFu) > 0x7F800000u) ? nan : rounded;
 }
 
-QWEN4EXP_ALWAYS_INLINE f32x8 f16x8_to_f32(u16x8 h16) {
-  const u32x8 h = __builtin_convertvector(h16, u32x8);
+// fp16 bits in the low half of each lane (the high half zero).
+QWEN4EXP_ALWAYS_INLINE f32x8 f16_bits_to_f32(u32x8 h) {
   const u32x8 sign = (h & 0x8000u) << 16;
   const u32x8 exponent = (h >> 10) & 0x1Fu;
   const u32x8 mantissa = h & 0x3FFu;
@@ -71,6 +72,9 @@ QWEN4EXP_ALWAYS_INLINE f32x8 f16x8_to_f32(u16x8 h16) {
   const f32x8 sub_magnitude = __builtin_convertvector(mantissa, f32x8) * 5.9604644775390625e-8f;
   const u32x8 subnormal = sign | as_u32(sub_magnitude);
   return as_f32(exponent == 31u ? special : (exponent != 0u ? normal : subnormal));
+}
+QWEN4EXP_ALWAYS_INLINE f32x8 f16x8_to_f32(u16x8 h) {
+  return f16_bits_to_f32(__builtin_convertvector(h, u32x8));
 }
 
 QWEN4EXP_ALWAYS_INLINE u32x8 f32_to_f16x8_bits(f32x8 x) {
@@ -133,7 +137,7 @@ QWEN4EXP_ALWAYS_INLINE f32x8 round(f32x8 x) {
   } else if constexpr (std::is_same_v<T, bf16_t>) {
     return as_f32(f32_to_bf16x8_bits(x) << 16);
   } else {
-    return f16x8_to_f32(__builtin_convertvector(f32_to_f16x8_bits(x), u16x8));
+    return f16_bits_to_f32(f32_to_f16x8_bits(x));
   }
 }
 
@@ -163,6 +167,90 @@ QWEN4EXP_ALWAYS_INLINE void store_n(T* p, f32x8 x, int n) {
   } else {
     store_partial(p, x, n);
   }
+}
+
+// ---- 16-element blocks ----------------------------------------------------------------------
+//
+// Rows can also move in blocks of 16 elements held as two 8-lane vectors. A block of 16-bit
+// values is split into its even and odd elements: one 32-byte load, then per half a shift or a
+// mask (and fp16's decode), where GCC 12 widens 8 of them in order in six instructions (two
+// 128-bit zero-extensions, an insert and a shift); the store merges the halves back the same
+// way. fp32 blocks are held in order. Element-wise arithmetic cannot tell the difference;
+// whatever is indexed by element (a weight row, the lanes of an ordered sum) must follow
+// block_position.
+
+struct Block16 {};  // step tag: a whole block, see for_each_block
+constexpr int kBlock = 16;
+
+struct f32x16 {
+  f32x8 lo, hi;  // 16-bit types: the even and the odd elements; fp32: [0, 8) and [8, 16)
+};
+QWEN4EXP_ALWAYS_INLINE f32x16 operator+(f32x16 a, f32x16 b) { return {a.lo + b.lo, a.hi + b.hi}; }
+QWEN4EXP_ALWAYS_INLINE f32x16 operator*(f32x16 a, f32x16 b) { return {a.lo * b.lo, a.hi * b.hi}; }
+QWEN4EXP_ALWAYS_INLINE f32x16 operator*(f32x16 a, f32x8 b) { return {a.lo * b, a.hi * b}; }
+QWEN4EXP_ALWAYS_INLINE f32x16 operator*(f32x8 a, f32x16 b) { return {a * b.lo, a * b.hi}; }
+QWEN4EXP_ALWAYS_INLINE f32x16& operator+=(f32x16& a, f32x16 b) { return a = a + b; }
+
+template <typename T>
+constexpr bool kSplitsEvenOdd = sizeof(T) == 2;
+
+// Where element k (0 <= k < 16) of a block of T sits in its f32x16, counting lo's lanes first.
+template <typename T>
+constexpr int block_position(int k) {
+  return kSplitsEvenOdd<T> ? (k % 2) * kLanes + k / 2 : k;
+}
+
+// bf16 bits of x in the high half of each lane, rounded as f32_to_bf16x8_bits rounds.
+QWEN4EXP_ALWAYS_INLINE u32x8 bf16_bits_high(f32x8 x) {
+  const u32x8 u = as_u32(x);
+  const u32x8 rounded = u + 0x7FFFu + ((u >> 16) & 1u);
+  return x != x ? (u | 0x00400000u) : rounded;  // low half left as garbage
+}
+
+template <typename T>
+QWEN4EXP_ALWAYS_INLINE f32x16 load_n(const T* p, Block16) {
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    u32x8 pairs;
+    std::memcpy(&pairs, p, sizeof(pairs));
+    return {as_f32(pairs << 16), as_f32(pairs & 0xFFFF0000u)};
+  } else if constexpr (std::is_same_v<T, f16_t>) {
+    u32x8 pairs;
+    std::memcpy(&pairs, p, sizeof(pairs));
+    return {f16_bits_to_f32(pairs & 0xFFFFu), f16_bits_to_f32(pairs >> 16)};
+  } else {
+    return {load(p), load(p + kLanes)};
+  }
+}
+template <typename T>
+QWEN4EXP_ALWAYS_INLINE void store_n(T* p, f32x16 x, Block16) {
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    const u32x8 pairs = (bf16_bits_high(x.lo) >> 16) | (bf16_bits_high(x.hi) & 0xFFFF0000u);
+    std::memcpy(p, &pairs, sizeof(pairs));
+  } else if constexpr (std::is_same_v<T, f16_t>) {
+    const u32x8 pairs = f32_to_f16x8_bits(x.lo) | (f32_to_f16x8_bits(x.hi) << 16);
+    std::memcpy(p, &pairs, sizeof(pairs));
+  } else {
+    store(p, x.lo);
+    store(p + kLanes, x.hi);
+  }
+}
+template <typename T>
+QWEN4EXP_ALWAYS_INLINE f32x16 round(f32x16 x) {
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    return {as_f32(bf16_bits_high(x.lo) & 0xFFFF0000u), as_f32(bf16_bits_high(x.hi) & 0xFFFF0000u)};
+  } else {
+    return {round<T>(x.lo), round<T>(x.hi)};
+  }
+}
+
+// body(i, step) over [begin, end): whole blocks (step = Block16{}) from begin, then the rest in
+// load_n steps of at most kLanes (step = the count). A row's blocks must start at a multiple of
+// kBlock from its first element, where block_position's layout starts.
+template <typename Body>
+QWEN4EXP_ALWAYS_INLINE void for_each_block(int begin, int end, const Body& body) {
+  int i = begin;
+  for (; i + kBlock <= end; i += kBlock) body(i, Block16{});
+  for (; i < end; i += kLanes) body(i, end - i < kLanes ? end - i : kLanes);
 }
 
 }  // namespace simd
