@@ -2,9 +2,10 @@
 //
 // One pass over the tokens computes every output from the *old* state (parallel over tokens;
 // per token the K taps are row pointers — an input row, a state column or a zero row — and the
-// channel loop runs over chunks of 512 channels, vectorised); prefill and spec then write the
-// new state back per request. Decode fuses the state shift into the token's own pass: a token
-// is a request, so no other token reads its slot.
+// channel loop runs over chunks of 512 channels in simd.h's blocks of 16, the weight rows laid
+// out like the blocks); prefill and spec then write the new state back per request. Decode fuses
+// the state shift into the token's own pass: a token is a request, so no other token reads its
+// slot.
 //
 // Arithmetic follows vLLM 0.33.0's `_ple_conv_kernel` step by step: fp32 taps accumulated in
 // order k = 0..K-1 from +0 (products rounded before the add), the sum rounded to the storage
@@ -120,82 +121,81 @@ struct ConvCtx {
 
 // ---- the channel loop of one token ------------------------------------------------------------
 
-// y for eight channels [c, c+lanes) of one token: the K taps summed in order from +0, rounded
-// to T, SiLU. taps[k] points at channel c0 (the chunk's first; c = c0 + i); they are contiguous
-// rows unless `contiguous` is false (a dim-first state).
-template <typename T, bool kFull>
-QWEN4EXP_ALWAYS_INLINE simd::f32x8 conv8(const ConvCtx<T>& ctx, const Tap<T>* taps, bool contiguous,
-                                         int64_t c, int64_t i, int lanes) {
-  using simd::f32x8;
+// y for one step of channels of one token (simd::for_each_block's step at chunk offset i, channel
+// c = c0 + i): the K taps summed in order from +0, rounded to T, SiLU. taps[k] points at channel
+// c0 (the chunk's first); they are contiguous rows unless `contiguous` is false (a dim-first
+// state). A whole block comes back as an f32x16 in simd.h's block layout, which the weight rows
+// share (see transpose_weights).
+template <typename T, typename Step>
+QWEN4EXP_ALWAYS_INLINE auto conv_step(const ConvCtx<T>& ctx, const Tap<T>* taps, bool contiguous,
+                                      int64_t c, int64_t i, Step step) {
+  constexpr bool kBlock = std::is_same_v<Step, simd::Block16>;
+  constexpr int kWidth = kBlock ? simd::kBlock : simd::kLanes;
   const int64_t channels = ctx.p.channels;
-  f32x8 acc = simd::splat(0.0f);
+  decltype(simd::load_n(ctx.weights, step)) acc{};
   for (int k = 0; k < ctx.p.kernel_size; ++k) {
-    const float* w = ctx.weights + k * channels + c;
-    f32x8 tap;
+    const auto w = simd::load_n(ctx.weights + k * channels + c, step);
     if (contiguous) {
-      tap = kFull ? simd::load(taps[k].ptr + i) : simd::load_partial(taps[k].ptr + i, lanes);
+      acc += w * simd::load_n(taps[k].ptr + i, step);
     } else {
-      T gathered[simd::kLanes] = {};
+      T gathered[kWidth] = {};
+      int lanes = kWidth;
+      if constexpr (!kBlock) lanes = step;
       for (int j = 0; j < lanes; ++j) gathered[j] = taps[k].ptr[(i + j) * taps[k].stride];
-      tap = simd::load(gathered);
+      acc += w * simd::load_n(gathered, step);
     }
-    acc += (kFull ? simd::load(w) : simd::load_partial(w, lanes)) * tap;
   }
   // The sum is rounded to the storage dtype before SiLU (F.conv1d materialises it).
   if constexpr (std::is_same_v<T, float>) {
-    return silu(acc);
+    if constexpr (kBlock) {
+      return simd::f32x16{silu(acc.lo), silu(acc.hi)};
+    } else {
+      return silu(acc);
+    }
   } else {
-    const simd::u16x8 bits = simd::to_bits<T>(acc);
-    simd::f32x8 y;
-    for (int j = 0; j < simd::kLanes; ++j) y[j] = ctx.silu[bits[j]];
-    return y;
+    const auto lookup = [&](simd::f32x8 x) QWEN4EXP_LAMBDA_INLINE {
+      alignas(32) uint32_t bits[simd::kLanes];
+      const simd::u32x8 b = simd::bits_u32<T>(x);
+      std::memcpy(bits, &b, sizeof(bits));
+      simd::f32x8 y;
+      for (int j = 0; j < simd::kLanes; ++j) y[j] = ctx.silu[bits[j]];
+      return y;
+    };
+    if constexpr (kBlock) {
+      return simd::f32x16{lookup(acc.lo), lookup(acc.hi)};
+    } else {
+      return lookup(acc);
+    }
   }
 }
 
-// residual[c, c+lanes) <- y, through the fused residuals when there is an outer residual.
-template <typename T, bool kFull>
-QWEN4EXP_ALWAYS_INLINE void finish8(T* residual, const T* outer, simd::f32x8 y, int64_t c,
-                                    int lanes) {
-  using simd::f32x8;
+// residual at channel c <- y for one step, through the fused residuals when there is an outer
+// residual.
+template <typename T, typename Y, typename Step>
+QWEN4EXP_ALWAYS_INLINE void finish_step(T* residual, const T* outer, Y y, int64_t c, Step step) {
   T* res = residual + c;
   if (outer != nullptr) {
-    const f32x8 r = kFull ? simd::load(res) : simd::load_partial(res, lanes);
-    const f32x8 o = kFull ? simd::load(outer + c) : simd::load_partial(outer + c, lanes);
+    const auto r = simd::load_n(res, step);
+    const auto o = simd::load_n(outer + c, step);
     y = o + simd::round<T>(r + y);
   }
-  if (kFull) {
-    simd::store(res, y);
-  } else {
-    simd::store_partial(res, y, lanes);
-  }
+  simd::store_n(res, y, step);
 }
 
 // residual[c0, c0+n) of one token from its K taps, each pointing at channel c0 (chunk-relative).
-// `produce` false writes y = 0 (vLLM's inactive rows), still through the fused residuals. Two
-// groups of eight channels per step keep two independent exp/divide chains in flight.
+// `produce` false writes y = 0 (vLLM's inactive rows), still through the fused residuals. A
+// block's two halves keep two independent exp/divide chains in flight.
 template <typename T>
 QWEN4EXP_ALWAYS_INLINE void conv_chunk_at(const ConvCtx<T>& ctx, const Tap<T>* taps, int64_t c0,
                                           int n, bool produce, T* residual, const T* outer) {
-  using simd::f32x8;
-  using simd::kLanes;
   bool contiguous = true;
   for (int k = 0; k < ctx.p.kernel_size; ++k) contiguous = contiguous && taps[k].stride == 1;
-  const f32x8 zero = simd::splat(0.0f);
-  int i = 0;
-  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+  simd::for_each_block(0, n, [&](int i, auto step) QWEN4EXP_LAMBDA_INLINE {
     const int64_t c = c0 + i;
-    const f32x8 y0 = produce ? conv8<T, true>(ctx, taps, contiguous, c, i, kLanes) : zero;
-    const f32x8 y1 = produce ? conv8<T, true>(ctx, taps, contiguous, c + kLanes, i + kLanes, kLanes)
-                             : zero;
-    finish8<T, true>(residual, outer, y0, c, kLanes);
-    finish8<T, true>(residual, outer, y1, c + kLanes, kLanes);
-  }
-  for (; i < n; i += kLanes) {
-    const int lanes = std::min(kLanes, n - i);
-    const int64_t c = c0 + i;
-    const f32x8 y = produce ? conv8<T, false>(ctx, taps, contiguous, c, i, lanes) : zero;
-    finish8<T, false>(residual, outer, y, c, lanes);
-  }
+    using Y = decltype(conv_step(ctx, taps, contiguous, c, i, step));
+    const Y y = produce ? conv_step(ctx, taps, contiguous, c, i, step) : Y{};
+    finish_step(residual, outer, y, c, step);
+  });
 }
 
 // The same with taps that point at channel 0 (whole rows or state entries).
@@ -404,13 +404,17 @@ struct ConvEntries<f16_t> {
   static constexpr auto chunk = chunk_f16;
 };
 
-template <typename W>
+// The weights as K fp32 rows of C, each in the block layout of activation type T: the channel
+// loop walks chunks of kChunk (a multiple of simd::kBlock), so its blocks are the row's own.
+template <typename T, typename W>
 void transpose_weights(const PleConvParams& p, std::vector<float>& out) {
+  static_assert(kChunk % simd::kBlock == 0);
   const W* w = static_cast<const W*>(p.weights);
   out.resize(static_cast<size_t>(p.kernel_size) * p.channels);
   for (int k = 0; k < p.kernel_size; ++k) {
     for (int64_t c = 0; c < p.channels; ++c) {
-      out[k * p.channels + c] = to_float(w[c * p.weight_channel_stride + k * p.weight_tap_stride]);
+      out[k * p.channels + simd::block_slot<T>(c, p.channels)] =
+          to_float(w[c * p.weight_channel_stride + k * p.weight_tap_stride]);
     }
   }
 }
@@ -419,9 +423,9 @@ template <typename T>
 void ple_conv_cpu_impl(const PleConvParams& p) {
   std::vector<float> weights;
   if (p.weight_dtype == Dtype::kF32) {
-    transpose_weights<float>(p, weights);
+    transpose_weights<T, float>(p, weights);
   } else {
-    transpose_weights<T>(p, weights);
+    transpose_weights<T, T>(p, weights);
   }
   const std::vector<T> zeros(p.channels, from_float<T>(0.0f));
   const float* silu = nullptr;

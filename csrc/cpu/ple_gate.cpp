@@ -147,9 +147,8 @@ struct GateWeights {
 // Index in a weight row of channel c, for a stream width H, in the layout of activation type A.
 template <typename A>
 int64_t weight_slot(int64_t c, int H) {
-  const int j = static_cast<int>(c % H);
-  if (j >= H / simd::kBlock * simd::kBlock) return c;  // the tail steps load in order
-  return c - j % simd::kBlock + simd::block_position<A>(j % simd::kBlock);
+  const int64_t j = c % H;
+  return c - j + simd::block_slot<A>(j, H);
 }
 
 template <typename A, typename W>

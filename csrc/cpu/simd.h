@@ -200,11 +200,30 @@ constexpr int block_position(int k) {
   return kSplitsEvenOdd<T> ? (k % 2) * kLanes + k / 2 : k;
 }
 
+// Where element j of a row of `length` elements of T sits once the row is walked by
+// for_each_block from its first element: whole blocks in block_position order, the tail in order.
+template <typename T>
+constexpr int64_t block_slot(int64_t j, int64_t length) {
+  const int64_t in_block = j % kBlock;
+  if (j >= length / kBlock * kBlock) return j;
+  return j - in_block + block_position<T>(static_cast<int>(in_block));
+}
+
 // bf16 bits of x in the high half of each lane, rounded as f32_to_bf16x8_bits rounds.
 QWEN4EXP_ALWAYS_INLINE u32x8 bf16_bits_high(f32x8 x) {
   const u32x8 u = as_u32(x);
   const u32x8 rounded = u + 0x7FFFu + ((u >> 16) & 1u);
   return x != x ? (u | 0x00400000u) : rounded;  // low half left as garbage
+}
+
+// The storage bits of x in T, one per 32-bit lane (16-bit T only).
+template <typename T>
+QWEN4EXP_ALWAYS_INLINE u32x8 bits_u32(f32x8 x) {
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    return bf16_bits_high(x) >> 16;
+  } else {
+    return f32_to_f16x8_bits(x);
+  }
 }
 
 template <typename T>
