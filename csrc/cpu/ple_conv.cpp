@@ -121,14 +121,14 @@ struct ConvCtx {
 
 // ---- the channel loop of one token ------------------------------------------------------------
 
-// y for one step of channels of one token (simd::for_each_block's step at chunk offset i, channel
-// c = c0 + i): the K taps summed in order from +0, rounded to T, SiLU. taps[k] points at channel
+// The conv sum for one step of channels of one token (simd::for_each_block's step at chunk
+// offset i, channel c = c0 + i): the K taps summed in order from +0. taps[k] points at channel
 // c0 (the chunk's first); they are contiguous rows unless `contiguous` is false (a dim-first
 // state). A whole block comes back as an f32x16 in simd.h's block layout, which the weight rows
 // share (see transpose_weights).
 template <typename T, typename Step>
-QWEN4EXP_ALWAYS_INLINE auto conv_step(const ConvCtx<T>& ctx, const Tap<T>* taps, bool contiguous,
-                                      int64_t c, int64_t i, Step step) {
+QWEN4EXP_ALWAYS_INLINE auto conv_sum(const ConvCtx<T>& ctx, const Tap<T>* taps, bool contiguous,
+                                     int64_t c, int64_t i, Step step) {
   constexpr bool kBlock = std::is_same_v<Step, simd::Block16>;
   constexpr int kWidth = kBlock ? simd::kBlock : simd::kLanes;
   const int64_t channels = ctx.p.channels;
@@ -145,28 +145,7 @@ QWEN4EXP_ALWAYS_INLINE auto conv_step(const ConvCtx<T>& ctx, const Tap<T>* taps,
       acc += w * simd::load_n(gathered, step);
     }
   }
-  // The sum is rounded to the storage dtype before SiLU (F.conv1d materialises it).
-  if constexpr (std::is_same_v<T, float>) {
-    if constexpr (kBlock) {
-      return simd::f32x16{silu(acc.lo), silu(acc.hi)};
-    } else {
-      return silu(acc);
-    }
-  } else {
-    const auto lookup = [&](simd::f32x8 x) QWEN4EXP_LAMBDA_INLINE {
-      alignas(32) uint32_t bits[simd::kLanes];
-      const simd::u32x8 b = simd::bits_u32<T>(x);
-      std::memcpy(bits, &b, sizeof(bits));
-      simd::f32x8 y;
-      for (int j = 0; j < simd::kLanes; ++j) y[j] = ctx.silu[bits[j]];
-      return y;
-    };
-    if constexpr (kBlock) {
-      return simd::f32x16{lookup(acc.lo), lookup(acc.hi)};
-    } else {
-      return lookup(acc);
-    }
-  }
+  return acc;
 }
 
 // residual at channel c <- y for one step, through the fused residuals when there is an outer
@@ -183,19 +162,56 @@ QWEN4EXP_ALWAYS_INLINE void finish_step(T* residual, const T* outer, Y y, int64_
 }
 
 // residual[c0, c0+n) of one token from its K taps, each pointing at channel c0 (chunk-relative).
-// `produce` false writes y = 0 (vLLM's inactive rows), still through the fused residuals. A
-// block's two halves keep two independent exp/divide chains in flight.
+// `produce` false writes y = 0 (vLLM's inactive rows), still through the fused residuals.
+//
+// The sum is rounded to the storage dtype before SiLU (F.conv1d materialises it). For 16-bit T
+// the chunk goes in three sweeps: the sums' storage bits into a buffer, the SiLU table looked up
+// from it in a plain loop, then the residuals; looking up in the vector loop pulled each index
+// out of its register one instruction at a time. fp32 computes SiLU in the loop, a block's two
+// halves keeping two independent exp/divide chains in flight.
 template <typename T>
 QWEN4EXP_ALWAYS_INLINE void conv_chunk_at(const ConvCtx<T>& ctx, const Tap<T>* taps, int64_t c0,
                                           int n, bool produce, T* residual, const T* outer) {
   bool contiguous = true;
   for (int k = 0; k < ctx.p.kernel_size; ++k) contiguous = contiguous && taps[k].stride == 1;
-  simd::for_each_block(0, n, [&](int i, auto step) QWEN4EXP_LAMBDA_INLINE {
-    const int64_t c = c0 + i;
-    using Y = decltype(conv_step(ctx, taps, contiguous, c, i, step));
-    const Y y = produce ? conv_step(ctx, taps, contiguous, c, i, step) : Y{};
-    finish_step(residual, outer, y, c, step);
-  });
+  if constexpr (std::is_same_v<T, float>) {
+    simd::for_each_block(0, n, [&](int i, auto step) QWEN4EXP_LAMBDA_INLINE {
+      const int64_t c = c0 + i;
+      using Y = decltype(conv_sum(ctx, taps, contiguous, c, i, step));
+      Y y{};
+      if (produce) {
+        const Y acc = conv_sum(ctx, taps, contiguous, c, i, step);
+        if constexpr (std::is_same_v<Y, simd::f32x16>) {
+          y = simd::f32x16{silu(acc.lo), silu(acc.hi)};
+        } else {
+          y = silu(acc);
+        }
+      }
+      finish_step(residual, outer, y, c, step);
+    });
+  } else {
+    // Both in the block layout; a partial step writes whole 8-lane groups (n <= kChunk).
+    alignas(64) uint32_t bits[kChunk];
+    alignas(64) float y[kChunk];
+    if (produce) {
+      simd::for_each_block(0, n, [&](int i, auto step) QWEN4EXP_LAMBDA_INLINE {
+        const auto acc = conv_sum(ctx, taps, contiguous, c0 + i, i, step);
+        if constexpr (std::is_same_v<decltype(acc), const simd::f32x16>) {
+          const simd::u32x8 lo = simd::bits_u32<T>(acc.lo), hi = simd::bits_u32<T>(acc.hi);
+          std::memcpy(bits + i, &lo, sizeof(lo));
+          std::memcpy(bits + i + simd::kLanes, &hi, sizeof(hi));
+        } else {
+          const simd::u32x8 b = simd::bits_u32<T>(acc);
+          std::memcpy(bits + i, &b, sizeof(b));
+        }
+      });
+      for (int i = 0; i < n; ++i) y[i] = ctx.silu[bits[i]];
+    }
+    simd::for_each_block(0, n, [&](int i, auto step) QWEN4EXP_LAMBDA_INLINE {
+      using Y = decltype(simd::load_n(y, step));
+      finish_step(residual, outer, produce ? simd::load_n(y + i, step) : Y{}, c0 + i, step);
+    });
+  }
 }
 
 // The same with taps that point at channel 0 (whole rows or state entries).
