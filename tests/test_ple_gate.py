@@ -249,6 +249,36 @@ def test_matches_reference(backend, dtype, rounding, tokens, width, streams):
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rounding", ["vllm", "fp32"])
+@pytest.mark.parametrize("where", ["key", "weight"])
+def test_nans_spread_as_in_the_reference(backend, dtype, rounding, where):
+    """A NaN in a key row makes its (token, stream) NaN; a NaN in an fp32 norm weight makes its
+    stream NaN in every token. The weight's NaN is 0x7FFFFFFF, whose low half a bf16 rounding
+    without its NaN select would carry into the sign (-0.0): the CPU kernel must see it and keep
+    the select (simd::NaNs)."""
+    ops, device = backend.ops, backend.device
+    width, streams = 160, 3
+    key, value, hidden, weights = make_inputs(
+        5, width, streams, dtype, seed=11, weight_dtype=torch.float32
+    )
+    if where == "key":
+        key[1, width + 5] = float("nan")
+    else:
+        weights[1][2 * width + 7] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
+    args = (key, value, hidden, *weights, EPS)
+    got = ops.ple_gate(
+        *(a.to(device) if torch.is_tensor(a) else a for a in args), rounding=rounding
+    )
+    expected = reference.ple_gate(*args, rounding=rounding)
+    for g, e, name in zip(got, expected, ("gated", "conv_input"), strict=True):
+        nan = e.isnan()
+        assert nan.any()
+        assert torch.equal(g.cpu().isnan(), nan), name
+        assert_close(g.cpu()[~nan], e[~nan], dtype, rounding, name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_fast_mode_tolerance(backend, dtype):
     """The fast single pass against fp64: within one ulp of the output dtype, and in bf16/fp16
     at most 2x the error of vLLM's rounding. In fp32 both modes are plain fp32 arithmetic; the

@@ -12,6 +12,13 @@ namespace qwen4exp {
 // storage dtype), "fp32" keeps every intermediate in fp32 and rounds only the two outputs.
 enum class GateRounding : int32_t { kVllm = 0, kFp32 = 1 };
 
+// max(|d|, 1e-6) of SPEC §5, a NaN d staying NaN as it does in torch's clamp_min (and so in the
+// reference and transformers): fmaxf would return 1e-6 and give a NaN row a finite gate.
+QWEN4EXP_HD float gate_magnitude_floor(float d) {
+  const float a = fabsf(d);
+  return a < 1e-6f ? 1e-6f : a;
+}
+
 struct PleGateParams {
   // Activations (dtype): key [T, C] and hidden [T, C], value [T, H]; unit stride along the row,
   // any row stride (key and value are usually column slices of one [T, C + H] projection).

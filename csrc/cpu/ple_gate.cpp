@@ -230,7 +230,7 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_vllm(const PleGateParams& p, const GateWei
       }, leaves));
       const float d = round_to<T>(dot / sqrt_h);
       const float sign = d < 0.f ? -1.0f : (d > 0.f ? 1.0f : 0.0f);
-      const float magnitude = round_to<T>(std::sqrt(std::max(std::fabs(d), 1e-6f)));
+      const float magnitude = round_to<T>(std::sqrt(gate_magnitude_floor(d)));
       const f32x8 g = splat(round_to<T>(sigmoid_f32(sign * magnitude)));
 
       // gated = round(g·value) is stored as it is summed; the conv norm reads it back.
@@ -300,7 +300,7 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_fp32(const PleGateParams& p, const GateWei
       const float rq = 1.0f / std::sqrt(sum_qq / h_f + eps);
       const float d = sum_kq * rk * rq / sqrt_h;
       const float sign = d < 0.f ? -1.0f : (d > 0.f ? 1.0f : 0.0f);
-      const float g = sigmoid_f32(sign * std::sqrt(std::max(std::fabs(d), 1e-6f)));
+      const float g = sigmoid_f32(sign * std::sqrt(gate_magnitude_floor(d)));
       const float rg = 1.0f / std::sqrt(g * g * sum_vv / h_f + eps);
       const f32x8 g8 = splat(g);
       const f32x8 g_rg = splat(g * rg);

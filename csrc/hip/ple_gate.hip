@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kThreads) ple_gate_kernel(PleGateParams p) {
         }
         block_sum<1, kThreads>(dot, scratch);
         const float d = round_to<T>(round_to<T>(dot[0]) / sqrt_h);
-        const float magnitude = round_to<T>(sqrtf(fmaxf(fabsf(d), 1e-6f)));
+        const float magnitude = round_to<T>(sqrtf(gate_magnitude_floor(d)));
         const float g = round_to<T>(gate_of(d, magnitude));
         float sum_gg[1] = {0.f};
         for (int c = threadIdx.x; c < chunks; c += kThreads) {
@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(kThreads) ple_gate_kernel(PleGateParams p) {
         const float rk = 1.0f / sqrtf(sums[0] / h_f + p.eps);
         const float rq = 1.0f / sqrtf(sums[1] / h_f + p.eps);
         const float d = sums[2] * rk * rq / sqrt_h;
-        const float g = gate_of(d, sqrtf(fmaxf(fabsf(d), 1e-6f)));
+        const float g = gate_of(d, sqrtf(gate_magnitude_floor(d)));
         const float g_rg = g / sqrtf(g * g * sum_vv / h_f + p.eps);
         for (int c = threadIdx.x; c < chunks; c += kThreads) {
           float v[VEC], out_g[VEC], out_c[VEC];
