@@ -142,6 +142,7 @@ QWEN4EXP_ALWAYS_INLINE float numpy_sum(int n, const Terms& terms, float* leaves)
 struct GateWeights {
   std::vector<float> key1, query1, conv1;  // vllm rounding
   std::vector<float> fused;                // fp32 rounding: (1 + w_k)(1 + w_q)
+  bool nan_free = true;                    // no factor is NaN (see gate_rows_vllm)
 };
 
 // Index in a weight row of channel c, for a stream width H, in the layout of activation type A.
@@ -166,6 +167,7 @@ void fill_weights(const PleGateParams& p, GateWeights& w) {
     const float k1 = 1.0f + to_float(wk[c]);
     const float q1 = 1.0f + to_float(wq[c]);
     w.conv1[slot] = 1.0f + to_float(wc[c]);
+    w.nan_free = w.nan_free && !std::isnan(k1) && !std::isnan(q1) && !std::isnan(w.conv1[slot]);
     if (vllm) {
       w.key1[slot] = k1;
       w.query1[slot] = q1;
@@ -192,7 +194,9 @@ struct TokenRows {
         conv_input(static_cast<T*>(p.conv_input) + t * p.conv_input_row_stride) {}
 };
 
-template <typename T>
+// kNaNs: what the roundings may assume (simd::NaNs); kLowHalfZero where the weight factors hold no
+// NaN, since every other operand is bf16, a value rounded to it, or a NaN-free scalar.
+template <typename T, simd::NaNs kNaNs = simd::NaNs::kAny>
 QWEN4EXP_ALWAYS_INLINE void gate_rows_vllm(const PleGateParams& p, const GateWeights& w,
                                            int64_t begin, int64_t end) {
   using simd::load_n;
@@ -224,9 +228,9 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_vllm(const PleGateParams& p, const GateWei
       const f32x8 rk = splat(1.0f / std::sqrt(sum_kk / h_f + eps));
       const f32x8 rq = splat(1.0f / std::sqrt(sum_qq / h_f + eps));
       const float dot = round_to<T>(numpy_sum<T>(H, [&](int i, auto n) QWEN4EXP_LAMBDA_INLINE {
-        const auto kn = simd::round<T>(load_n(k + i, n) * rk * load_n(wk + i, n));
-        const auto qn = simd::round<T>(load_n(q + i, n) * rq * load_n(wq + i, n));
-        return simd::round<T>(kn * qn);
+        const auto kn = simd::round<T, kNaNs>(load_n(k + i, n) * rk * load_n(wk + i, n));
+        const auto qn = simd::round<T, kNaNs>(load_n(q + i, n) * rq * load_n(wq + i, n));
+        return simd::round<T, kNaNs>(kn * qn);
       }, leaves));
       const float d = round_to<T>(dot / sqrt_h);
       const float sign = d < 0.f ? -1.0f : (d > 0.f ? 1.0f : 0.0f);
@@ -235,17 +239,24 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_vllm(const PleGateParams& p, const GateWei
 
       // gated = round(g·value) is stored as it is summed; the conv norm reads it back.
       const float sum_gg = numpy_sum<T>(H, [&](int i, auto n) QWEN4EXP_LAMBDA_INLINE {
-        const auto x = simd::round<T>(g * load_n(row.value + i, n));
-        simd::store_n(gated + i, x, n);
+        const auto x = simd::round<T, kNaNs>(g * load_n(row.value + i, n));
+        simd::store_n<kNaNs>(gated + i, x, n);
         return x * x;
       }, leaves);
       // clang-format on
       const f32x8 rg = splat(1.0f / std::sqrt(sum_gg / h_f + eps));
       simd::for_each_block(0, H, [&](int i, auto n) QWEN4EXP_LAMBDA_INLINE {
-        simd::store_n(conv + i, load_n(gated + i, n) * rg * load_n(wc + i, n), n);
+        simd::store_n<kNaNs>(conv + i, load_n(gated + i, n) * rg * load_n(wc + i, n), n);
       });
     }
   }
+}
+
+template <typename T>
+QWEN4EXP_ALWAYS_INLINE void gate_rows_vllm_nan_free_weights(const PleGateParams& p,
+                                                            const GateWeights& w, int64_t begin,
+                                                            int64_t end) {
+  gate_rows_vllm<T, simd::NaNs::kLowHalfZero>(p, w, begin, end);
 }
 
 // The fp32 pass's sums, in any order: per block into two accumulators, a tail step into one.
@@ -323,21 +334,26 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_fp32(const PleGateParams& p, const GateWei
   }
 QWEN4EXP_GATE_ENTRY(gate_f32_vllm, float, gate_rows_vllm)
 QWEN4EXP_GATE_ENTRY(gate_bf16_vllm, bf16_t, gate_rows_vllm)
+QWEN4EXP_GATE_ENTRY(gate_bf16_vllm_nan_free_weights, bf16_t, gate_rows_vllm_nan_free_weights)
 QWEN4EXP_GATE_ENTRY(gate_f16_vllm, f16_t, gate_rows_vllm)
 QWEN4EXP_GATE_ENTRY(gate_f32_fp32, float, gate_rows_fp32)
 QWEN4EXP_GATE_ENTRY(gate_bf16_fp32, bf16_t, gate_rows_fp32)
 QWEN4EXP_GATE_ENTRY(gate_f16_fp32, f16_t, gate_rows_fp32)
 #undef QWEN4EXP_GATE_ENTRY
 
+constexpr const char* kNoActivationKernel = "ple_gate: no CPU kernel for this activation dtype";
+
 using GateRowsFn = void (*)(const PleGateParams&, const GateWeights&, int64_t, int64_t);
 
-GateRowsFn pick_gate_rows(Dtype dtype, GateRounding rounding) {
+GateRowsFn pick_gate_rows(Dtype dtype, GateRounding rounding, bool nan_free_weights) {
   const bool vllm = rounding == GateRounding::kVllm;
   switch (dtype) {
-    case Dtype::kBF16: return vllm ? gate_bf16_vllm : gate_bf16_fp32;
+    case Dtype::kBF16:
+      if (!vllm) return gate_bf16_fp32;
+      return nan_free_weights ? gate_bf16_vllm_nan_free_weights : gate_bf16_vllm;
     case Dtype::kF16: return vllm ? gate_f16_vllm : gate_f16_fp32;
     case Dtype::kF32: return vllm ? gate_f32_vllm : gate_f32_fp32;
-    default: throw std::invalid_argument("ple_gate: no CPU kernel for this activation dtype");
+    default: throw std::invalid_argument(kNoActivationKernel);
   }
 }
 
@@ -346,7 +362,6 @@ GateRowsFn pick_gate_rows(Dtype dtype, GateRounding rounding) {
 void run_ple_gate_cpu(const PleGateParams& p) {
   if (p.num_tokens == 0) return;
   const int64_t channels = static_cast<int64_t>(p.width) * p.streams;
-  const GateRowsFn rows = pick_gate_rows(p.dtype, p.rounding);
   GateWeights w;
   dispatch_dtype(
       kFloatDtypes, p.dtype,
@@ -359,7 +374,8 @@ void run_ple_gate_cpu(const PleGateParams& p) {
             },
             [] { throw std::invalid_argument("ple_gate: no CPU kernel for this weight dtype"); });
       },
-      [] {});  // pick_gate_rows has refused other activation dtypes
+      [] { throw std::invalid_argument(kNoActivationKernel); });
+  const GateRowsFn rows = pick_gate_rows(p.dtype, p.rounding, w.nan_free);
   // A token is C elements of three inputs and two outputs: a few tokens already fill a thread.
   const int64_t grain = std::max<int64_t>(1, 16384 / channels);
   cpu::parallel_for(0, p.num_tokens, grain,

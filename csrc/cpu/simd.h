@@ -39,6 +39,15 @@ namespace qwen4exp {
 namespace simd {
 
 constexpr int kLanes = 8;
+
+// What the bf16 roundings of blocks may assume about NaNs. kAny: a NaN may carry payload bits in
+// its low half (fp32 data), which the rounding add could carry into the sign, so a select keeps
+// it NaN. kLowHalfZero: every NaN rounded has a zero low half, as has every NaN that fp32
+// arithmetic makes from bf16 values, from NaNs rounded to bf16 and from non-NaN fp32 values (x86
+// and Arm return a NaN operand's payload, quieted, or the default NaN): the add cannot carry out
+// of the low half, the result is the NaN's own quiet high half, and the select is dropped.
+enum class NaNs { kAny, kLowHalfZero };
+
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
@@ -129,8 +138,8 @@ QWEN4EXP_ALWAYS_INLINE void store(f16_t* p, f32x8 x) {
   std::memcpy(p, &h, sizeof(h));
 }
 
-// x rounded to T and read back.
-template <typename T>
+// x rounded to T and read back. (8-lane steps are tails: they always check for NaNs.)
+template <typename T, NaNs = NaNs::kAny>
 QWEN4EXP_ALWAYS_INLINE f32x8 round(f32x8 x) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
@@ -160,7 +169,7 @@ template <typename T>
 QWEN4EXP_ALWAYS_INLINE f32x8 load_n(const T* p, int n) {
   return n == kLanes ? load(p) : load_partial(p, n);
 }
-template <typename T>
+template <NaNs = NaNs::kAny, typename T>
 QWEN4EXP_ALWAYS_INLINE void store_n(T* p, f32x8 x, int n) {
   if (n == kLanes) {
     store(p, x);
@@ -210,10 +219,12 @@ constexpr int64_t block_slot(int64_t j, int64_t length) {
 }
 
 // bf16 bits of x in the high half of each lane, rounded as f32_to_bf16x8_bits rounds.
+template <NaNs kNaNs = NaNs::kAny>
 QWEN4EXP_ALWAYS_INLINE u32x8 bf16_bits_high(f32x8 x) {
   const u32x8 u = as_u32(x);
   const u32x8 rounded = u + 0x7FFFu + ((u >> 16) & 1u);
-  return x != x ? (u | 0x00400000u) : rounded;  // low half left as garbage
+  if constexpr (kNaNs == NaNs::kLowHalfZero) return rounded;  // low half left as garbage
+  return x != x ? (u | 0x00400000u) : rounded;
 }
 
 // The storage bits of x in T, one per 32-bit lane (16-bit T only).
@@ -240,10 +251,11 @@ QWEN4EXP_ALWAYS_INLINE f32x16 load_n(const T* p, Block16) {
     return {load(p), load(p + kLanes)};
   }
 }
-template <typename T>
+template <NaNs kNaNs = NaNs::kAny, typename T>
 QWEN4EXP_ALWAYS_INLINE void store_n(T* p, f32x16 x, Block16) {
   if constexpr (std::is_same_v<T, bf16_t>) {
-    const u32x8 pairs = (bf16_bits_high(x.lo) >> 16) | (bf16_bits_high(x.hi) & 0xFFFF0000u);
+    const u32x8 pairs = (bf16_bits_high<kNaNs>(x.lo) >> 16) |
+                        (bf16_bits_high<kNaNs>(x.hi) & 0xFFFF0000u);
     std::memcpy(p, &pairs, sizeof(pairs));
   } else if constexpr (std::is_same_v<T, f16_t>) {
     const u32x8 pairs = f32_to_f16x8_bits(x.lo) | (f32_to_f16x8_bits(x.hi) << 16);
@@ -253,10 +265,11 @@ QWEN4EXP_ALWAYS_INLINE void store_n(T* p, f32x16 x, Block16) {
     store(p + kLanes, x.hi);
   }
 }
-template <typename T>
+template <typename T, NaNs kNaNs = NaNs::kAny>
 QWEN4EXP_ALWAYS_INLINE f32x16 round(f32x16 x) {
   if constexpr (std::is_same_v<T, bf16_t>) {
-    return {as_f32(bf16_bits_high(x.lo) & 0xFFFF0000u), as_f32(bf16_bits_high(x.hi) & 0xFFFF0000u)};
+    return {as_f32(bf16_bits_high<kNaNs>(x.lo) & 0xFFFF0000u),
+            as_f32(bf16_bits_high<kNaNs>(x.hi) & 0xFFFF0000u)};
   } else {
     return {round<T>(x.lo), round<T>(x.hi)};
   }
