@@ -188,6 +188,11 @@ QWEN4EXP_ALWAYS_INLINE void store_n(T* p, f32x8 x, int n) {
 // whatever is indexed by element (a weight row, the lanes of an ordered sum) must follow
 // block_position.
 
+// The split reads element 2i from the low half of a 32-bit word: on a big-endian CPU the halves
+// would swap and block_position (so the weight layouts and the ordered sums) would be wrong.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "simd.h's 16-element blocks assume a little-endian CPU");
+
 struct Block16 {};  // step tag: a whole block, see for_each_block
 constexpr int kBlock = 16;
 
