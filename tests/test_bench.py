@@ -222,6 +222,23 @@ def test_wrong_kernel_fails_the_check(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert not path.exists()
 
 
+def test_cases_filter(tmp_path: Path) -> None:
+    """--cases runs only the matching cases and records the pattern; a bad pattern or one that
+    matches nothing is a usage error."""
+    path = tmp_path / "bench.json"
+    argv = ["ngram_ids", "--quick", "--threads", "1", "--cases", "^decode_T(1|64)$"]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main([*argv, "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["cases"] == "^decode_T(1|64)$"
+    assert sorted(r["case"] for r in report["results"]) == ["decode_T1", "decode_T64"]
+    with pytest.raises(SystemExit) as exc:
+        main(["ngram_ids", "--quick", "--cases", "(unclosed"])
+    assert exc.value.code == 2
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["ngram_ids", "--quick", "--threads", "1", "--cases", "no_such_case"]) == 2
+
+
 def test_unknown_op_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["no_such_op", "--quick"])

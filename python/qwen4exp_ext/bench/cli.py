@@ -22,6 +22,7 @@ import csv
 import json
 import math
 import platform
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -98,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sections: list[dict[str, Any]] = []
     for op in args.ops or list(OP_MODULES):
         progress.show(f"[{op}] building cases...")
-        cases = load_cases(op, device)
+        cases = [c for c in load_cases(op, device) if args.cases.search(c.name)]
         total = len(cases) * len(thread_counts)
         done = 0
         for case in cases:
@@ -130,8 +131,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 | {"rows": [dict(r) for r in section.rows]}
             )
     progress.clear()
+    if not results:
+        print(f"no case matches --cases {args.cases.pattern!r}", file=sys.stderr)
+        return 2
 
-    run_info = {"thread_counts": thread_counts, "repeat": shown, "warmup": warmup}
+    run_info = {
+        "thread_counts": thread_counts,
+        "repeat": shown,
+        "warmup": warmup,
+        "cases": args.cases.pattern,
+    }
     _write_reports(args, device, run_info, results, sections)
     return 0
 
@@ -147,6 +156,10 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[in
         parser.error("--device cuda: torch sees no CUDA/ROCm device")
     if args.repeat is not None and args.repeat < 1:
         parser.error("--repeat must be >= 1")
+    try:
+        args.cases = re.compile(args.cases)
+    except re.error as err:
+        parser.error(f"--cases {args.cases!r}: not a regular expression ({err})")
     all_threads = torch.get_num_threads()
     try:
         thread_counts = _thread_counts(args.threads, all_threads)
@@ -222,6 +235,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N[,N...]",
         help="torch thread counts to run every case at, comma-separated; 'all' is torch's "
         f"default ({torch.get_num_threads()} here) (default: {DEFAULT_THREADS})",
+    )
+    parser.add_argument(
+        "--cases",
+        default="",
+        metavar="REGEX",
+        help="run only the cases whose name matches (re.search), e.g. 'prefill' or "
+        "'T8192_bf16$' (default: every case)",
     )
     parser.add_argument(
         "--quick",
