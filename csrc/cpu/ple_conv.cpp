@@ -28,7 +28,12 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
 
 #include "../common/dispatch.h"
 #include "../common/ple_conv.h"
@@ -86,6 +91,33 @@ QWEN4EXP_ALWAYS_INLINE simd::f32x8 silu(simd::f32x8 x) {
   return x * (1.0f / (1.0f + exp_poly(-x)));
 }
 
+// y[i] = table[bits[i]] for i < n: the SiLU table's lookup sweep. One load per element otherwise
+// bounds the 16-bit conv; with AVX-512 a gather fetches 16 per instruction. Chosen at run time
+// (the clones of simd.h cannot name a gather intrinsic that the baseline clone lacks); without
+// AVX-512 it is the plain loop (an AVX2 gather has not been measured against it).
+using LookupFn = void (*)(const float* table, const uint32_t* bits, float* y, int n);
+
+void lookup_scalar(const float* table, const uint32_t* bits, float* y, int n) {
+  for (int i = 0; i < n; ++i) y[i] = table[bits[i]];
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+__attribute__((target("avx512f"))) void lookup_avx512(const float* table, const uint32_t* bits,
+                                                      float* y, int n) {
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i index = _mm512_loadu_si512(bits + i);
+    // (the masked form: GCC 12's unmasked one warns of an uninitialised source operand)
+    _mm512_storeu_ps(y + i, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xFFFF, index, table, 4));
+  }
+  for (; i < n; ++i) y[i] = table[bits[i]];
+}
+
+LookupFn pick_lookup() { return __builtin_cpu_supports("avx512f") ? lookup_avx512 : lookup_scalar; }
+#else
+LookupFn pick_lookup() { return lookup_scalar; }
+#endif
+
 // ---- per-call state ---------------------------------------------------------------------------
 
 // One tap of one token: a row of C values with a channel stride (an input row, a state column,
@@ -102,6 +134,7 @@ struct ConvCtx {
   const float* weights;  // [K][C] fp32 (transposed: one contiguous row per tap)
   const T* zeros;        // [C] zeros: the tap of a position with no history
   const float* silu;     // 16-bit types: silu_table<T>()
+  LookupFn lookup;       // 16-bit types: looks SiLU up in silu
 
   T* state_entry(int64_t slot, int64_t w) const {
     return static_cast<T*>(p.conv_state) + slot * p.state_slot_stride + w * p.state_window_stride;
@@ -119,21 +152,35 @@ struct ConvCtx {
   }
 };
 
+// Calls body(std::integral_constant<int, kK>) with kK = K for the released model's K = 4 (its
+// taps unrolled, their pointers in registers: the runtime tap loop cost about a tenth of a
+// prefill), else kK = 0 (the kernel size read at run time).
+template <typename Body>
+QWEN4EXP_ALWAYS_INLINE void with_kernel_size(int K, Body body) {
+  if (K == 4) {
+    body(std::integral_constant<int, 4>{});
+  } else {
+    body(std::integral_constant<int, 0>{});
+  }
+}
+
 // ---- the channel loop of one token ------------------------------------------------------------
 
 // The conv sum for one step of channels of one token (simd::for_each_block's step at chunk
 // offset i, channel c = c0 + i): the K taps summed in order from +0. taps[k] points at channel
 // c0 (the chunk's first); they are contiguous rows unless `contiguous` is false (a dim-first
 // state). A whole block comes back as an f32x16 in simd.h's block layout, which the weight rows
-// share (see transpose_weights).
-template <typename T, typename Step>
+// share (see transpose_weights). kK: the kernel size when known at compile time (0: p's).
+template <int kK, typename T, typename Step>
 QWEN4EXP_ALWAYS_INLINE auto conv_sum(const ConvCtx<T>& ctx, const Tap<T>* taps, bool contiguous,
                                      int64_t c, int64_t i, Step step) {
   constexpr bool kBlock = std::is_same_v<Step, simd::Block16>;
   constexpr int kWidth = kBlock ? simd::kBlock : simd::kLanes;
   const int64_t channels = ctx.p.channels;
   decltype(simd::load_n(ctx.weights, step)) acc{};
-  for (int k = 0; k < ctx.p.kernel_size; ++k) {
+  const int K = kK > 0 ? kK : ctx.p.kernel_size;
+#pragma GCC unroll 8
+  for (int k = 0; k < K; ++k) {
     const auto w = simd::load_n(ctx.weights + k * channels + c, step);
     if (contiguous) {
       acc += w * simd::load_n(taps[k].ptr + i, step);
@@ -166,10 +213,10 @@ QWEN4EXP_ALWAYS_INLINE void finish_step(T* residual, const T* outer, Y y, int64_
 //
 // The sum is rounded to the storage dtype before SiLU (F.conv1d materialises it). For 16-bit T
 // the chunk goes in three sweeps: the sums' storage bits into a buffer, the SiLU table looked up
-// from it in a plain loop, then the residuals; looking up in the vector loop pulled each index
+// from it (ctx.lookup), then the residuals; looking up in the vector loop pulled each index
 // out of its register one instruction at a time. fp32 computes SiLU in the loop, a block's two
 // halves keeping two independent exp/divide chains in flight.
-template <typename T>
+template <int kK, typename T>
 QWEN4EXP_ALWAYS_INLINE void conv_chunk_at(const ConvCtx<T>& ctx, const Tap<T>* taps, int64_t c0,
                                           int n, bool produce, T* residual, const T* outer) {
   bool contiguous = true;
@@ -177,10 +224,10 @@ QWEN4EXP_ALWAYS_INLINE void conv_chunk_at(const ConvCtx<T>& ctx, const Tap<T>* t
   if constexpr (std::is_same_v<T, float>) {
     simd::for_each_block(0, n, [&](int i, auto step) QWEN4EXP_LAMBDA_INLINE {
       const int64_t c = c0 + i;
-      using Y = decltype(conv_sum(ctx, taps, contiguous, c, i, step));
+      using Y = decltype(conv_sum<kK>(ctx, taps, contiguous, c, i, step));
       Y y{};
       if (produce) {
-        const Y acc = conv_sum(ctx, taps, contiguous, c, i, step);
+        const Y acc = conv_sum<kK>(ctx, taps, contiguous, c, i, step);
         if constexpr (std::is_same_v<Y, simd::f32x16>) {
           y = simd::f32x16{silu(acc.lo), silu(acc.hi)};
         } else {
@@ -195,7 +242,7 @@ QWEN4EXP_ALWAYS_INLINE void conv_chunk_at(const ConvCtx<T>& ctx, const Tap<T>* t
     alignas(64) float y[kChunk];
     if (produce) {
       simd::for_each_block(0, n, [&](int i, auto step) QWEN4EXP_LAMBDA_INLINE {
-        const auto acc = conv_sum(ctx, taps, contiguous, c0 + i, i, step);
+        const auto acc = conv_sum<kK>(ctx, taps, contiguous, c0 + i, i, step);
         if constexpr (std::is_same_v<decltype(acc), const simd::f32x16>) {
           const simd::u32x8 lo = simd::bits_u32<T>(acc.lo), hi = simd::bits_u32<T>(acc.hi);
           std::memcpy(bits + i, &lo, sizeof(lo));
@@ -205,7 +252,7 @@ QWEN4EXP_ALWAYS_INLINE void conv_chunk_at(const ConvCtx<T>& ctx, const Tap<T>* t
           std::memcpy(bits + i, &b, sizeof(b));
         }
       });
-      for (int i = 0; i < n; ++i) y[i] = ctx.silu[bits[i]];
+      ctx.lookup(ctx.silu, bits, y, n);
     }
     simd::for_each_block(0, n, [&](int i, auto step) QWEN4EXP_LAMBDA_INLINE {
       using Y = decltype(simd::load_n(y, step));
@@ -215,7 +262,7 @@ QWEN4EXP_ALWAYS_INLINE void conv_chunk_at(const ConvCtx<T>& ctx, const Tap<T>* t
 }
 
 // The same with taps that point at channel 0 (whole rows or state entries).
-template <typename T>
+template <int kK, typename T>
 QWEN4EXP_ALWAYS_INLINE void conv_chunk(const ConvCtx<T>& ctx, const Tap<T>* taps, int64_t c0, int n,
                                        bool produce, T* residual, const T* outer) {
   Tap<T> at[kMaxConvKernel] = {};
@@ -224,7 +271,7 @@ QWEN4EXP_ALWAYS_INLINE void conv_chunk(const ConvCtx<T>& ctx, const Tap<T>* taps
       at[k] = Tap<T>{taps[k].ptr + c0 * taps[k].stride, taps[k].stride};
     }
   }
-  conv_chunk_at(ctx, at, c0, n, produce, residual, outer);
+  conv_chunk_at<kK>(ctx, at, c0, n, produce, residual, outer);
 }
 
 // dst[c] = src[c] (or 0) for c in [c0, c0+n): one state entry, channel-strided.
@@ -282,9 +329,13 @@ QWEN4EXP_ALWAYS_INLINE void decode_tokens(const ConvCtx<T>& ctx, int64_t begin, 
           at[k] = Tap<T>{columns[k], 1};
         }
         at[K - 1] = Tap<T>{x + c0, 1};
-        conv_chunk_at(ctx, at, c0, n, true, residual, outer);
+        with_kernel_size(K, [&](auto k) QWEN4EXP_LAMBDA_INLINE {
+          conv_chunk_at<decltype(k)::value>(ctx, at, c0, n, true, residual, outer);
+        });
       } else {
-        conv_chunk(ctx, taps, c0, n, live, residual, outer);
+        with_kernel_size(K, [&](auto k) QWEN4EXP_LAMBDA_INLINE {
+          conv_chunk<decltype(k)::value>(ctx, taps, c0, n, live, residual, outer);
+        });
       }
       if (!live) continue;
       // Shift the window by one and append x (zeros ++ x without an initial state).
@@ -344,7 +395,9 @@ QWEN4EXP_ALWAYS_INLINE void chunk_tokens(const ConvCtx<T>& ctx, int64_t begin, i
     const T* outer = ctx.outer_row(row);
     for (int64_t c0 = 0; c0 < p.channels; c0 += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, p.channels - c0));
-      conv_chunk(ctx, taps, c0, n, produce, residual, outer);
+      with_kernel_size(K, [&](auto k) QWEN4EXP_LAMBDA_INLINE {
+        conv_chunk<decltype(k)::value>(ctx, taps, c0, n, produce, residual, outer);
+      });
     }
   }
 }
@@ -446,7 +499,8 @@ void ple_conv_cpu_impl(const PleConvParams& p) {
   const std::vector<T> zeros(p.channels, from_float<T>(0.0f));
   const float* silu = nullptr;
   if constexpr (!std::is_same_v<T, float>) silu = silu_table<T>();
-  const ConvCtx<T> ctx{p, weights.data(), zeros.data(), silu};
+  static const LookupFn lookup = pick_lookup();
+  const ConvCtx<T> ctx{p, weights.data(), zeros.data(), silu, lookup};
   // A token is C channels of up to K + 3 rows: a couple of tokens already fill a thread.
   const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, p.channels));
   if (p.mode == ConvMode::kDecode) {
