@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-import vllm_triton
+from qwen4exp_ext.bench import vllm_triton
 
 # CI runs the same examples every time (derandomize); a developer can ask for a longer search with
 # HYPOTHESIS_PROFILE=dev.

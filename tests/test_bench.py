@@ -19,8 +19,9 @@ import torch
 
 import qwen4exp_ext
 from qwen4exp_ext import ops
-from qwen4exp_ext.bench import cli
+from qwen4exp_ext.bench import cli, vllm_triton
 from qwen4exp_ext.bench.cli import QUICK_REPEAT, main
+from vllm_support import require_vllm, run_python
 
 NGRAM_IDS_CASES = {
     "decode_T1",
@@ -562,3 +563,61 @@ def test_ple_conv_check_covers_conv1d(monkeypatch: pytest.MonkeyPatch) -> None:
     for case in ple_conv.cases(torch.device("cpu")):
         problem = case.check()
         assert problem is not None and "conv1d" in problem, case.name
+
+
+# --- vLLM's Triton kernels from a carried copy of their source ------------------------------------
+
+
+@require_vllm()
+def test_vllm_kernels_from_a_carried_source(tmp_path: Path) -> None:
+    """Where vLLM is not installed (the GPU machine): ``python -m qwen4exp_ext.bench.vllm_triton
+    DIR`` copies its PLE kernels' source here, and with $QWEN4EXP_VLLM_SOURCE=DIR a process that
+    cannot import vllm loads them from DIR; they run (Triton's interpreter here) and give what
+    ours gives (fp16 "vllm" rounding on the CPU: vLLM's order, bit for bit)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    proc = subprocess.run(
+        [sys.executable, "-m", "qwen4exp_ext.bench.vllm_triton", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ple = tmp_path.joinpath("vllm", *vllm_triton.PLE_PATH)
+    assert str(ple) in proc.stdout.split()
+    assert (tmp_path / vllm_triton.VERSION_FILE).read_text().strip() == "0.33.0"
+    out = run_python(
+        f"""
+        import sys
+        sys.modules["vllm"] = None  # no vLLM in this process: find_spec and import both fail
+        from qwen4exp_ext.bench import vllm_triton
+        with vllm_triton.interpreter():
+            import triton.language  # (its standard library for the interpreter: conftest.py)
+        import torch
+        from qwen4exp_ext import ops
+
+        assert str(vllm_triton.ple_source_path()) == {str(ple)!r}, vllm_triton.ple_source_path()
+        assert vllm_triton.installed_vllm_version() == "0.33.0"
+        vllm = vllm_triton.load()
+        g = torch.Generator().manual_seed(0)
+        tokens, width, streams = 3, 100, 3
+        kv = torch.randn(tokens, (streams + 1) * width, generator=g).half()
+        key, value = kv[:, : streams * width], kv[:, streams * width :]
+        hidden = (torch.randn(tokens, streams * width, generator=g) * 3).half()
+        weights = [(torch.randn(streams * width, generator=g) * 0.2).half() for _ in range(3)]
+        with vllm_triton.interpreter():
+            theirs = vllm.ple_gate(key, value, hidden, *weights, 1e-6)
+        ours = ops.ple_gate(key, value, hidden, *weights, 1e-6)
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a, b), (a - b).abs().max()
+        print("carried source ok")
+        """,
+        env={vllm_triton.SOURCE_ENV: str(tmp_path)},
+    )
+    assert "carried source ok" in out
+
+
+def test_vllm_source_extract_usage() -> None:
+    assert vllm_triton.main([]) == 2
+    assert vllm_triton.main(["--help"]) == 2

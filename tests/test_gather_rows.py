@@ -17,10 +17,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import vllm_triton
 from conftest import backends
 from gather_support import CPU_PATHS, FP8_NAN_BYTES, cpu_gather_path, make_table
 from qwen4exp_ext import ops, reference
+from qwen4exp_ext.bench import vllm_triton
 from qwen4exp_ext.testing import assert_exact, bit_patterns
 
 BACKENDS = backends()

@@ -17,9 +17,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import vllm_triton
 from conftest import backends
 from qwen4exp_ext import ops, reference
+from qwen4exp_ext.bench import vllm_triton
 from qwen4exp_ext.testing import (
     assert_exact,
     assert_untouched,

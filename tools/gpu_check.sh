@@ -6,6 +6,9 @@
 # Files: build_info.json, build.log, pytest.log, pytest.xml, memcheck.log, cmake.log,
 #        bench-<date>-<device>.json, bench.log (8 with nvidia-smi.txt: the device tool returns 8)
 # MEMCHECK_SECONDS (default 240) bounds the compute-sanitizer run; 0 skips it.
+# The bench's "vllm" baselines are vLLM 0.33.0's Triton kernels: from an installed vLLM, else
+# from ./.vllm-source when present (made beforehand where vLLM is installed with
+# `python -m qwen4exp_ext.bench.vllm_triton .vllm-source`, and carried here: git ignores it).
 set -uo pipefail
 out="${1:?usage: tools/gpu_check.sh OUTDIR}"
 mkdir -p "$out"
@@ -70,6 +73,10 @@ else
 fi
 
 echo "== benchmark"
+if [ -z "${QWEN4EXP_VLLM_SOURCE:-}" ] && [ -f "$root/.vllm-source/VLLM_VERSION" ]; then
+  export QWEN4EXP_VLLM_SOURCE="$root/.vllm-source"
+fi
+"$PY" -c 'from qwen4exp_ext.bench import vllm_triton as v; print("vLLM kernels:", v.source_origin())'
 # --threads all: host threads do not change GPU kernel times; "1,all" would double the run.
 device="$("$PY" -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "-"))')"
 "$PY" -m qwen4exp_ext.bench --device cuda --threads all \

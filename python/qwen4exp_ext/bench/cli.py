@@ -35,6 +35,7 @@ import torch
 
 import qwen4exp_ext
 from qwen4exp_ext import ops
+from qwen4exp_ext.bench import vllm_triton
 from qwen4exp_ext.bench.registry import OP_MODULES, Case, Section, load_cases, load_sections
 from qwen4exp_ext.bench.timing import Quantiles, roofline_copy, time_interleaved
 from qwen4exp_ext.testing import exact_mismatch
@@ -428,6 +429,8 @@ def _environment(device: torch.device) -> dict[str, Any]:
         "build_info": build_info() if callable(build_info) else None,
         # Outputs of at least this many bytes take the CPU gather's streaming path (-1: none).
         "cpu_gather_stream_bytes": ops.cpu_gather_stream_bytes(),
+        # The source of the "vllm" baselines (GPU only; None: no vLLM source here).
+        "vllm_kernels": vllm_triton.source_origin() if device.type == "cuda" else None,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 

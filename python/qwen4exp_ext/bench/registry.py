@@ -91,10 +91,13 @@ def load_sections(op: str, device: torch.device) -> list[Section]:
 
 
 def vllm_ple_op(name: str):
-    """vLLM's own Triton PLE op ``name`` (``ple_gate``, ``ple_conv``), or None when vLLM cannot
-    be imported (it needs a GPU build)."""
+    """vLLM 0.33.0's own Triton PLE op ``name`` (``ple_gate``, ``ple_conv``) for the GPU: from
+    the installed vLLM, else from its source (``bench.vllm_triton``: a copy carried in
+    ``$QWEN4EXP_VLLM_SOURCE`` where vLLM is not installed); None when neither is here."""
     try:
         from vllm.models.qwen4_exp.common.ops import ple
-    except Exception:  # noqa: BLE001 - any import failure means "no vLLM to compare with"
-        return None
-    return getattr(ple, name)
+    except Exception:  # noqa: BLE001 - any import failure: fall back to the source
+        from qwen4exp_ext.bench import vllm_triton
+
+        ple = vllm_triton.load(interpret=False)
+    return None if ple is None else getattr(ple, name)

@@ -1,0 +1,252 @@
+"""vLLM 0.33.0's own Triton PLE kernels, without importing vLLM: for the bench on a GPU (the
+``vllm`` baselines) and for the tests on Triton's CPU interpreter.
+
+Importing ``vllm`` pulls in far more than these kernels need, vLLM turns Triton off on a machine
+without a GPU, and the GPU machine this project benchmarks on has no vLLM and reaches no
+registry. So this loader takes vLLM's source file ``vllm/models/qwen4_exp/common/ops/ple.py``,
+replaces its three vLLM imports by the plain ``triton``/``triton.language`` modules, a platform
+object that answers ``is_arch_support_pdl()`` as vLLM's does (programmatic dependent launch:
+CUDA compute capability 9 and up; never under the interpreter or on ROCm) and the null block id
+0, and executes the source as a private module; nothing else of vLLM is used.
+
+The source comes from, in order:
+
+- ``$QWEN4EXP_VLLM_SOURCE``: a folder written by ``python -m qwen4exp_ext.bench.vllm_triton
+  DIR`` where vLLM is installed (the files these loaders read, under ``vllm/``, and the version
+  in ``VLLM_VERSION``). Carry that folder to a machine without vLLM (it is git-ignored as
+  ``.vllm-source/``; tools/gpu_check.sh uses it when present). Nothing of vLLM is committed.
+- the installed ``vllm`` package, found with ``importlib.util.find_spec("vllm")`` (which
+  locates the package without importing it).
+
+``load(interpret=True)`` defines the kernels under Triton's CPU interpreter
+(``TRITON_INTERPRET=1``, set only while the kernels are defined and run: see ``interpreter()``,
+so that other Triton users in the same process, e.g. torch.compile on a GPU, are unaffected);
+Triton's standard library is fixed when ``triton.language`` is first imported, so on a machine
+with no GPU tests/conftest.py imports it under the interpreter before any test can.
+``load(interpret=False)`` defines them for the GPU. Either returns None when there is no vLLM
+source or no triton, so callers skip cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import sys
+import types
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+VLLM_VERSION = "0.33.0"
+SOURCE_ENV = "QWEN4EXP_VLLM_SOURCE"
+VERSION_FILE = "VLLM_VERSION"
+PLE_PATH = ("models", "qwen4_exp", "common", "ops", "ple.py")
+# The NVFP4 PLE lookup and the two decoders it calls.
+NVFP4_KERNELS = (
+    (
+        ("model_executor", "layers", "quantization", "utils", "nvfp4_emulation_utils.py"),
+        ("_e2m1_inline", "_e4m3_inline"),
+    ),
+    (
+        ("models", "qwen4_exp", "common", "ngram_embedding.py"),
+        ("_lookup_nvfp4_ple_embedding_kernel",),
+    ),
+)
+
+_REPLACED_IMPORTS = {
+    "from vllm.platforms import current_platform\n": "current_platform = _Platform()\n",
+    "from vllm.triton_utils import tl, triton\n": "import triton\nimport triton.language as tl\n",
+    "from vllm.v1.attention.backends.utils import NULL_BLOCK_ID\n": "NULL_BLOCK_ID = 0\n",
+}
+
+
+class _InterpreterPlatform:
+    """Stands in for vllm.platforms.current_platform under the interpreter: no PDL."""
+
+    @staticmethod
+    def is_arch_support_pdl() -> bool:
+        return False
+
+
+class _GpuPlatform:
+    """Stands in for vllm.platforms.current_platform on a GPU, as vLLM 0.33.0 answers: PDL
+    (CudaPlatform.is_arch_support_pdl) from compute capability 9 on; none on ROCm (the base
+    Platform's answer, which RocmPlatform keeps)."""
+
+    @staticmethod
+    def is_arch_support_pdl() -> bool:
+        import torch
+
+        if torch.version.hip is not None:
+            return False
+        try:
+            major, _ = torch.cuda.get_device_capability(torch.cuda.current_device())
+        except Exception:  # noqa: BLE001 - vLLM's own answer when the query fails
+            return False
+        return major >= 9
+
+
+def _installed_root() -> Path | None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _carried_root() -> Path | None:
+    folder = os.environ.get(SOURCE_ENV)
+    return Path(folder) / "vllm" if folder else None
+
+
+def vllm_source_path(parts: tuple[str, ...]) -> Path | None:
+    """Path of a file of vLLM's source (the carried copy first), or None."""
+    for root in (_carried_root(), _installed_root()):
+        if root is not None and root.joinpath(*parts).is_file():
+            return root.joinpath(*parts)
+    return None
+
+
+def ple_source_path() -> Path | None:
+    """Path of vLLM's ple.py, or None."""
+    return vllm_source_path(PLE_PATH)
+
+
+def installed_vllm_version() -> str | None:
+    """The version of the vLLM source in use: the carried copy's, else the installed one's."""
+    carried = _carried_root()
+    if carried is not None and (carried.parent / VERSION_FILE).is_file():
+        return (carried.parent / VERSION_FILE).read_text().strip()
+    try:
+        from importlib.metadata import version
+
+        return version("vllm")
+    except Exception:  # noqa: BLE001 - not installed, or metadata unreadable
+        return None
+
+
+def source_origin() -> str | None:
+    """Where the kernels come from, for reports: "vllm <version> from <path>", or None."""
+    path = ple_source_path()
+    return None if path is None else f"vllm {installed_vllm_version()} from {path}"
+
+
+@cache
+def load(interpret: bool = True) -> types.ModuleType | None:
+    """The kernels module (``ple_gate``, ``ple_conv``, ``ple_ngram_ids``...), defined for the
+    CPU interpreter or (``interpret=False``) for the GPU; or None."""
+    path = ple_source_path()
+    if path is None or importlib.util.find_spec("triton") is None:
+        return None
+    source = path.read_text()
+    for original, replacement in _REPLACED_IMPORTS.items():
+        if original not in source:
+            raise RuntimeError(
+                f"{path}: expected import line {original.strip()!r} not found; this loader "
+                f"is written for vLLM {VLLM_VERSION}, the source is {installed_vllm_version()}"
+            )
+        source = source.replace(original, replacement)
+    module = types.ModuleType(f"qwen4exp_vllm_ple_{'interpreted' if interpret else 'gpu'}")
+    module.__file__ = str(path)
+    module._Platform = _InterpreterPlatform if interpret else _GpuPlatform
+    # Triton's @jit reads the source of each kernel through linecache/inspect: register the
+    # rewritten text under the module's file name so it finds the code it compiles.
+    import linecache
+
+    linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))
+    with interpreter() if interpret else contextlib.nullcontext():
+        exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 - vLLM's source
+    return module
+
+
+def extract(dest: Path) -> list[Path]:
+    """Copies the installed vLLM's files that these loaders read into ``dest`` (for
+    ``$QWEN4EXP_VLLM_SOURCE``), with its version; returns the files written."""
+    root = _installed_root()
+    if root is None:
+        raise RuntimeError("vllm is not installed here: nothing to extract")
+    written = []
+    for parts in (PLE_PATH, *(parts for parts, _ in NVFP4_KERNELS)):
+        target = dest.joinpath("vllm", *parts)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(root.joinpath(*parts), target)
+        written.append(target)
+    from importlib.metadata import version
+
+    (dest / VERSION_FILE).write_text(version("vllm") + "\n")
+    return [*written, dest / VERSION_FILE]
+
+
+@contextlib.contextmanager
+def interpreter() -> Iterator[None]:
+    """Runs Triton kernels on the CPU interpreter inside the block (Triton reads the variable
+    each time it defines or launches a kernel)."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+@cache
+def load_nvfp4_lookup() -> types.ModuleType | None:
+    """vLLM's ``_lookup_nvfp4_ple_embedding_kernel`` with its ``_e2m1_inline`` and
+    ``_e4m3_inline``, or None. Their modules import much of vLLM, so only these three functions
+    are taken from the installed sources (with ``ast``) and defined under the interpreter."""
+    import ast
+    import linecache
+
+    if importlib.util.find_spec("triton") is None:
+        return None
+    module = types.ModuleType("qwen4exp_tests_vllm_nvfp4")
+    pieces = ["import triton\nimport triton.language as tl\n"]
+    for parts, names in NVFP4_KERNELS:
+        path = vllm_source_path(parts)
+        if path is None:
+            return None
+        text = path.read_text()
+        found = {
+            node.name: node
+            for node in ast.parse(text).body
+            if isinstance(node, ast.FunctionDef) and node.name in names
+        }
+        missing = set(names) - set(found)
+        if missing:
+            raise RuntimeError(
+                f"{path}: {sorted(missing)} not found; this loader is written for vLLM "
+                f"{VLLM_VERSION}, installed is {installed_vllm_version()}"
+            )
+        for name in names:
+            pieces.append(ast.get_source_segment(text, found[name], padded=False) + "\n")
+            # the decorator line precedes the def node's own segment
+            pieces[-1] = "@triton.jit\n" + pieces[-1]
+    source = "\n\n".join(pieces)
+    filename = "<vllm 0.33.0 NVFP4 PLE lookup>"
+    module.__file__ = filename
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    with interpreter():
+        exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - vLLM's source
+    return module
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0].startswith("-"):
+        print(
+            "usage: python -m qwen4exp_ext.bench.vllm_triton DIR\n"
+            "copies the installed vLLM's PLE kernel sources into DIR (for $QWEN4EXP_VLLM_SOURCE)",
+            file=sys.stderr,
+        )
+        return 2
+    for path in extract(Path(args[0])):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
