@@ -189,6 +189,21 @@ def test_thread_counts() -> None:
     assert exc.value.code == 2
 
 
+def test_orders_balance_predecessors() -> None:
+    """Each contender follows every other equally often (a call's cache and TLB state depends on
+    the call before it), and each order holds every contender once."""
+    from collections import Counter
+
+    from qwen4exp_ext.bench.timing import balanced_orders
+
+    for n in range(1, 9):
+        rows = balanced_orders(n)
+        assert all(sorted(row) == list(range(n)) for row in rows), n
+        pairs = Counter((row[j], row[j + 1]) for row in rows for j in range(n - 1))
+        assert len(pairs) == n * (n - 1), n
+        assert len(set(pairs.values())) <= 1, (n, pairs)
+
+
 def test_percent_of_the_datasheet_peak(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a listed GPU, ours as a % of its HBM peak: 2400 GB/s on an H200 (4.8 TB/s) is 50%; an
     MI325X is not taken for another MI300-series part; an unlisted GPU or a CPU gives None."""

@@ -1,8 +1,12 @@
 """Side-by-side timing of a case's contenders, and the copy that serves as its roofline.
 
-All contenders of a case are timed in one loop, in an order that rotates every repetition, so
-frequency changes, other tenants and cache state land on all of them alike and their ratio stays
-meaningful even on a noisy machine.
+All contenders of a case are timed in one loop, so frequency changes and other tenants land on
+all of them alike and their ratio stays meaningful even on a noisy machine. The order changes
+every repetition so that each contender follows every other equally often: what a call finds in
+the caches and TLBs depends on the call before it (a copy evicts them; a gather over the same
+table leaves its page-table entries cached), and with a fixed predecessor one contender would
+always time the cold case and another the warm one. (A plain rotation keeps the cyclic order,
+hence the predecessors, fixed; a Williams design balances them.)
 """
 
 from __future__ import annotations
@@ -47,12 +51,22 @@ def time_interleaved(
     for _ in range(warmup):
         for name in names:
             fns[name]()
-    order = [names[i:] + names[:i] for i in range(len(names))]
+    order = [[names[i] for i in row] for row in balanced_orders(len(names))]
     if device.type == "cuda":
         samples = _time_cuda(fns, order, device, repeat)
     else:
         samples = _time_cpu(fns, order, repeat)
     return {name: Quantiles.of(samples[name]) for name in names}
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of range(n) in which every ordered pair of distinct items is adjacent equally
+    often (a Williams design: n orders for even n, 2n for odd n)."""
+    first = [0]
+    for k in range(1, n):
+        first.append((k + 1) // 2 if k % 2 else n - k // 2)
+    rows = [[(j + i) % n for j in first] for i in range(n)]
+    return rows if n % 2 == 0 or n == 1 else rows + [row[::-1] for row in rows]
 
 
 def _time_cpu(
