@@ -283,6 +283,23 @@ def test_matches_reference(backend, dtype, mode, channels, lengths):
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("mode", MODES)
+def test_weights_rewritten_in_place_between_calls(backend, mode):
+    """The CPU kernel keeps the weights it transposed for the next call with the same weights:
+    weights rewritten in place (one element, then all) must give each call the results of its
+    own weights, never those of the weights an earlier call saw at that address."""
+    ops, device = backend.ops, backend.device
+    batch = make_batch(
+        mode, torch.bfloat16, lengths=[4, 3], tokens=4, channels=40, query_len=4, seed=5
+    )
+    for rewrite in (None, lambda w: w[7, 2].add_(1.0), lambda w: w.mul_(-2.0)):
+        if rewrite is not None:
+            rewrite(batch.conv_weights)
+        expected = batch.run(reference.ple_conv)
+        assert_same(batch.run(ops.ple_conv, device), expected, torch.bfloat16, mode)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", MODES)
 def test_fp32_weights_and_strided_rows(backend, dtype, mode):

@@ -27,6 +27,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
@@ -488,19 +490,80 @@ void transpose_weights(const PleConvParams& p, std::vector<float>& out) {
   }
 }
 
+// The transposed weights of recent calls. Decode runs each layer's conv once per step with the
+// same weights, and transposing them every call was half the time of a one-token decode. An
+// entry keeps a copy of the bytes it was made from and is reused only by a call whose weights
+// hold the same bytes at the same address in the same layout: comparing C·K elements costs a
+// fraction of transposing them, and weights rewritten in place, or another tensor at a freed
+// address, can never be served a stale entry. Only contiguous [C, K] weights are cached (their
+// bytes are one range); kWeightCacheEntries covers one entry per layer of a deep model.
+constexpr size_t kWeightCacheEntries = 64;
+
+struct TransposedWeights {
+  const void* address;
+  Dtype activation, weight;
+  int64_t channels, kernel_size;
+  std::vector<unsigned char> bytes;  // the weights as they were
+  std::vector<float> transposed;
+};
+
+template <typename T>
+std::shared_ptr<const TransposedWeights> transposed_weights(const PleConvParams& p) {
+  const auto transpose = [&](std::vector<float>& out) {
+    if (p.weight_dtype == Dtype::kF32) {
+      transpose_weights<T, float>(p, out);
+    } else {
+      transpose_weights<T, T>(p, out);
+    }
+  };
+  const bool contiguous = p.weight_tap_stride == 1 && p.weight_channel_stride == p.kernel_size;
+  if (!contiguous) {
+    auto entry = std::make_shared<TransposedWeights>();
+    transpose(entry->transposed);
+    return entry;
+  }
+  const size_t nbytes = static_cast<size_t>(p.channels) * p.kernel_size *
+                        (p.weight_dtype == Dtype::kF32 ? sizeof(float) : sizeof(T));
+  const auto matches = [&](const TransposedWeights& e) {
+    return e.address == p.weights && e.activation == p.dtype && e.weight == p.weight_dtype &&
+           e.channels == p.channels && e.kernel_size == p.kernel_size;
+  };
+  static std::mutex mutex;
+  static std::vector<std::shared_ptr<const TransposedWeights>> cache;  // most recent last
+  std::shared_ptr<const TransposedWeights> found;
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    for (const auto& e : cache) {
+      if (matches(*e)) found = e;
+    }
+  }
+  if (found != nullptr && std::memcmp(found->bytes.data(), p.weights, nbytes) == 0) return found;
+  auto entry = std::make_shared<TransposedWeights>();
+  entry->address = p.weights;
+  entry->activation = p.dtype;
+  entry->weight = p.weight_dtype;
+  entry->channels = p.channels;
+  entry->kernel_size = p.kernel_size;
+  const auto* raw = static_cast<const unsigned char*>(p.weights);
+  entry->bytes.assign(raw, raw + nbytes);
+  transpose(entry->transposed);
+  const std::lock_guard<std::mutex> lock(mutex);
+  cache.erase(
+      std::remove_if(cache.begin(), cache.end(), [&](const auto& e) { return matches(*e); }),
+      cache.end());
+  if (cache.size() == kWeightCacheEntries) cache.erase(cache.begin());
+  cache.push_back(entry);
+  return entry;
+}
+
 template <typename T>
 void ple_conv_cpu_impl(const PleConvParams& p) {
-  std::vector<float> weights;
-  if (p.weight_dtype == Dtype::kF32) {
-    transpose_weights<T, float>(p, weights);
-  } else {
-    transpose_weights<T, T>(p, weights);
-  }
+  const std::shared_ptr<const TransposedWeights> weights = transposed_weights<T>(p);
   const std::vector<T> zeros(p.channels, from_float<T>(0.0f));
   const float* silu = nullptr;
   if constexpr (!std::is_same_v<T, float>) silu = silu_table<T>();
   static const LookupFn lookup = pick_lookup();
-  const ConvCtx<T> ctx{p, weights.data(), zeros.data(), silu, lookup};
+  const ConvCtx<T> ctx{p, weights->transposed.data(), zeros.data(), silu, lookup};
   // A token is C channels of up to K + 3 rows: a couple of tokens already fill a thread.
   const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, p.channels));
   if (p.mode == ConvMode::kDecode) {
