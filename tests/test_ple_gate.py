@@ -231,6 +231,10 @@ def test_cpu_kernel_sums_in_numpy_order(dtype, tokens, width, streams):
         (3, 1, 4),
         (17, 4, 2),
         (9, 5, 3),
+        # Rows longer than the GPU kernels hold in a block's registers (H > 4096 in bf16/fp16):
+        # taken in tiles, whole 16-byte chunks and element by element.
+        (2, 4104, 2),
+        (3, 4099, 1),
     ],
 )
 def test_matches_reference(backend, dtype, rounding, tokens, width, streams):
