@@ -128,31 +128,48 @@ QWEN4EXP_DEVICE void store_chunk(T* row, int c, int chunks, int H, const float (
   }
 }
 
-// 1 + w for the VEC elements of chunk c of a stream's norm weights (1 past H, where the row is 0;
-// nothing is read where c >= chunks). kWhole: the weights are 16-byte aligned too, and a chunk's
-// weights are one or two 128-bit loads.
-template <typename W, int VEC, bool kWhole>
-QWEN4EXP_DEVICE void load_weights(const W* w, int c, int chunks, int H, float (&out)[VEC]) {
-  if (c >= chunks) {
+// The norm weights of one chunk of T. 16-bit weights (then W is T) stay one packed chunk until
+// used, half the registers of their fp32 values; fp32 weights are kept as 1 + w.
+template <typename T, typename W, bool kPacked = sizeof(W) == 2>
+struct ChunkWeights {
+  Chunk raw;  // zero bits where load_chunk reads none: w = 0, 1 + w = 1 where the row is 0
+
+  QWEN4EXP_DEVICE float one_plus(int i) const { return 1.0f + element<W>(raw, i); }
+};
+
+template <typename T, typename W>
+struct ChunkWeights<T, W, false> {
+  float value[16 / sizeof(T)];  // 1 past H and where the chunk is not the lane's
+
+  QWEN4EXP_DEVICE float one_plus(int i) const { return value[i]; }
+};
+
+// The weights of chunk c of a stream (kWhole: the weights are 16-byte aligned too, and a chunk's
+// weights are one or two 128-bit loads).
+template <typename T, typename W, bool kWhole>
+QWEN4EXP_DEVICE ChunkWeights<T, W> load_weights(const W* w, int c, int chunks, int H) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(T));
+  ChunkWeights<T, W> out;
+  if constexpr (sizeof(W) == 2) {
+    out.raw = load_chunk<W, kWhole>(w, c, chunks, H);
+  } else if (c >= chunks) {
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) out[i] = 1.0f;
-    return;
-  }
-  if constexpr (kWhole) {
-    constexpr int kPerLoad = 16 / static_cast<int>(sizeof(W));
+    for (int i = 0; i < VEC; ++i) out.value[i] = 1.0f;
+  } else if constexpr (kWhole) {
 #pragma unroll
-    for (int l = 0; l < VEC / kPerLoad; ++l) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(w + c * VEC + l * kPerLoad);
+    for (int l = 0; l < VEC / 4; ++l) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(w + c * VEC + l * 4);
       const Chunk chunk{{raw.x, raw.y, raw.z, raw.w}};
 #pragma unroll
-      for (int i = 0; i < kPerLoad; ++i) out[l * kPerLoad + i] = 1.0f + element<W>(chunk, i);
+      for (int i = 0; i < 4; ++i) out.value[l * 4 + i] = 1.0f + element<W>(chunk, i);
     }
   } else {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      out[i] = c * VEC + i < H ? 1.0f + widen(w[c * VEC + i]) : 1.0f;
+      out.value[i] = c * VEC + i < H ? 1.0f + widen(w[c * VEC + i]) : 1.0f;
     }
   }
+  return out;
 }
 
 QWEN4EXP_DEVICE float gate_of(float d, float magnitude) {
@@ -226,13 +243,12 @@ __global__ void __launch_bounds__(kThreads) ple_gate_kernel(PleGateParams p, int
 #pragma unroll
       for (int s = 0; s < kSlots; ++s) {
         const int c = first_chunk + s * group_size;
-        float wk[VEC], wq[VEC];
-        load_weights<W, VEC, kWhole>(w_key, c, live_chunks, H, wk);
-        load_weights<W, VEC, kWhole>(w_query, c, live_chunks, H, wq);
+        const auto wk = load_weights<T, W, kWhole>(w_key, c, live_chunks, H);
+        const auto wq = load_weights<T, W, kWhole>(w_query, c, live_chunks, H);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const float kn = round_through<T>(element<T>(k[s], i) * rk * wk[i]);
-          const float qn = round_through<T>(element<T>(q[s], i) * rq * wq[i]);
+          const float kn = round_through<T>(element<T>(k[s], i) * rk * wk.one_plus(i));
+          const float qn = round_through<T>(element<T>(q[s], i) * rq * wq.one_plus(i));
           dot[0] += round_through<T>(kn * qn);
         }
       }
@@ -264,11 +280,11 @@ __global__ void __launch_bounds__(kThreads) ple_gate_kernel(PleGateParams p, int
 #pragma unroll
       for (int s = 0; s < kSlots; ++s) {
         const int c = first_chunk + s * group_size;
-        float wc[VEC], out[VEC];
-        load_weights<W, VEC, kWhole>(w_conv, c, live_chunks, H, wc);
+        const auto wc = load_weights<T, W, kWhole>(w_conv, c, live_chunks, H);
+        float out[VEC];
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          out[i] = round_through<T>(g * element<T>(v[s], i)) * rg * wc[i];
+          out[i] = round_through<T>(g * element<T>(v[s], i)) * rg * wc.one_plus(i);
         }
         store_chunk<T, kWhole>(conv, c, live_chunks, H, out);
       }
@@ -283,15 +299,14 @@ __global__ void __launch_bounds__(kThreads) ple_gate_kernel(PleGateParams p, int
 #pragma unroll
       for (int s = 0; s < kSlots; ++s) {
         const int c = first_chunk + s * group_size;
-        float wk[VEC], wq[VEC];
-        load_weights<W, VEC, kWhole>(w_key, c, live_chunks, H, wk);
-        load_weights<W, VEC, kWhole>(w_query, c, live_chunks, H, wq);
+        const auto wk = load_weights<T, W, kWhole>(w_key, c, live_chunks, H);
+        const auto wq = load_weights<T, W, kWhole>(w_query, c, live_chunks, H);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           const float kf = element<T>(k[s], i);
           const float qf = element<T>(q[s], i);
           const float vf = element<T>(v[s], i);
-          const float fused = wk[i] * wq[i];
+          const float fused = wk.one_plus(i) * wq.one_plus(i);
           sums[0] += kf * kf;
           sums[1] += qf * qf;
           sums[2] += kf * qf * fused;
@@ -311,13 +326,13 @@ __global__ void __launch_bounds__(kThreads) ple_gate_kernel(PleGateParams p, int
 #pragma unroll
       for (int s = 0; s < kSlots; ++s) {
         const int c = first_chunk + s * group_size;
-        float wc[VEC], out_g[VEC], out_c[VEC];
-        load_weights<W, VEC, kWhole>(w_conv, c, live_chunks, H, wc);
+        const auto wc = load_weights<T, W, kWhole>(w_conv, c, live_chunks, H);
+        float out_g[VEC], out_c[VEC];
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           const float vf = element<T>(v[s], i);
           out_g[i] = g * vf;
-          out_c[i] = g_rg * vf * wc[i];
+          out_c[i] = g_rg * vf * wc.one_plus(i);
         }
         store_chunk<T, kWhole>(gated, c, live_chunks, H, out_g);
         store_chunk<T, kWhole>(conv, c, live_chunks, H, out_c);
