@@ -56,6 +56,16 @@ QWEN4EXP_DEVICE void group_sum(float (&v)[N], int group_log2, float* scratch) {
   }
 }
 
+// Sums each of N values over a block of kThreads threads (a power of two): group_sum with the
+// block as its one group.
+template <int N, int kThreads>
+QWEN4EXP_DEVICE void block_sum(float (&v)[N], float* scratch) {
+  static_assert(kThreads > 0 && (kThreads & (kThreads - 1)) == 0, "a power-of-two block");
+  int log2 = 0;
+  while ((1 << log2) < kThreads) ++log2;  // folded: kThreads is a constant
+  group_sum<N, kThreads>(v, log2, scratch);
+}
+
 // fp32 <-> bf16/fp16 with the device's conversion instructions where it has them: the same bits
 // as float_types.h's integer emulation (round to nearest even, subnormals kept, overflow to inf)
 // for every value but NaN, which stays a quiet NaN of the hardware's sign and payload. AMD
