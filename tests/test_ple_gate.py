@@ -231,6 +231,10 @@ def test_cpu_kernel_sums_in_numpy_order(dtype, tokens, width, streams):
         (3, 1, 4),
         (17, 4, 2),
         (9, 5, 3),
+        # Rows longer than the GPU kernels hold in a block's registers (H > 4096 in bf16/fp16):
+        # taken in tiles, whole 16-byte chunks and element by element.
+        (2, 4104, 2),
+        (3, 4099, 1),
     ],
 )
 def test_matches_reference(backend, dtype, rounding, tokens, width, streams):
@@ -245,6 +249,21 @@ def test_matches_reference(backend, dtype, rounding, tokens, width, streams):
     for g, e, name in zip(got, expected, ("gated", "conv_input"), strict=True):
         assert g.shape == e.shape and g.dtype == dtype and g.is_contiguous()
         assert_close(g, e, dtype, rounding, name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("tokens,streams", [(2**23 + 3, 2), (1, 2**24 + 5)])
+def test_more_token_streams_than_one_launch_takes(backend, tokens, streams):
+    """H = 1: the GPU kernels take 2^24 (token, stream)s per launch (2^16 blocks of 256), so
+    these calls take two, split by tokens or, within the one token, by streams."""
+    ops, device = backend.ops, backend.device
+    key, value, hidden, weights = make_inputs(tokens, 1, streams, torch.bfloat16, device=device)
+    got = ops.ple_gate(key, value, hidden, *weights, EPS)
+    expected = reference.ple_gate(
+        key.cpu(), value.cpu(), hidden.cpu(), *(w.cpu() for w in weights), EPS
+    )
+    for g, e, name in zip(got, expected, ("gated", "conv_input"), strict=True):
+        assert_close(g, e, torch.bfloat16, "vllm", name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)

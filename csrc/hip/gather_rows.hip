@@ -14,8 +14,11 @@
 //
 // Ids are data: an id outside [vocab_start, vocab_end) writes a zero row and reads nothing, so no
 // id value can make the kernel read out of bounds. Table offsets are 64-bit (row·stride exceeds
-// 2^31 for the released 51.2-billion-element table); per-piece index math is 32-bit whenever the
-// piece count fits, because 64-bit integer division is a long software routine on GPUs.
+// 2^31 for the released 51.2-billion-element table). Per-piece index math is 32-bit: a 64-bit
+// integer division is a ~70-instruction software routine on GPUs, and kUnroll pairs of them per
+// thread cost registers (a spill and a quarter of the occupancy on sm_90), so an output of more
+// pieces than 32 bits can index is gathered by several launches of whole tokens.
+#include <algorithm>
 #include <cstring>
 
 #include "../common/dispatch.h"
@@ -31,6 +34,10 @@ constexpr int kThreadsPerBlock = 256;
 constexpr hipError_t kInvalidValue = hipErrorInvalidValue;
 constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread
 constexpr int kVecBytes = 16;
+// The pieces one launch of the vector kernel may gather: its grid-stride index (at most this plus
+// the 2^20 blocks' kThreadsPerBlock · kUnroll pieces) stays below 2^31.
+constexpr int64_t kMaxPieces =
+    (int64_t{1} << 31) - int64_t{kThreadsPerBlock} * kUnroll * (int64_t{1} << 20);
 
 struct alignas(16) Vec16 {
   uint32_t word[4];
@@ -66,11 +73,12 @@ struct DequantTable {
   storage_t<Out> value[256];
 };
 
-// Index math type: 32-bit when the piece count fits, else 64-bit.
-template <typename Index, Dtype In, Dtype Out>
+// pieces_per_row · num_heads · num_tokens = total_pieces < kMaxPieces.
+template <Dtype In, Dtype Out>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    gather_rows_vec_kernel(GatherRowsParams p, Index pieces_per_row, Index num_heads,
-                           Index total_pieces) {
+    gather_rows_vec_kernel(GatherRowsParams p, uint32_t pieces_per_row, uint32_t num_heads,
+                           uint32_t total_pieces) {
+  using Index = uint32_t;
   using Traits = PieceTraits<In, Out>;
   using InT = typename Traits::InT;
   using OutT = typename Traits::OutT;
@@ -83,9 +91,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   QWEN4EXP_SHARED(DequantTable<Out>, lut);
   if constexpr (is_fp8(In)) {
     const float scale_out = round_scale<Out>(*p.scale);
-    for (int b = threadIdx.x; b < 256; b += blockDim.x) {
-      lut.value[b] = dequantize<In, Out>(static_cast<uint8_t>(b), scale_out);
-    }
+    // One entry per thread: a loop strided by blockDim.x was vectorised by hipcc, its uniform
+    // 64-bit bookkeeping spilling SGPRs (fp16 outputs on gfx90a/gfx940).
+    static_assert(kThreadsPerBlock == 256, "one dequantisation table entry per thread");
+    lut.value[threadIdx.x] = dequantize<In, Out>(static_cast<uint8_t>(threadIdx.x), scale_out);
     __syncthreads();
   }
 
@@ -174,8 +183,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   }
 }
 
-// Fallback for tables or outputs whose rows are not 16-byte aligned pieces: one thread per
-// output element, 64-bit index math. Correct for every layout the host accepts, not tuned.
+// Fallback for tables or outputs whose rows are not 16-byte aligned pieces (and for a token of
+// more pieces than one vector launch takes): one thread per output element, 64-bit index math.
+// Correct for every layout the host accepts, not tuned.
 template <Dtype In, Dtype Out>
 __global__ void __launch_bounds__(kThreadsPerBlock) gather_rows_scalar_kernel(GatherRowsParams p) {
   using InT = storage_t<In>;
@@ -237,16 +247,26 @@ hipError_t launch_typed(const GatherRowsParams& p, hipStream_t stream) {
                             (p.output_row_stride * out_size) % out_align == 0;
   if (vectorizable) {
     const int64_t pieces_per_row = row_bytes / kVecBytes;
-    const int64_t total = p.num_tokens * p.num_heads * pieces_per_row;
-    const unsigned blocks = grid_for(total, int64_t{kThreadsPerBlock} * kUnroll);
-    if (total < (int64_t{1} << 31) - int64_t{kThreadsPerBlock} * kUnroll * (int64_t{1} << 20)) {
-      return launch_kernel(gather_rows_vec_kernel<uint32_t, In, Out>, blocks, kThreadsPerBlock, 0,
-                           stream, p, static_cast<uint32_t>(pieces_per_row),
-                           static_cast<uint32_t>(p.num_heads), static_cast<uint32_t>(total));
+    const int64_t per_token = p.num_heads * pieces_per_row;
+    if (per_token < kMaxPieces) {
+      const int64_t tokens_per_launch = (kMaxPieces - 1) / per_token;
+      const int64_t ids_bytes = p.ids_int64 ? 8 : 4;
+      for (int64_t t0 = 0; t0 < p.num_tokens; t0 += tokens_per_launch) {
+        GatherRowsParams part = p;
+        part.num_tokens = std::min(tokens_per_launch, p.num_tokens - t0);
+        part.ids = static_cast<const char*>(p.ids) + t0 * p.ids_row_stride * ids_bytes;
+        part.output = static_cast<char*>(p.output) + t0 * p.output_row_stride * out_size;
+        const int64_t total = part.num_tokens * per_token;
+        const hipError_t status = launch_kernel(
+            gather_rows_vec_kernel<In, Out>, grid_for(total, int64_t{kThreadsPerBlock} * kUnroll),
+            kThreadsPerBlock, 0, stream, part, static_cast<uint32_t>(pieces_per_row),
+            static_cast<uint32_t>(p.num_heads), static_cast<uint32_t>(total));
+        if (status != hipSuccess) return status;
+      }
+      return hipSuccess;
     }
-    return launch_kernel(gather_rows_vec_kernel<int64_t, In, Out>, blocks, kThreadsPerBlock, 0,
-                         stream, p, pieces_per_row, p.num_heads, total);
   }
+  // Unaligned rows, or a single token of more than kMaxPieces pieces.
   const int64_t total = p.num_tokens * p.num_heads * p.width;
   return launch_kernel(gather_rows_scalar_kernel<In, Out>, grid_for(total, kThreadsPerBlock),
                        kThreadsPerBlock, 0, stream, p);
