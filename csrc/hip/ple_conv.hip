@@ -35,10 +35,12 @@ namespace {
 constexpr int kThreads = 256;
 
 // This thread's first channel: block row y holds channels [y·kThreads·VEC, (y+1)·kThreads·VEC).
-// The launcher refuses more than kMaxGridY block rows, so it fits in an int.
+// The launcher refuses more than kMaxGridY block rows, so it is below 2^27, and so is its byte
+// offset in a row below 2^31. Unsigned, so that a row access is a uniform base plus a
+// zero-extended 32-bit offset: one VGPR on AMD (global_load's saddr form), not a VGPR pair.
 template <int VEC>
-QWEN4EXP_DEVICE int first_channel() {
-  return (static_cast<int>(blockIdx.y) * kThreads + static_cast<int>(threadIdx.x)) * VEC;
+QWEN4EXP_DEVICE unsigned first_channel() {
+  return (blockIdx.y * kThreads + threadIdx.x) * VEC;
 }
 
 QWEN4EXP_DEVICE bool slot_in_range(const PleConvParams& p, int64_t slot) {
@@ -90,6 +92,13 @@ QWEN4EXP_DEVICE uint4 from_words(const uint32_t (&w)[4]) {
   v.z = w[2];
   v.w = w[3];
   return v;
+}
+
+// base + bytes, for a uniform base and a per-lane offset.
+template <typename T>
+QWEN4EXP_DEVICE T* byte_offset(T* base, uint32_t bytes) {
+  using Byte = std::conditional_t<std::is_const_v<T>, const char, char>;
+  return reinterpret_cast<T*>(reinterpret_cast<Byte*>(base) + bytes);
 }
 
 template <typename T, int VEC>
@@ -156,19 +165,22 @@ QWEN4EXP_DEVICE void add_tap(const PleConvParams& p, const W* weights, int k,
 }
 
 // What a row's output adds to: its residual and outer_residual entries (when there is one).
-template <int VEC>
+// Kept as stored, converted where they are used: a conversion inside the branch made hipcc wait
+// for the loads there, before it issued any of the window's.
+template <typename T, int VEC>
 struct OutputAddends {
-  float residual[VEC], outer[VEC];
+  Packed<T, VEC> residual, outer;
 };
 
 template <typename T, int VEC>
-QWEN4EXP_DEVICE OutputAddends<VEC> load_addends(const PleConvParams& p, int64_t row, int c0) {
-  OutputAddends<VEC> a;
+QWEN4EXP_DEVICE OutputAddends<T, VEC> load_addends(const PleConvParams& p, int64_t row,
+                                                   unsigned c0) {
+  OutputAddends<T, VEC> a{zero_packed<T, VEC>(), zero_packed<T, VEC>()};
   if (p.outer_residual != nullptr) {
-    load_floats_at<T, VEC>(static_cast<const T*>(p.residual) + row * p.residual_row_stride + c0,
-                           a.residual);
-    load_floats_at<T, VEC>(static_cast<const T*>(p.outer_residual) + row * p.outer_row_stride + c0,
-                           a.outer);
+    a.residual =
+        load_packed<T, VEC>(static_cast<const T*>(p.residual) + row * p.residual_row_stride + c0);
+    a.outer = load_packed<T, VEC>(static_cast<const T*>(p.outer_residual) +
+                                  row * p.outer_row_stride + c0);
   }
   return a;
 }
@@ -177,9 +189,9 @@ QWEN4EXP_DEVICE OutputAddends<VEC> load_addends(const PleConvParams& p, int64_t 
 // where the token produces one, else 0, then the fused residuals. The conv sum is rounded to the
 // storage dtype before SiLU (F.conv1d materialises it).
 template <typename T, int VEC>
-QWEN4EXP_DEVICE void store_output(const PleConvParams& p, int64_t row, int c0,
+QWEN4EXP_DEVICE void store_output(const PleConvParams& p, int64_t row, unsigned c0,
                                   const float (&acc)[VEC], bool produce,
-                                  const OutputAddends<VEC>& a) {
+                                  const OutputAddends<T, VEC>& a) {
   float y[VEC];
 #pragma unroll
   for (int v = 0; v < VEC; ++v) {
@@ -187,8 +199,11 @@ QWEN4EXP_DEVICE void store_output(const PleConvParams& p, int64_t row, int c0,
     y[v] = produce ? round_to<T>(conv * sigmoid_f32(conv)) : 0.f;
   }
   if (p.outer_residual != nullptr) {
+    float residual[VEC], outer[VEC];
+    unpack_floats<T, VEC>(a.residual, residual);
+    unpack_floats<T, VEC>(a.outer, outer);
 #pragma unroll
-    for (int v = 0; v < VEC; ++v) y[v] = a.outer[v] + round_to<T>(a.residual[v] + y[v]);
+    for (int v = 0; v < VEC; ++v) y[v] = outer[v] + round_to<T>(residual[v] + y[v]);
   }
   store_packed<T, VEC>(static_cast<T*>(p.residual) + row * p.residual_row_stride + c0,
                        pack_floats<T, VEC>(y));
@@ -203,7 +218,7 @@ constexpr int kWindowChunk = 8;
 template <typename T, typename W, int VEC, int kK, int kDil>
 __global__ void __launch_bounds__(kThreads) ple_conv_decode_kernel(PleConvParams p, int64_t first) {
   using P = Packed<T, VEC>;
-  const int c0 = first_channel<VEC>();
+  const unsigned c0 = first_channel<VEC>();
   if (c0 >= p.channels) return;
   const int64_t t = first + blockIdx.x;
   const int64_t row = conv_physical_row(p, t);
@@ -212,14 +227,9 @@ __global__ void __launch_bounds__(kThreads) ple_conv_decode_kernel(PleConvParams
   const bool live = slot != kNullSlot && slot_in_range(p, slot);
   const bool read = live && (!p.has_initial_states.present() || p.has_initial_states[t] != 0);
 
-  // This thread's channels of the slot's window: entry i at window + i·ws.
-  T* window = static_cast<T*>(p.conv_state) + (live ? slot : 0) * p.state_slot_stride +
-              static_cast<int64_t>(c0) * (VEC > 1 ? 1 : p.state_channel_stride);
   const int64_t ws = p.state_window_stride;
-  const W* weights =
-      static_cast<const W*>(p.weights) + static_cast<int64_t>(c0) * p.weight_channel_stride;
   const P x = load_packed<T, VEC>(static_cast<const T*>(p.inputs) + row * p.inputs_row_stride + c0);
-  const OutputAddends<VEC> addends = load_addends<T, VEC>(p, row, c0);
+  const OutputAddends<T, VEC> addends = load_addends<T, VEC>(p, row, c0);
   float acc[VEC];
 #pragma unroll
   for (int v = 0; v < VEC; ++v) acc[v] = 0.f;
@@ -227,20 +237,29 @@ __global__ void __launch_bounds__(kThreads) ple_conv_decode_kernel(PleConvParams
   if constexpr (kK > 0) {
     // Everything the token reads — window, weights, its rows — is loaded before the first store,
     // in one round trip. The taps come from the window's registers; the window is stored back
-    // one entry down before SiLU, so that it is not live next to SiLU's registers.
+    // one entry down before SiLU, so that it is not live next to SiLU's registers. Each address
+    // is a uniform base plus this lane's 32-bit byte offset (the launcher checked that the
+    // channels' offsets fit): with 64-bit ones, the addresses of the 16 weight loads alone held
+    // 32 VGPRs on AMD.
     constexpr int kS = (kK - 1) * kDil;
     static_assert(kS > 0, "a compiled shape has a window");
+    const uint32_t state_lane =
+        c0 * static_cast<uint32_t>(VEC > 1 ? 1 : p.state_channel_stride) * sizeof(T);
+    const uint32_t weight_lane = c0 * static_cast<uint32_t>(p.weight_channel_stride) * sizeof(W);
+    T* const slot_window = static_cast<T*>(p.conv_state) + (live ? slot : 0) * p.state_slot_stride;
+    const auto entry = [&](int i) { return byte_offset(slot_window + i * ws, state_lane); };
     P old[kS];
 #pragma unroll
-    for (int i = 0; i < kS; ++i) {
-      old[i] = read ? load_packed<T, VEC>(window + i * ws) : zero_packed<T, VEC>();
-    }
+    for (int i = 0; i < kS; ++i)
+      old[i] = read ? load_packed<T, VEC>(entry(i)) : zero_packed<T, VEC>();
     float w[kK][VEC];
 #pragma unroll
     for (int k = 0; k < kK; ++k) {
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
-        w[k][v] = to_float(weights[k * p.weight_tap_stride + v * p.weight_channel_stride]);
+        w[k][v] = to_float(*byte_offset(static_cast<const W*>(p.weights) + k * p.weight_tap_stride +
+                                            v * p.weight_channel_stride,
+                                        weight_lane));
       }
     }
 #pragma unroll
@@ -252,11 +271,16 @@ __global__ void __launch_bounds__(kThreads) ple_conv_decode_kernel(PleConvParams
     }
     if (live) {
 #pragma unroll
-      for (int i = 0; i + 1 < kS; ++i) store_packed<T, VEC>(window + i * ws, old[i + 1]);
-      store_packed<T, VEC>(window + (kS - 1) * ws, x);
+      for (int i = 0; i + 1 < kS; ++i) store_packed<T, VEC>(entry(i), old[i + 1]);
+      store_packed<T, VEC>(entry(kS - 1), x);
     }
     store_output<T, VEC>(p, row, c0, acc, live, addends);
   } else {
+    // This thread's channels of the slot's window: entry i at window + i·ws.
+    T* const window = static_cast<T*>(p.conv_state) + (live ? slot : 0) * p.state_slot_stride +
+                      static_cast<int64_t>(c0) * (VEC > 1 ? 1 : p.state_channel_stride);
+    const W* const weights =
+        static_cast<const W*>(p.weights) + static_cast<int64_t>(c0) * p.weight_channel_stride;
     const int S = p.state_len;
     for (int k = 0; k < p.kernel_size; ++k) {
       const int h = k * p.dilation;  // < S but for the last tap, which is x
@@ -292,7 +316,7 @@ template <typename T, typename W, int VEC, ConvMode kMode>
 __global__ void __launch_bounds__(kThreads)
     ple_conv_outputs_kernel(PleConvParams p, int64_t first) {
   static_assert(kMode != ConvMode::kDecode, "decode has its own kernel");
-  const int c0 = first_channel<VEC>();
+  const unsigned c0 = first_channel<VEC>();
   if (c0 >= p.channels) return;
   const int64_t t = first + blockIdx.x;
   const int64_t row = conv_physical_row(p, t);
@@ -361,7 +385,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, int VEC, ConvMode kMode>
 __global__ void __launch_bounds__(kThreads)
     ple_conv_write_back_kernel(PleConvParams p, int64_t first) {
-  const int c0 = first_channel<VEC>();
+  const unsigned c0 = first_channel<VEC>();
   if (c0 >= p.channels) return;
   const int64_t r = first + blockIdx.x;
   const int64_t slot = p.state_indices[r];
@@ -455,7 +479,13 @@ template <typename T, typename W, int VEC>
 hipError_t launch_decode(const PleConvParams& p, hipStream_t stream) {
   const int64_t blocks = channel_blocks<VEC>(p);
   if (blocks < 0) return hipErrorInvalidValue;
-  return p.kernel_size == kModelKernel && p.dilation == kModelDilation
+  // The compiled shape addresses a lane's channels of the state and the weights with 32-bit byte
+  // offsets (a lane's first channel is at most the last one).
+  const uint64_t last = static_cast<uint64_t>(p.channels - 1);
+  const bool offsets_fit =
+      (VEC > 1 || last * static_cast<uint64_t>(p.state_channel_stride) * sizeof(T) <= UINT32_MAX) &&
+      last * static_cast<uint64_t>(p.weight_channel_stride) * sizeof(W) <= UINT32_MAX;
+  return p.kernel_size == kModelKernel && p.dilation == kModelDilation && offsets_fit
              ? launch_rows(ple_conv_decode_kernel<T, W, VEC, kModelKernel, kModelDilation>,
                            p.num_rows, blocks, p, stream)
              : launch_rows(ple_conv_decode_kernel<T, W, VEC, 0, 0>, p.num_rows, blocks, p, stream);
