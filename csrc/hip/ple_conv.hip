@@ -153,15 +153,23 @@ QWEN4EXP_DEVICE Packed<T, VEC> zero_packed() {
   return pack_floats<T, VEC>(zero);
 }
 
-// acc += w[c, k] · tap for this thread's channels (`weights` points at its first channel's row).
+// Weights and state entries are loaded as stored and converted where they are used, after the
+// loads around them are issued: fp16's conversion branches, and where a loop converted each value
+// as it loaded it, hipcc waited for every load before it issued the next.
+
+// Tap k's weights w[c, k] of this thread's channels (`weights` points at its first channel's row).
 template <typename W, int VEC>
-QWEN4EXP_DEVICE void add_tap(const PleConvParams& p, const W* weights, int k,
-                             const float (&tap)[VEC], float (&acc)[VEC]) {
+QWEN4EXP_DEVICE void load_weights(const PleConvParams& p, const W* weights, int k, W (&w)[VEC]) {
   const W* column = weights + static_cast<int64_t>(k) * p.weight_tap_stride;
 #pragma unroll
-  for (int v = 0; v < VEC; ++v) {
-    acc[v] += to_float(column[v * p.weight_channel_stride]) * tap[v];
-  }
+  for (int v = 0; v < VEC; ++v) w[v] = column[v * p.weight_channel_stride];
+}
+
+// acc += w · tap, channel by channel.
+template <typename W, int VEC>
+QWEN4EXP_DEVICE void add_tap(const W (&w)[VEC], const float (&tap)[VEC], float (&acc)[VEC]) {
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) acc[v] += to_float(w[v]) * tap[v];
 }
 
 // What a row's output adds to: its residual and outer_residual entries (when there is one).
@@ -252,22 +260,21 @@ __global__ void __launch_bounds__(kThreads) ple_conv_decode_kernel(PleConvParams
 #pragma unroll
     for (int i = 0; i < kS; ++i)
       old[i] = read ? load_packed<T, VEC>(entry(i)) : zero_packed<T, VEC>();
-    float w[kK][VEC];
+    W w[kK][VEC];
 #pragma unroll
     for (int k = 0; k < kK; ++k) {
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
-        w[k][v] = to_float(*byte_offset(static_cast<const W*>(p.weights) + k * p.weight_tap_stride +
-                                            v * p.weight_channel_stride,
-                                        weight_lane));
+        w[k][v] = *byte_offset(static_cast<const W*>(p.weights) + k * p.weight_tap_stride +
+                                   v * p.weight_channel_stride,
+                               weight_lane);
       }
     }
 #pragma unroll
     for (int k = 0; k < kK; ++k) {
       float tap[VEC];
       unpack_floats<T, VEC>(k * kDil < kS ? old[k * kDil] : x, tap);
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) acc[v] += w[k][v] * tap[v];
+      add_tap<W, VEC>(w[k], tap, acc);
     }
     if (live) {
 #pragma unroll
@@ -284,10 +291,12 @@ __global__ void __launch_bounds__(kThreads) ple_conv_decode_kernel(PleConvParams
     const int S = p.state_len;
     for (int k = 0; k < p.kernel_size; ++k) {
       const int h = k * p.dilation;  // < S but for the last tap, which is x
+      W w[VEC];
+      load_weights<W, VEC>(p, weights, k, w);
       float tap[VEC];
       unpack_floats<T, VEC>(
           h < S ? (read ? load_packed<T, VEC>(window + h * ws) : zero_packed<T, VEC>()) : x, tap);
-      add_tap<W, VEC>(p, weights, k, tap, acc);
+      add_tap<W, VEC>(w, tap, acc);
     }
     store_output<T, VEC>(p, row, c0, acc, live, addends);
     if (live && S > 0) {
@@ -357,14 +366,19 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll 1
     for (int k = 0; k < p.kernel_size; ++k) {
       const int64_t h = j + static_cast<int64_t>(k) * p.dilation;
+      W w[VEC];
+      load_weights<W, VEC>(p, weights, k, w);
       float tap[VEC];
 #pragma unroll
       for (int v = 0; v < VEC; ++v) tap[v] = 0.f;
       if (h < S) {
         if (read) {
           const T* entry = window + h * p.state_window_stride;
+          T stored[VEC];
 #pragma unroll
-          for (int v = 0; v < VEC; ++v) tap[v] = to_float(entry[v * p.state_channel_stride]);
+          for (int v = 0; v < VEC; ++v) stored[v] = entry[v * p.state_channel_stride];
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) tap[v] = to_float(stored[v]);
         }
       } else {
         const int64_t logical = start + h - S;
@@ -375,7 +389,7 @@ __global__ void __launch_bounds__(kThreads)
                                  tap);
         }
       }
-      add_tap<W, VEC>(p, weights, k, tap, acc);
+      add_tap<W, VEC>(w, tap, acc);
     }
   }
   store_output<T, VEC>(p, row, c0, acc, produce, load_addends<T, VEC>(p, row, c0));
