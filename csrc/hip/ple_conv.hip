@@ -395,12 +395,18 @@ __global__ void __launch_bounds__(kThreads)
   store_output<T, VEC>(p, row, c0, acc, produce, load_addends<T, VEC>(p, row, c0));
 }
 
-// Request r = first + blockIdx.x's new state, channels [c0, c0 + VEC).
-template <typename T, int VEC, ConvMode kMode>
+// Entries the write-back moves through registers at once.
+constexpr int kWriteBackChunk = 4;
+
+// Request r = first + blockIdx.x's new state, channel first_channel<1>(): one channel per thread,
+// as the state is read and written element by element, and a request's few entries want more
+// threads rather than wider ones. The entries go through registers a chunk at a time, each chunk
+// loaded whole before any of it is stored, and are copied bit for bit.
+template <typename T, ConvMode kMode>
 __global__ void __launch_bounds__(kThreads)
     ple_conv_write_back_kernel(PleConvParams p, int64_t first) {
-  const unsigned c0 = first_channel<VEC>();
-  if (c0 >= p.channels) return;
+  const unsigned c = first_channel<1>();
+  if (c >= p.channels) return;
   const int64_t r = first + blockIdx.x;
   const int64_t slot = p.state_indices[r];
   if (slot == kNullSlot || !slot_in_range(p, slot)) return;
@@ -424,25 +430,42 @@ __global__ void __launch_bounds__(kThreads)
     init = p.has_initial_states[r] != 0;
   }
   T* window = static_cast<T*>(p.conv_state) + slot * p.state_slot_stride +
-              static_cast<int64_t>(c0) * p.state_channel_stride;
-  const int64_t cs = p.state_channel_stride, ws = p.state_window_stride;
-  // Ascending entries: entry i reads entry offset + shift + i > i, not yet written.
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t m = shift + i;
-    float value[VEC];
-    if (m < S) {
-      const T* entry = window + (offset + m) * ws;
+              static_cast<int64_t>(c) * p.state_channel_stride;
+  const int64_t ws = p.state_window_stride;
+  // Entry i becomes entry i + offset + shift of the old window (zero without an initial state)
+  // while that is one of its S entries, then row start + shift + i - S of the chunk. The old
+  // window moves down in ascending chunks: a chunk writes only entries below those that it and
+  // later chunks read.
+  int64_t kept = S - shift;
+  kept = kept < 0 ? 0 : (kept > count ? count : kept);
+  const T* old = window + (offset + shift) * ws;
+  for (int64_t base = 0; base < kept; base += kWriteBackChunk) {
+    T moved[kWriteBackChunk];
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) value[v] = init ? to_float(entry[v * cs]) : 0.f;
-    } else {
-      const int64_t src = conv_physical_row(p, start + m - S);
-      if (src < 0) continue;
-      load_floats_at<T, VEC>(static_cast<const T*>(p.inputs) + src * p.inputs_row_stride + c0,
-                             value);
+    for (int n = 0; n < kWriteBackChunk; ++n) {
+      moved[n] = init && base + n < kept ? old[(base + n) * ws] : from_float<T>(0.0f);
     }
-    T* entry = window + i * ws;
 #pragma unroll
-    for (int v = 0; v < VEC; ++v) entry[v * cs] = from_float<T>(value[v]);
+    for (int n = 0; n < kWriteBackChunk; ++n) {
+      if (base + n < kept) window[(base + n) * ws] = moved[n];
+    }
+  }
+  const T* inputs = static_cast<const T*>(p.inputs) + c;
+  for (int64_t base = kept; base < count; base += kWriteBackChunk) {
+    int64_t src[kWriteBackChunk];
+#pragma unroll
+    for (int n = 0; n < kWriteBackChunk; ++n) {
+      src[n] = base + n < count ? conv_physical_row(p, start + shift + base + n - S) : int64_t{-1};
+    }
+    T value[kWriteBackChunk];
+#pragma unroll
+    for (int n = 0; n < kWriteBackChunk; ++n) {
+      value[n] = src[n] >= 0 ? inputs[src[n] * p.inputs_row_stride] : from_float<T>(0.0f);
+    }
+#pragma unroll
+    for (int n = 0; n < kWriteBackChunk; ++n) {
+      if (src[n] >= 0) window[(base + n) * ws] = value[n];
+    }
   }
 }
 
@@ -509,12 +532,13 @@ hipError_t launch_decode(const PleConvParams& p, hipStream_t stream) {
 // both keeps both modes' values live).
 template <typename T, typename W, int VEC, ConvMode kMode>
 hipError_t launch_chunks(const PleConvParams& p, hipStream_t stream) {
-  const int64_t blocks = channel_blocks<VEC>(p);
-  if (blocks < 0) return hipErrorInvalidValue;
+  const int64_t blocks = channel_blocks<VEC>(p), write_back_blocks = channel_blocks<1>(p);
+  if (blocks < 0 || write_back_blocks < 0) return hipErrorInvalidValue;
   const hipError_t status =
       launch_rows(ple_conv_outputs_kernel<T, W, VEC, kMode>, p.num_rows, blocks, p, stream);
   if (status != hipSuccess) return status;
-  return launch_rows(ple_conv_write_back_kernel<T, VEC, kMode>, p.num_requests, blocks, p, stream);
+  return launch_rows(ple_conv_write_back_kernel<T, kMode>, p.num_requests, write_back_blocks, p,
+                     stream);
 }
 
 template <typename T, typename W>
