@@ -10,7 +10,7 @@ kernel and the reference exactly; fp32 within 1e-6.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -335,6 +335,42 @@ def test_fp32_weights_and_strided_rows(backend, dtype, mode):
     )
     assert not strided.inputs.is_contiguous()
     assert_same(strided.run(ops.ple_conv, device), batch.run(reference.ple_conv), dtype, mode)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel,dilation", [(4, 3), (3, 5), (8, 8), (2, 1)])
+@pytest.mark.parametrize("layout", ["window_first", "window_first_odd_stride", "dim_first"])
+def test_decode_window_layouts_and_lengths(backend, dtype, kernel, dilation, layout):
+    """Decode loads a token's whole window before it writes any of it: one access per entry where
+    the state keeps a thread's channels contiguous and aligned (window-first), element by element
+    otherwise (dim-first, or a window stride of an odd number of elements); the released K = 4,
+    δ = 3 with the window in registers, other shapes a chunk of 8 entries at a time (S = 10 and
+    56 take two and seven chunks). Null slots, no initial state, a token map and fp32 weights
+    along the way."""
+    ops, device = backend.ops, backend.device
+    for seed, initial in ((1, None), (2, False)):
+        batch = make_batch(
+            "decode",
+            dtype,
+            tokens=7,
+            channels=64,
+            kernel=kernel,
+            dilation=dilation,
+            window_first=layout != "dim_first",
+            token_map=seed == 2,
+            initial=initial,
+            weight_dtype=torch.float32 if seed == 2 else None,
+            seed=seed,
+        )
+        if layout == "window_first_odd_stride":
+            state = batch.conv_state  # [slots, C, W], a view of [slots, W, C] storage
+            wide = torch.zeros(state.shape[0], state.shape[2], state.shape[1] + 1, dtype=dtype)
+            wide[:, :, :-1] = state.transpose(1, 2)
+            batch = replace(batch, conv_state=wide[:, :, :-1].transpose(1, 2))
+            assert batch.conv_state.stride() == (wide.stride(0), 1, 65)
+        got = batch.run(ops.ple_conv, device)
+        assert_same(got, batch.run(reference.ple_conv), dtype, f"{layout}, seed {seed}")
 
 
 # --- SPEC §9 properties ---------------------------------------------------------------------------

@@ -78,7 +78,8 @@ QWEN4EXP_API void run_ple_conv_cpu(const PleConvParams& p);
 #if defined(QWEN4EXP_HAS_LAUNCHERS)  // a CPU-only build sees only the params
 // Enqueues the conv (outputs, then the state write-back for prefill/spec) on `stream`; returns the
 // launch status (hipErrorInvalidValue, launching nothing, past 65535·256·VEC channels: one block
-// row per channel group). Expects T > 0 or, for prefill/spec, R > 0.
+// row per channel group of 256·VEC, where VEC is 1 for the prefill/spec write-back and for rows
+// or a decode state that allow no vector access). Expects T > 0 or, for prefill/spec, R > 0.
 hipError_t launch_ple_conv(const PleConvParams& p, hipStream_t stream);
 #endif
 
