@@ -892,8 +892,9 @@ def test_zero_channels_do_nothing(backend, mode):
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b.name == "simt64"], ids=str)
 def test_more_tokens_than_one_block_row_per_token(backend):
-    """Past 65536 tokens a block takes several (a grid counts its threads in 32 bits on ROCm):
-    decode and prefill of 65541 one-channel tokens, every token and state written."""
+    """Past 65536 tokens the launcher launches again from the next token (a grid counts its
+    threads in 32 bits on ROCm): decode and prefill of 65541 one-channel tokens, every token and
+    state written."""
     ops = backend.ops
     for mode in ("decode", "prefill"):
         lengths = [65536 + 2, 3] if mode == "prefill" else None
