@@ -516,14 +516,14 @@ std::shared_ptr<const TransposedWeights> transposed_weights(const PleConvParams&
       transpose_weights<T, T>(p, out);
     }
   };
+  const size_t nbytes = static_cast<size_t>(p.channels) * p.kernel_size *
+                        (p.weight_dtype == Dtype::kF32 ? sizeof(float) : sizeof(T));
   const bool contiguous = p.weight_tap_stride == 1 && p.weight_channel_stride == p.kernel_size;
-  if (!contiguous) {
+  if (!contiguous || nbytes == 0) {  // (no channels: the weights may be a null pointer)
     auto entry = std::make_shared<TransposedWeights>();
     transpose(entry->transposed);
     return entry;
   }
-  const size_t nbytes = static_cast<size_t>(p.channels) * p.kernel_size *
-                        (p.weight_dtype == Dtype::kF32 ? sizeof(float) : sizeof(T));
   const auto matches = [&](const TransposedWeights& e) {
     return e.address == p.weights && e.activation == p.dtype && e.weight == p.weight_dtype &&
            e.channels == p.channels && e.kernel_size == p.kernel_size;
