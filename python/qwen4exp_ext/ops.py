@@ -274,7 +274,9 @@ class KernelOps:
         never decreases. On CPU, out-of-range slots, token indices or query starts raise before
         anything is written; on a GPU (where the host cannot see the data) such rows are skipped:
         their state is left alone and nothing is read out of bounds (with
-        :func:`qwen4exp_ext.debug_checks` the GPU raises the CPU's error instead).
+        :func:`qwen4exp_ext.debug_checks` the GPU raises the CPU's error instead). The CPU kernel
+        keeps the last 64 contiguous weight tensors it transposed (by address; reused only while
+        their bytes are unchanged), each at most 8·C·K bytes.
         """
         self._ple_conv_op(
             inputs,
