@@ -23,16 +23,6 @@
 #include <type_traits>
 #include <vector>
 
-// The x86 paths (AVX and AVX-512 streaming stores, AVX-512 in-register fp8 tables) are compiled on
-// x86-64 with per-function target attributes and chosen at run time: the wheel itself stays
-// baseline x86-64.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define QWEN4EXP_X86_AVX512 1
-#else
-#define QWEN4EXP_X86_AVX512 0
-#endif
-
 #include "../common/dispatch.h"
 #include "../common/gather_rows.h"
 #include "simd.h"
@@ -134,13 +124,7 @@ QWEN4EXP_FP8_ROWS(fp8_e4m3fnuz_rows_f16, Dtype::kFp8E4M3FNUZ, f16_t)
 #undef QWEN4EXP_FP8_ROWS
 
 #if QWEN4EXP_X86_AVX512
-#define QWEN4EXP_AVX512 __attribute__((target("avx512f")))
 #define QWEN4EXP_AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl")))
-
-bool cpu_has_avx512f() {
-  static const bool has = __builtin_cpu_supports("avx512f");
-  return has;
-}
 
 bool cpu_has_avx512bw_vl() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -467,7 +451,7 @@ bool cpu_has_avx() {
 // The widest streaming stores this CPU has.
 RowStores best_row_stores() {
 #if QWEN4EXP_X86_AVX512
-  if (cpu_has_avx512f()) return RowStores::kStream64;
+  if (simd::cpu_has_avx512f()) return RowStores::kStream64;
   if (cpu_has_avx()) return RowStores::kStream32;
 #endif
   return RowStores::kPlain;

@@ -33,10 +33,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#endif
-
 #include "../common/dispatch.h"
 #include "../common/ple_conv.h"
 #include "simd.h"
@@ -103,7 +99,7 @@ void lookup_scalar(const float* table, const uint32_t* bits, float* y, int n) {
   for (int i = 0; i < n; ++i) y[i] = table[bits[i]];
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if QWEN4EXP_X86_AVX512
 __attribute__((target("avx512f"))) void lookup_avx512(const float* table, const uint32_t* bits,
                                                       float* y, int n) {
   int i = 0;
@@ -115,7 +111,7 @@ __attribute__((target("avx512f"))) void lookup_avx512(const float* table, const 
   for (; i < n; ++i) y[i] = table[bits[i]];
 }
 
-LookupFn pick_lookup() { return __builtin_cpu_supports("avx512f") ? lookup_avx512 : lookup_scalar; }
+LookupFn pick_lookup() { return simd::cpu_has_avx512f() ? lookup_avx512 : lookup_scalar; }
 #else
 LookupFn pick_lookup() { return lookup_scalar; }
 #endif

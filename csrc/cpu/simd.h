@@ -1,5 +1,6 @@
 // Eight-lane fp32 vectors for the CPU kernels (GCC/Clang vector extensions), with loads and
-// stores of fp32, bf16 and fp16 rows, and the function multi-versioning of the hot loops.
+// stores of fp32, bf16 and fp16 rows, the function multi-versioning of the hot loops, and the CPU
+// feature queries of the paths chosen at run time.
 //
 // The wheel is built for baseline x86-64 (SSE2). Hot loops are written on these vectors and
 // compiled a second and third time for AVX2+FMA (x86-64-v3) and AVX-512 (x86-64-v4) through GCC's
@@ -22,6 +23,16 @@
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define QWEN4EXP_CPU_CLONES
+#endif
+
+// Paths beyond the clones (intrinsics the baseline clone cannot name: gathers, streaming stores,
+// in-register tables) are compiled on x86-64 with per-function target attributes and chosen at
+// run time with the cpu_has_* queries below: the wheel itself stays baseline x86-64.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define QWEN4EXP_X86_AVX512 1
+#else
+#define QWEN4EXP_X86_AVX512 0
 #endif
 
 #define QWEN4EXP_ALWAYS_INLINE inline __attribute__((always_inline))
@@ -289,6 +300,13 @@ QWEN4EXP_ALWAYS_INLINE void for_each_block(int begin, int end, const Body& body)
   for (; i + kBlock <= end; i += kBlock) body(i, Block16{});
   for (; i < end; i += kLanes) body(i, end - i < kLanes ? end - i : kLanes);
 }
+
+#if QWEN4EXP_X86_AVX512
+inline bool cpu_has_avx512f() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+#endif
 
 }  // namespace simd
 }  // namespace qwen4exp
