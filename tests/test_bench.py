@@ -613,7 +613,7 @@ def test_vllm_kernels_from_a_carried_source(tmp_path: Path) -> None:
         from qwen4exp_ext import ops
 
         assert str(vllm_triton.ple_source_path()) == {str(ple)!r}, vllm_triton.ple_source_path()
-        assert vllm_triton.installed_vllm_version() == "0.33.0"
+        assert vllm_triton.vllm_source_version() == "0.33.0"
         vllm = vllm_triton.load()
         g = torch.Generator().manual_seed(0)
         tokens, width, streams = 3, 100, 3

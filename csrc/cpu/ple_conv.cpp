@@ -525,7 +525,7 @@ std::shared_ptr<const TransposedWeights> transposed_weights(const PleConvParams&
            e.channels == p.channels && e.kernel_size == p.kernel_size;
   };
   static std::mutex mutex;
-  static std::vector<std::shared_ptr<const TransposedWeights>> cache;  // most recent last
+  static std::vector<std::shared_ptr<const TransposedWeights>> cache;  // oldest first
   std::shared_ptr<const TransposedWeights> found;
   {
     const std::lock_guard<std::mutex> lock(mutex);

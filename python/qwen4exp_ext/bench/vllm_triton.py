@@ -113,7 +113,7 @@ def ple_source_path() -> Path | None:
     return vllm_source_path(PLE_PATH)
 
 
-def installed_vllm_version() -> str | None:
+def vllm_source_version() -> str | None:
     """The version of the vLLM source in use: the carried copy's, else the installed one's."""
     carried = _carried_root()
     if carried is not None and (carried.parent / VERSION_FILE).is_file():
@@ -129,7 +129,7 @@ def installed_vllm_version() -> str | None:
 def source_origin() -> str | None:
     """Where the kernels come from, for reports: "vllm <version> from <path>", or None."""
     path = ple_source_path()
-    return None if path is None else f"vllm {installed_vllm_version()} from {path}"
+    return None if path is None else f"vllm {vllm_source_version()} from {path}"
 
 
 @cache
@@ -144,7 +144,7 @@ def load(interpret: bool = True) -> types.ModuleType | None:
         if original not in source:
             raise RuntimeError(
                 f"{path}: expected import line {original.strip()!r} not found; this loader "
-                f"is written for vLLM {VLLM_VERSION}, the source is {installed_vllm_version()}"
+                f"is written for vLLM {VLLM_VERSION}, the source is {vllm_source_version()}"
             )
         source = source.replace(original, replacement)
     module = types.ModuleType(f"qwen4exp_vllm_ple_{'interpreted' if interpret else 'gpu'}")
@@ -219,7 +219,7 @@ def load_nvfp4_lookup() -> types.ModuleType | None:
         if missing:
             raise RuntimeError(
                 f"{path}: {sorted(missing)} not found; this loader is written for vLLM "
-                f"{VLLM_VERSION}, installed is {installed_vllm_version()}"
+                f"{VLLM_VERSION}, the source is {vllm_source_version()}"
             )
         for name in names:
             pieces.append(ast.get_source_segment(text, found[name], padded=False) + "\n")
