@@ -487,12 +487,11 @@ struct StreamJob {
   RowStores stores;
   bool sort;  // copy each block's rows in table order (else in output order)
   int64_t items, block_items, blocks, shift, buckets;
-  std::atomic<int64_t>* next_block;
 };
 
-// One worker: takes blocks from the shared counter until none are left.
+// One block of items.
 template <Dtype In, Dtype Out>
-void stream_worker(const StreamJob<In, Out>& job) {
+void stream_block(const StreamJob<In, Out>& job, int64_t block) {
   using InT = storage_t<In>;
   using OutT = storage_t<Out>;
   const GatherRowsParams& q = job.p;
@@ -520,8 +519,7 @@ void stream_worker(const StreamJob<In, Out>& job) {
     const int64_t t = item / nh;
     return output + t * out_token_bytes + (item - t * nh) * out_row_bytes;
   };
-  for (int64_t block = job.next_block->fetch_add(1, std::memory_order_relaxed); block < job.blocks;
-       block = job.next_block->fetch_add(1, std::memory_order_relaxed)) {
+  {
     const int64_t begin = block * job.block_items;
     const int64_t count = std::min(job.items - begin, job.block_items);
     // Resolve ids and write the zero rows now. The owned rows are listed in output order, or
@@ -583,7 +581,7 @@ void stream_worker(const StreamJob<In, Out>& job) {
     }
   }
 #if QWEN4EXP_X86_AVX512
-  // Streaming stores are weakly ordered: make them visible before this worker reports done.
+  // Streaming stores are weakly ordered: make them visible before this block counts as done.
   if (stores != RowStores::kPlain) _mm_sfence();
 #endif
 }
@@ -600,7 +598,6 @@ void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out
   const int64_t last_row = std::max<int64_t>(p.rows, 1) - 1;
   int64_t shift = 0;
   while ((last_row >> shift) >= block_items) ++shift;
-  std::atomic<int64_t> next_block{0};
   const StreamJob<In, Out> job{p,
                                &convert,
                                stores,
@@ -609,9 +606,8 @@ void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out
                                block_items,
                                (items + block_items - 1) / block_items,
                                shift,
-                               (last_row >> shift) + 1,
-                               &next_block};
-  cpu::parallel_for(0, job.blocks, 1, [&](int64_t, int64_t) { stream_worker(job); });
+                               (last_row >> shift) + 1};
+  cpu::parallel_blocks(job.blocks, 1, [&](int64_t block) { stream_block(job, block); });
 }
 
 // What one thread of this process can count on keeping in cache: its core's L2 plus its share
@@ -747,18 +743,16 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
   const int64_t blocks = (items + block_items - 1) / block_items;
   const GatherRowsParams q = p;
 
-  std::atomic<int64_t> next_block{0};
   // One decode token is 16 rows: below a couple of blocks a second thread costs more than it
   // saves.
-  cpu::parallel_for(0, blocks, 2, [&](int64_t, int64_t) {
+  cpu::parallel_blocks(blocks, 2, [&](int64_t block) {
     // Pass 1 resolves a block's ids into row addresses (nullptr: not owned, a zero row); pass 2
     // copies row i while prefetching row i + kPrefetchDistance. Keeping the id decoding and
     // bounds checks out of the copy loop leaves it as short as a plain memcpy loop, so the
     // out-of-order core runs far ahead and keeps the prefetched misses overlapping.
     const char* rows[kBlockItems];
     const uint8_t* scale_rows[kNvfp4 ? kBlockItems : 1];  // NVFP4: each row's block scales
-    for (int64_t block = next_block.fetch_add(1, std::memory_order_relaxed); block < blocks;
-         block = next_block.fetch_add(1, std::memory_order_relaxed)) {
+    {
       const int64_t begin = block * block_items;
       const int64_t count = std::min(items - begin, block_items);
       int64_t t = begin / nh, h = begin - t * nh;

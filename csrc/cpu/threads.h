@@ -4,7 +4,10 @@
 // (csrc/cpu/threads_openmp.cpp; omp_set_num_threads applies). Each build links exactly one.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 
 namespace qwen4exp::cpu {
 
@@ -35,6 +38,45 @@ void parallel_for_range(int64_t begin, int64_t end, int64_t grain, RangeFn fn);
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
   parallel_for_range(begin, end, grain, RangeFn(fn));
+}
+
+// Runs fn(block) once for every block in [0, blocks), on up to one thread per `grain` blocks.
+// Each thread owns a contiguous share of the blocks, the same share on every call of the same
+// size (parallel_for's chunks are static), so a call that repeats the previous one's rows finds
+// them, and its output lines, in that core's own caches rather than the other cores'. A thread
+// that finishes its share then takes blocks from the others' shares, front first, so one whose
+// core is busy with something else holds no one up.
+template <typename F>
+void parallel_blocks(int64_t blocks, int64_t grain, const F& fn) {
+  if (blocks <= 0) return;
+  const int64_t shares = std::min(num_threads(), (blocks + std::max<int64_t>(grain, 1) - 1) /
+                                                     std::max<int64_t>(grain, 1));
+  if (shares <= 1) {
+    for (int64_t block = 0; block < blocks; ++block) fn(block);
+    return;
+  }
+  struct alignas(64) Share {  // a line each: the threads' counters never share one
+    std::atomic<int64_t> next;
+    int64_t end;
+  };
+  constexpr int64_t kLocalShares = 16;
+  Share local[kLocalShares];
+  std::unique_ptr<Share[]> heap(shares > kLocalShares ? new Share[shares] : nullptr);
+  Share* const share = heap ? heap.get() : local;
+  for (int64_t s = 0; s < shares; ++s) {
+    share[s].next.store(blocks * s / shares, std::memory_order_relaxed);
+    share[s].end = blocks * (s + 1) / shares;
+  }
+  const auto drain = [&](int64_t s) {
+    for (int64_t block = share[s].next.fetch_add(1, std::memory_order_relaxed);
+         block < share[s].end; block = share[s].next.fetch_add(1, std::memory_order_relaxed)) {
+      fn(block);
+    }
+  };
+  parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) drain(s);
+    for (int64_t k = 0; k < shares - (end - begin); ++k) drain((end + k) % shares);
+  });
 }
 
 }  // namespace qwen4exp::cpu
