@@ -21,6 +21,9 @@
 TORCH_LIBRARY(qwen4exp, m) {
   qwen4exp::define_kernel_ops(m);
   qwen4exp::switches::define_switch_ops(m);
+  // SPEC §3: the fast-modulo constants of a layer's head sizes (int64 [NH]) as ngram_ids'
+  // head_divmod, int64 [NH, 4]; a CPU kernel (csrc/cpu_ops.cpp), not emulated: it is host code.
+  m.def("ngram_head_divmod(Tensor head_sizes) -> Tensor");
   // The output size (bytes) from which the CPU gather takes its streaming path (sorted reads,
   // non-temporal stores; csrc/cpu/gather_rows.cpp), -1 where this CPU or build has none.
   m.def("cpu_gather_stream_bytes() -> int", &qwen4exp::cpu_gather_stream_bytes);

@@ -40,14 +40,37 @@ void check_on_cpu(const char* op, const at::Tensor& t) {
 void ngram_ids_cpu(const at::Tensor& input_ids, const at::Tensor& query_start_loc,
                    const at::Tensor& ngram_context, const at::Tensor& layer_multipliers,
                    const at::Tensor& ngram_heads_vocab_sizes, const at::Tensor& ngram_heads_offsets,
-                   int64_t eos_token_id, int64_t heads_per_ngram, const at::Tensor& output) {
+                   int64_t eos_token_id, int64_t heads_per_ngram, const at::Tensor& output,
+                   const std::optional<at::Tensor>& head_divmod) {
+  // head_divmod's metadata is checked like the GPU's; the CPU kernel builds its own constants.
   const NgramIdsParams p = check_ngram_ids_args(
       input_ids, query_start_loc, ngram_context, layer_multipliers, ngram_heads_vocab_sizes,
-      ngram_heads_offsets, eos_token_id, heads_per_ngram, output);
+      ngram_heads_offsets, eos_token_id, heads_per_ngram, output, head_divmod);
   check_on_cpu("ngram_ids", input_ids);
   const bool output_int64 = output.scalar_type() == at::kLong;
   check_ngram_ids_values(p, !output_int64);
   run_ngram_ids_cpu(p, output_int64);
+}
+
+// The fast-modulo constants of a layer's head sizes, [NH, 4] int64 (the bytes of
+// FastDivmodU64[NH]), for ngram_ids' head_divmod: computed once per layer, on the host, by the
+// one definition the kernels use (make_fast_divmod).
+at::Tensor ngram_head_divmod_cpu(const at::Tensor& head_sizes) {
+  TORCH_CHECK(head_sizes.scalar_type() == at::kLong && head_sizes.dim() == 1,
+              "ngram_head_divmod: head_sizes must be int64 [NH], got ", head_sizes.scalar_type(),
+              " ", head_sizes.sizes());
+  check_on_cpu("ngram_head_divmod", head_sizes);
+  const at::Tensor sizes = head_sizes.contiguous();
+  const int64_t* size = sizes.data_ptr<int64_t>();
+  const int64_t num_heads = sizes.numel();
+  at::Tensor out = at::empty({num_heads, kFastDivmodWords}, sizes.options());
+  auto* constants = reinterpret_cast<FastDivmodU64*>(out.data_ptr<int64_t>());
+  for (int64_t h = 0; h < num_heads; ++h) {
+    TORCH_CHECK(size[h] > 0, "ngram_head_divmod: head_sizes[", h, "] must be positive, got ",
+                size[h]);
+    constants[h] = make_fast_divmod(static_cast<uint64_t>(size[h]));
+  }
+  return out;
 }
 
 void gather_rows_cpu(const at::Tensor& table, const at::Tensor& ids,
@@ -107,6 +130,7 @@ void ple_conv_cpu(const at::Tensor& inputs, const at::Tensor& residual,
 
 TORCH_LIBRARY_IMPL(qwen4exp, CPU, m) {
   m.impl("ngram_ids", &qwen4exp::ngram_ids_cpu);
+  m.impl("ngram_head_divmod", &qwen4exp::ngram_head_divmod_cpu);
   m.impl("gather_rows", &qwen4exp::gather_rows_cpu);
   m.impl("ple_gate", &qwen4exp::ple_gate_cpu);
   m.impl("ple_gate_out", &qwen4exp::ple_gate_out_cpu);

@@ -14,13 +14,31 @@ namespace qwen4exp {
 
 inline bool is_index_dtype(at::ScalarType t) { return t == at::kInt || t == at::kLong; }
 
-inline NgramIdsParams check_ngram_ids_args(const at::Tensor& input_ids,
-                                           const at::Tensor& query_start_loc,
-                                           const at::Tensor& ngram_context,
-                                           const at::Tensor& layer_multipliers,
-                                           const at::Tensor& head_sizes,
-                                           const at::Tensor& head_offsets, int64_t eos_token_id,
-                                           int64_t heads_per_ngram, const at::Tensor& output) {
+// head_divmod: the layer's fast-modulo constants as ops.ngram_head_divmod returns them (the bytes
+// of FastDivmodU64[NH]). Only their metadata is checked; their values need none (a kernel that
+// reads them rebuilds every head whose stored divisor is not its size).
+inline void check_head_divmod_arg(const at::Tensor& head_divmod, int64_t num_heads,
+                                  const c10::Device& device) {
+  TORCH_CHECK(head_divmod.scalar_type() == at::kLong && head_divmod.dim() == 2 &&
+                  head_divmod.size(0) == num_heads && head_divmod.size(1) == kFastDivmodWords,
+              "ngram_ids: head_divmod must be int64 [NH, ", kFastDivmodWords, "] = [", num_heads,
+              ", ", kFastDivmodWords, "] (ops.ngram_head_divmod(ngram_heads_vocab_sizes)), got ",
+              head_divmod.scalar_type(), " ", head_divmod.sizes());
+  TORCH_CHECK(head_divmod.is_contiguous(),
+              "ngram_ids: head_divmod must be contiguous, got strides ", head_divmod.strides());
+  TORCH_CHECK(head_divmod.device() == device, "ngram_ids: head_divmod is on ", head_divmod.device(),
+              " but input_ids is on ", device);
+  // The GPU kernel copies the constants with 16-byte loads; a fresh tensor always qualifies.
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(head_divmod.data_ptr()) % 16 == 0,
+              "ngram_ids: head_divmod must be 16-byte aligned (a view at an odd int64 offset is "
+              "not); pass a fresh ops.ngram_head_divmod(...) tensor");
+}
+
+inline NgramIdsParams check_ngram_ids_args(
+    const at::Tensor& input_ids, const at::Tensor& query_start_loc, const at::Tensor& ngram_context,
+    const at::Tensor& layer_multipliers, const at::Tensor& head_sizes,
+    const at::Tensor& head_offsets, int64_t eos_token_id, int64_t heads_per_ngram,
+    const at::Tensor& output, const std::optional<at::Tensor>& head_divmod) {
   TORCH_CHECK(input_ids.dim() == 1, "ngram_ids: input_ids must be 1-D [T], got shape ",
               input_ids.sizes());
   TORCH_CHECK(is_index_dtype(input_ids.scalar_type()),
@@ -79,6 +97,7 @@ inline NgramIdsParams check_ngram_ids_args(const at::Tensor& input_ids,
     TORCH_CHECK(tensor->device() == device, "ngram_ids: ", name, " is on ", tensor->device(),
                 " but input_ids is on ", device);
   }
+  if (head_divmod.has_value()) check_head_divmod_arg(*head_divmod, num_heads, device);
 
   NgramIdsParams p{};
   p.input_ids = index_view(input_ids);
@@ -90,6 +109,9 @@ inline NgramIdsParams check_ngram_ids_args(const at::Tensor& input_ids,
   p.multipliers = layer_multipliers.data_ptr<int64_t>();
   p.sizes = head_sizes.data_ptr<int64_t>();
   p.offsets = head_offsets.data_ptr<int64_t>();
+  p.head_divmod = head_divmod.has_value()
+                      ? reinterpret_cast<const FastDivmodU64*>(head_divmod->data_ptr<int64_t>())
+                      : nullptr;
   p.output = output.data_ptr();
   p.output_row_stride = output.stride(0);
   p.output_col_stride = output.stride(1);

@@ -12,10 +12,13 @@ namespace qwen4exp {
 
 inline void define_kernel_ops(torch::Library& m) {
   // SPEC §3. Writes [T, NH] row ids into `output` (int64, or int32 when every id fits).
+  // head_divmod: the layer's fast-modulo constants, qwen4exp::ngram_head_divmod of the head sizes
+  // (computed once per layer); the same ids with or without them, the GPU kernel just skips
+  // building them in every block.
   m.def(
       "ngram_ids(Tensor input_ids, Tensor query_start_loc, Tensor ngram_context, "
       "Tensor layer_multipliers, Tensor ngram_heads_vocab_sizes, Tensor ngram_heads_offsets, "
-      "int eos_token_id, int heads_per_ngram, Tensor(a!) output) -> ()");
+      "int eos_token_id, int heads_per_ngram, Tensor(a!) output, Tensor? head_divmod=None) -> ()");
   // SPEC §4. Writes [T, NH·d] = the table rows of ids [T, NH] into `output` (fp32/bf16/fp16; an
   // fp8 table is dequantised with its per-tensor fp32 `scale`, an NVFP4 one — uint8 [rows, d/2] —
   // with its e4m3 `block_scales` [rows, d/16] and global fp32 `scale`). Ids outside

@@ -50,6 +50,11 @@ def ngram_baseline() -> dict:
     )
 
 
+def head_divmod() -> torch.Tensor:
+    """The baseline layout's fast-modulo constants (ngram_ids' head_divmod)."""
+    return ops.ngram_head_divmod(torch.tensor(NGRAM_HEADS.sizes))
+
+
 def ngram_call(a: dict) -> dict[str, torch.Tensor]:
     return {"output": a["output"]}
 
@@ -310,6 +315,60 @@ CASES = [
     p("ngram_ids", "meta-context", set_("ngram_context", meta), "ngram_context"),
     p("ngram_ids", "meta-multipliers", set_("layer_multipliers", meta), "layer_multipliers"),
     p("ngram_ids", "meta-qsl", set_("query_start_loc", meta), "query_start_loc"),
+    # head_divmod (ops.ngram_head_divmod of the sizes): checked like every argument, everywhere.
+    p(
+        "ngram_ids",
+        "divmod-int32",
+        put("head_divmod", lambda: head_divmod().to(I32)),
+        r"head_divmod must be int64 \[NH, 4\] = \[4, 4\]",
+    ),
+    p(
+        "ngram_ids",
+        "divmod-3-words",
+        put("head_divmod", lambda: head_divmod()[:, :3].contiguous()),
+        r"head_divmod must be int64 \[NH, 4\]",
+    ),
+    p(
+        "ngram_ids",
+        "divmod-too-few-heads",
+        put("head_divmod", lambda: head_divmod()[:3]),
+        r"head_divmod must be int64 \[NH, 4\]",
+    ),
+    p(
+        "ngram_ids",
+        "divmod-1d",
+        put("head_divmod", lambda: head_divmod().reshape(-1)),
+        r"head_divmod must be int64 \[NH, 4\]",
+    ),
+    p(
+        "ngram_ids",
+        "divmod-noncontig",
+        put("head_divmod", lambda: noncontig(head_divmod())),
+        "head_divmod must be contiguous",
+    ),
+    p(
+        "ngram_ids",
+        "divmod-transposed",
+        put("head_divmod", lambda: head_divmod().t().contiguous().t()),
+        "head_divmod must be contiguous",
+    ),
+    p(
+        "ngram_ids",
+        "divmod-misaligned",
+        put(
+            "head_divmod",
+            lambda: torch.cat([torch.zeros(1, dtype=torch.int64), head_divmod().reshape(-1)])[
+                1:
+            ].view(4, 4),
+        ),
+        "head_divmod must be 16-byte aligned",
+    ),
+    p(
+        "ngram_ids",
+        "meta-divmod",
+        put("head_divmod", lambda: meta(head_divmod())),
+        "head_divmod is on meta but input_ids is on cpu",
+    ),
     # ---- gather_rows ----
     p("gather_rows", "table-int", set_("table", lambda t: t.to(I32)), "table"),
     p("gather_rows", "table-1d", set_("table", lambda t: t.reshape(-1)), "table"),

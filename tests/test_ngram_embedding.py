@@ -10,7 +10,7 @@ import torch
 
 from conftest import devices
 from ngram_support import CONFIG, HEAD_DIM, HEADS, ROWS, SHARD_ROWS
-from qwen4exp_ext import layout, reference
+from qwen4exp_ext import layout, ops, reference
 from qwen4exp_ext.layers import NGramEmbedding
 from qwen4exp_ext.testing import assert_untouched, snapshot
 
@@ -53,7 +53,84 @@ def test_buffers_follow_spec_layout():
         "layer_multipliers",
         "ngram_heads_vocab_sizes",
         "ngram_heads_offsets",
+        "ngram_heads_divmod",  # derived from the sizes: not in the state dict
     }
+    assert "ngram_heads_divmod" not in m.state_dict()
+    assert torch.equal(m.ngram_heads_divmod, ops.ngram_head_divmod(m.ngram_heads_vocab_sizes))
+
+
+def spy_on_ngram_ids(monkeypatch) -> list:
+    """Records the head_divmod of every ops.ngram_ids call (and still runs it)."""
+    seen = []
+    real = ops.ngram_ids
+
+    def spy(*args, head_divmod=None, **kwargs):
+        seen.append(head_divmod)
+        return real(*args, head_divmod=head_divmod, **kwargs)
+
+    monkeypatch.setattr(ops, "ngram_ids", spy)
+    return seen
+
+
+def other_sizes(m: NGramEmbedding) -> torch.Tensor:
+    """Valid head sizes other than the layer's (each fits its rows: the next smaller size)."""
+    return m.ngram_heads_vocab_sizes - 2
+
+
+def test_forward_passes_the_layers_constants(monkeypatch):
+    m = NGramEmbedding(CONFIG, layer_index=1, placement="cpu", dtype=torch.float32)
+    seen = spy_on_ngram_ids(monkeypatch)
+    m(*batch())
+    assert len(seen) == 1 and seen[0] is m.ngram_heads_divmod
+
+
+def test_constants_follow_sizes_loaded_by_load_weights(monkeypatch):
+    m = NGramEmbedding(CONFIG, layer_index=1, placement="cpu", dtype=torch.float32)
+    address = m.ngram_heads_divmod.data_ptr()
+    sizes = other_sizes(m)
+    m.load_weights([("ngram_heads_vocab_sizes", sizes.to(torch.int32))])
+    assert torch.equal(m.ngram_heads_vocab_sizes, sizes)
+    assert torch.equal(m.ngram_heads_divmod, ops.ngram_head_divmod(sizes))
+    assert m.ngram_heads_divmod.data_ptr() == address  # in place: a captured graph sees it
+    seen = spy_on_ngram_ids(monkeypatch)
+    got = m(*batch())
+    assert seen[0] is m.ngram_heads_divmod
+    assert torch.equal(got, expected(m.weight.detach(), m, out_dtype=torch.float32))
+
+
+def test_constants_follow_sizes_loaded_by_load_state_dict():
+    m = NGramEmbedding(CONFIG, layer_index=1, placement="cpu", dtype=torch.float32)
+    state = m.state_dict()
+    sizes = other_sizes(m)
+    state["ngram_heads_vocab_sizes"] = sizes
+    m.load_state_dict(state)
+    assert torch.equal(m.ngram_heads_divmod, ops.ngram_head_divmod(sizes))
+    # assign=True replaces the buffer tensors themselves
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    state["ngram_heads_vocab_sizes"] = torch.tensor(HEADS.sizes)
+    m.load_state_dict(state, assign=True)
+    assert torch.equal(m.ngram_heads_divmod, ops.ngram_head_divmod(torch.tensor(HEADS.sizes)))
+
+
+def test_constants_keep_their_values_for_sizes_that_are_not_positive():
+    """A derived buffer does not fail a load: such sizes are the kernels' to report."""
+    m = NGramEmbedding(CONFIG, layer_index=1, placement="cpu", dtype=torch.float32)
+    before = m.ngram_heads_divmod.clone()
+    m.load_weights([("ngram_heads_vocab_sizes", torch.tensor([5, 0, 7, 9]))])
+    assert torch.equal(m.ngram_heads_divmod, before)
+    with pytest.raises(RuntimeError, match=r"ngram_heads_vocab_sizes\[1\] must be positive"):
+        m(*batch())
+
+
+@pytest.mark.parametrize("target", ["meta", *(d for d in devices() if d != "cpu")])
+def test_constants_move_with_the_module(target):
+    m = NGramEmbedding(CONFIG, layer_index=1, placement="device", dtype=torch.float32)
+    m.to(target)
+    assert m.ngram_heads_divmod.device == m.ngram_heads_vocab_sizes.device
+    assert m.ngram_heads_divmod.device.type == target
+    if target != "meta":
+        want = ops.ngram_head_divmod(torch.tensor(HEADS.sizes))
+        assert torch.equal(m.ngram_heads_divmod.cpu(), want)
 
 
 @pytest.mark.parametrize("placement", ["cpu", "device"])

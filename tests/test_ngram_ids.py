@@ -405,6 +405,171 @@ def test_ids_in_head_range_and_equal_reference(backend, seed, ngram_size, per):
     assert torch.all(got >= low) and torch.all(got < low + lay.sizes.unsqueeze(0))
 
 
+# --- precomputed modulo constants (head_divmod) ------------------------------------------------
+
+
+def divmod_fields(size: int) -> list[int]:
+    """FastDivmodU64 of `size` from Granlund & Montgomery's formulas in Python integers (the
+    comment of csrc/common/fast_divmod.h), as the four int64 slots of ngram_head_divmod."""
+    ceil_log2 = (size - 1).bit_length()
+    multiplier = (2**64 * (2**ceil_log2 - size)) // size + 1
+    shift1, shift2 = min(ceil_log2, 1), max(ceil_log2 - 1, 0)
+    words = [size, multiplier, shift1 | shift2 << 32, 2**64 % size]
+    return [w - 2**64 if w >= 2**63 else w for w in words]  # uint64 bits as int64
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[1], [1, 2, 3, 4, 1009, 2**31 - 1, 2**32, 2**32 + 15], [2**62, 2**63 - 1, 20000003] * 3],
+    ids=["one", "small-and-powers", "large"],
+)
+def test_ngram_head_divmod_is_the_struct_of_each_size(sizes):
+    got = ops.ngram_head_divmod(torch.tensor(sizes))
+    assert got.dtype == torch.int64 and got.shape == (len(sizes), 4) and got.is_contiguous()
+    assert got.tolist() == [divmod_fields(s) for s in sizes]
+
+
+def test_ngram_head_divmod_reads_strided_sizes():
+    sizes = torch.tensor([1009, 7, 1013, 7, 1019])[::2]
+    assert torch.equal(ops.ngram_head_divmod(sizes), ops.ngram_head_divmod(sizes.contiguous()))
+
+
+@pytest.mark.parametrize(
+    "sizes,message",
+    [
+        (torch.tensor([1009, 0, 1019]), r"head_sizes\[1\] must be positive, got 0"),
+        (torch.tensor([-5]), r"head_sizes\[0\] must be positive, got -5"),
+        (torch.tensor([1009, 1013], dtype=torch.int32), "head_sizes must be int64 \\[NH\\]"),
+        (torch.tensor([[1009, 1013]]), "head_sizes must be int64 \\[NH\\]"),
+    ],
+    ids=["zero", "negative", "int32", "2-d"],
+)
+def test_ngram_head_divmod_rejects_bad_sizes(sizes, message):
+    with pytest.raises(RuntimeError, match=message):
+        ops.ngram_head_divmod(sizes)
+
+
+def test_ngram_head_divmod_stays_on_the_device_of_the_sizes():
+    meta = ops.ngram_head_divmod(torch.empty(5, dtype=torch.int64, device="meta"))
+    assert meta.device.type == "meta" and meta.shape == (5, 4) and meta.dtype == torch.int64
+    if "cuda" in [b.device for b in BACKENDS]:
+        sizes = TOY.sizes.cuda()
+        got = ops.ngram_head_divmod(sizes)
+        assert got.device == sizes.device
+        assert torch.equal(got.cpu(), ops.ngram_head_divmod(TOY.sizes))
+
+
+def run_with_divmod(backend, input_ids, qsl, context, lay: Layout, head_divmod, out_dtype):
+    device = backend.device
+    dev_lay = lay.to(device)
+    return backend.ops.ngram_ids(
+        input_ids.to(device),
+        qsl.to(device),
+        context.to(device),
+        *dev_lay.args(),
+        output=torch.full(
+            (input_ids.numel(), lay.sizes.numel()), -7, dtype=out_dtype, device=device
+        ),
+        head_divmod=head_divmod.to(device),
+    ).cpu()
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_head_divmod_gives_the_same_ids(backend):
+    """Odd shapes (T = 1, 129, 151 over one or several requests, NH = 1..21 heads, sizes over
+    the whole int64 range): the same ids with the layer's constants as without, and as the
+    reference."""
+    rng = random.Random(99)
+    for case in range(40):
+        ngram_size = rng.choice([2, 3, 4, 8])
+        lay = random_layout(rng, ngram_size, rng.choice([1, 3]))
+        input_ids, qsl, context = random_batch(rng, lay, torch.int64, 2**40)
+        if case % 4 == 0:  # one long odd request
+            tokens = rng.choice([1, 129, 151])
+            input_ids = torch.randint(
+                0, 50, (tokens,), generator=torch.Generator().manual_seed(case)
+            )
+            qsl = torch.tensor([0, tokens], dtype=torch.int32)
+            context = torch.full((1, lay.context_len), lay.eos)
+        out_dtype = torch.int64
+        with_constants = run_with_divmod(
+            backend, input_ids, qsl, context, lay, ops.ngram_head_divmod(lay.sizes), out_dtype
+        )
+        without, expected = run_both(backend, input_ids, qsl, context, lay, out_dtype)
+        assert torch.equal(with_constants, without), f"case {case}"
+        assert torch.equal(with_constants, expected), f"case {case}"
+
+
+def stale_constants(lay: Layout, rng: random.Random) -> torch.Tensor:
+    """Constants of other sizes for about half the heads (each off by a little or a lot), the
+    right ones for the rest."""
+    sizes = lay.sizes.tolist()
+    other = [
+        s if rng.random() < 0.5 else rng.choice([s + 1, s + 2, max(1, s - 1), 3, 2**40 + 7])
+        for s in sizes
+    ]
+    if other == sizes:
+        other[0] = sizes[0] + 1
+    return ops.ngram_head_divmod(torch.tensor(other))
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.int64, torch.int32])
+def test_stale_head_divmod_still_gives_the_right_ids(backend, out_dtype):
+    """Constants built for other sizes (another layer's, or from before the sizes were
+    reloaded): every head whose stored divisor is not its size is computed as without them.
+    Used as they are, such constants would give ids outside the head's range."""
+    rng = random.Random(5)
+    for case in range(30):
+        lay = model_layout(248320, rng.choice([2, 3, 4]), rng.choice([1, 2, 8]), 20_000, case, 0, 9)
+        input_ids, qsl, context = random_batch(rng, lay, torch.int64, 248320)
+        got = run_with_divmod(
+            backend, input_ids, qsl, context, lay, stale_constants(lay, rng), out_dtype
+        )
+        expected = reference.ngram_ids(input_ids, qsl, context, *lay.args())
+        assert torch.equal(got.long(), expected), f"case {case}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_the_hip_kernel_uses_the_constants_it_is_given(backend):
+    """What the two kernels do with constants whose divisor matches: the HIP kernel uses them
+    as given (which is what saves it the work, so ids computed from a corrupted multiplier
+    differ); the CPU kernel builds its own and never reads them. This is what makes the tests
+    above prove the HIP kernel's reading of the constants, not just its fallback."""
+    lay = TOY
+    corrupted = ops.ngram_head_divmod(lay.sizes)
+    corrupted[:, 1] += 12345  # the multiplier; the divisor still matches
+    input_ids = torch.tensor([9, 7, 3, 5, 11, 2, 40])
+    qsl = torch.tensor([0, 4, 7], dtype=torch.int32)
+    context = torch.tensor([[7, 7], [1, 2]])
+    got = run_with_divmod(backend, input_ids, qsl, context, lay, corrupted, torch.int64)
+    expected = reference.ngram_ids(input_ids, qsl, context, *lay.args())
+    if backend.reads_indices_on_device:
+        assert not torch.equal(got, expected)
+    else:
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.reads_indices_on_device], ids=str)
+def test_head_divmod_with_a_non_positive_size_gives_minus_one(backend):
+    """On the device a head of size <= 0 gives id -1 (a zero row) with constants too, whatever
+    its stored constants say."""
+    lay = TOY
+    sizes = lay.sizes.clone()
+    sizes[1] = 0
+    sizes[2] = -3
+    constants = ops.ngram_head_divmod(lay.sizes)
+    constants[2, 0] = -3  # a stored "divisor" equal to the bad size
+    bad = Layout(lay.multipliers, sizes, lay.offsets, lay.heads_per_ngram, lay.eos)
+    input_ids = torch.tensor([9, 7, 3, 5])
+    qsl = torch.tensor([0, 4], dtype=torch.int32)
+    context = torch.tensor([[7, 7]])
+    got = run_with_divmod(backend, input_ids, qsl, context, bad, constants, torch.int64)
+    expected = reference.ngram_ids(input_ids, qsl, context, *lay.args())
+    assert torch.all(got[:, 1:3] == -1)
+    assert torch.equal(got[:, [0, 3]], expected[:, [0, 3]])
+
+
 # --- opcheck, compile, errors -------------------------------------------------------------------
 
 
@@ -425,19 +590,26 @@ def test_opcheck(backend, case):
     if out.dtype == torch.int32:  # int32 output needs every id to fit
         lay.sizes.clamp_(max=1 << 20)
         lay.offsets.copy_(torch.cumsum(lay.sizes, 0) - lay.sizes)
+    args = (
+        input_ids.to(device),
+        qsl.to(device),
+        context.to(device),
+        lay.multipliers,
+        lay.sizes,
+        lay.offsets,
+        lay.eos,
+        lay.heads_per_ngram,
+        out,
+    )
+    torch.library.opcheck(backend.library.ngram_ids.default, args)
+    # With the layer's constants, and with stale ones (other sizes: the kernel's fallback).
     torch.library.opcheck(
         backend.library.ngram_ids.default,
-        (
-            input_ids.to(device),
-            qsl.to(device),
-            context.to(device),
-            lay.multipliers,
-            lay.sizes,
-            lay.offsets,
-            lay.eos,
-            lay.heads_per_ngram,
-            out,
-        ),
+        (*args, ops.ngram_head_divmod(lay.sizes.cpu()).to(device)),
+    )
+    torch.library.opcheck(
+        backend.library.ngram_ids.default,
+        (*args, ops.ngram_head_divmod(lay.sizes.cpu() + 1).to(device)),
     )
 
 
@@ -447,14 +619,16 @@ def test_torch_compile_smoke(backend):
     lay = TOY.to(device)
 
     @torch.compile(fullgraph=True, dynamic=True)
-    def hashed(input_ids, qsl, context):
-        return ops.ngram_ids(input_ids, qsl, context, *lay.args()) + 1
+    def hashed(input_ids, qsl, context, head_divmod):
+        return ops.ngram_ids(input_ids, qsl, context, *lay.args(), head_divmod=head_divmod) + 1
 
     input_ids = torch.tensor([9, 7, 3, 5, 11], device=device)
     qsl = torch.tensor([0, 4, 5], dtype=torch.int32, device=device)
     context = torch.tensor([[7, 7], [1, 2]], device=device)
     eager = ops.ngram_ids(input_ids, qsl, context, *lay.args()) + 1
-    assert torch.equal(hashed(input_ids, qsl, context), eager)
+    assert torch.equal(hashed(input_ids, qsl, context, None), eager)
+    constants = ops.ngram_head_divmod(lay.sizes)
+    assert torch.equal(hashed(input_ids, qsl, context, constants), eager)
 
 
 def call(**overrides):

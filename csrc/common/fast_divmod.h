@@ -23,6 +23,8 @@
 // precomputed, which leaves one compare-and-add.
 #pragma once
 
+#include <cstddef>
+
 #include "platform.h"
 
 namespace qwen4exp {
@@ -34,6 +36,17 @@ struct FastDivmodU64 {
   uint32_t shift2;      // sh2
   uint64_t two64_mod;   // 2^64 mod d, for the signed floor modulo
 };
+
+// ngram_ids takes a layer's constants precomputed (ops.ngram_head_divmod) as an int64 tensor
+// [NH, 4] holding exactly these bytes: divisor, multiplier, shift1 | shift2 << 32 (one int64 slot,
+// little-endian as every target is), two64_mod. The GPU kernel copies them with 16-byte loads.
+constexpr int kFastDivmodWords = 4;  // int64 slots per FastDivmodU64
+static_assert(sizeof(FastDivmodU64) == kFastDivmodWords * sizeof(int64_t),
+              "FastDivmodU64 is one [4] int64 row of ngram_ids' head_divmod tensor");
+static_assert(offsetof(FastDivmodU64, divisor) == 0 && offsetof(FastDivmodU64, multiplier) == 8 &&
+                  offsetof(FastDivmodU64, shift1) == 16 && offsetof(FastDivmodU64, shift2) == 20 &&
+                  offsetof(FastDivmodU64, two64_mod) == 24,
+              "head_divmod's layout: divisor, multiplier, shift1 | shift2 << 32, two64_mod");
 
 // floor((hi · 2^64) / d) for hi < d: restoring long division, one quotient bit per step. Runs
 // once per divisor (per kernel block on the GPU), never per element; portable where a 128-bit

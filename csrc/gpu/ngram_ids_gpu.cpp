@@ -14,10 +14,11 @@ namespace {
 void ngram_ids_gpu(const at::Tensor& input_ids, const at::Tensor& query_start_loc,
                    const at::Tensor& ngram_context, const at::Tensor& layer_multipliers,
                    const at::Tensor& ngram_heads_vocab_sizes, const at::Tensor& ngram_heads_offsets,
-                   int64_t eos_token_id, int64_t heads_per_ngram, const at::Tensor& output) {
+                   int64_t eos_token_id, int64_t heads_per_ngram, const at::Tensor& output,
+                   const std::optional<at::Tensor>& head_divmod) {
   const NgramIdsParams p = check_ngram_ids_args(
       input_ids, query_start_loc, ngram_context, layer_multipliers, ngram_heads_vocab_sizes,
-      ngram_heads_offsets, eos_token_id, heads_per_ngram, output);
+      ngram_heads_offsets, eos_token_id, heads_per_ngram, output, head_divmod);
   TORCH_CHECK(glue::on_kernel_device(input_ids), "ngram_ids: GPU kernel called with ",
               input_ids.device(), " tensors");
   if (debug_checks_enabled()) {

@@ -5,9 +5,12 @@
 // with consecutive heads in consecutive threads, so the [T, NH] output is written fully
 // coalesced. The NH threads of a token recompute its
 // request and window; those reads hit the same cache lines and cost far less than the strided
-// stores a thread-per-token layout would need. Each block first turns the NH head sizes into
-// fast-modulo constants in shared memory (fast_divmod.h), so no thread ever runs a 64-bit
-// division in the hot path.
+// stores a thread-per-token layout would need. Each block first puts the NH heads' fast-modulo
+// constants (fast_divmod.h) in shared memory, so no thread ever runs a 64-bit division in the
+// hot path. They depend only on the layer: a caller that passes them precomputed
+// (p.head_divmod, ops.ngram_head_divmod) has each block copy 32 bytes per head, where building
+// them costs a 64-step bit loop per head, microseconds per block.
+#include <cstring>
 #include <limits>
 
 #include "../common/ngram_ids.h"
@@ -16,6 +19,32 @@ namespace qwen4exp {
 namespace {
 
 constexpr int kThreadsPerBlock = 256;
+
+// Half of one head's FastDivmodU64: the unit of the 16-byte loads of precomputed constants.
+struct alignas(16) DivmodHalf {
+  uint64_t word[2];
+};
+static_assert(sizeof(FastDivmodU64) == 2 * sizeof(DivmodHalf), "two 16-byte loads per head");
+
+// Head h's constants: the precomputed ones when there are some for this very size, else built
+// here. A non-positive size cannot come from a valid layout (the CPU path rejects it); its ids
+// become -1 in ngram_id, which every gather treats as out of range (a zero row), and its
+// constants are those of 1, never read. A stored divisor other than the size (constants built for
+// another layout, or from before the sizes were reloaded) is rebuilt, so stale constants cost
+// time, never wrong ids.
+QWEN4EXP_DEVICE FastDivmodU64 head_constants(const NgramIdsParams& p, int h) {
+  const int64_t size = p.sizes[h];
+  if (p.head_divmod != nullptr && size > 0) {
+    const DivmodHalf* stored = reinterpret_cast<const DivmodHalf*>(p.head_divmod) + 2 * h;
+    const DivmodHalf low = stored[0];
+    const DivmodHalf high = stored[1];
+    FastDivmodU64 f;
+    memcpy(&f, &low, sizeof(low));
+    memcpy(reinterpret_cast<char*>(&f) + sizeof(low), &high, sizeof(high));
+    if (f.divisor == static_cast<uint64_t>(size)) return f;
+  }
+  return make_fast_divmod(size > 0 ? static_cast<uint64_t>(size) : 1);
+}
 
 // The id of one (token, head) element of the output.
 template <typename OutT, int kMaxContext>
@@ -49,12 +78,7 @@ QWEN4EXP_DEVICE void ngram_id(const NgramIdsParams& p, const FastDivmodU64* head
 template <typename OutT, int kMaxContext>
 __global__ void __launch_bounds__(kThreadsPerBlock) ngram_ids_kernel(NgramIdsParams p) {
   QWEN4EXP_DYNAMIC_SHARED(FastDivmodU64, head_mod);
-  for (int h = threadIdx.x; h < p.num_heads; h += blockDim.x) {
-    const int64_t size = p.sizes[h];
-    // A non-positive size cannot come from a valid layout; the CPU path rejects it. Here the
-    // head's ids become -1, which every gather treats as out of range (a zero row).
-    head_mod[h] = make_fast_divmod(size > 0 ? static_cast<uint64_t>(size) : 1);
-  }
+  for (int h = threadIdx.x; h < p.num_heads; h += blockDim.x) head_mod[h] = head_constants(p, h);
   __syncthreads();
 
   const int64_t elements = p.num_tokens * p.num_heads;

@@ -22,6 +22,7 @@ __all__ = [
     "KernelOps",
     "cpu_gather_stream_bytes",
     "gather_rows",
+    "ngram_head_divmod",
     "ngram_ids",
     "ple_conv",
     "ple_gate",
@@ -77,6 +78,8 @@ class KernelOps:
         eos_token_id: int,
         heads_per_ngram: int,
         output: torch.Tensor | None = None,
+        *,
+        head_divmod: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hashed n-gram row ids, SPEC §3 (vLLM's ``ple_ngram_ids``: same signature, result).
 
@@ -84,6 +87,12 @@ class KernelOps:
         [R, N-1] (the N-1 tokens before each request's chunk, oldest first), layer_multipliers [N],
         ngram_heads_vocab_sizes and ngram_heads_offsets [NH] int64 with NH = (N-1)·heads_per_ngram.
         Returns ``output`` ([T, NH], int64 unless an int32 ``output`` is passed).
+
+        ``head_divmod``: the layer's :func:`ngram_head_divmod` of ``ngram_heads_vocab_sizes``,
+        computed once per layer (int64 [NH, 4], contiguous, on input_ids' device). The ids are
+        the same with or without it; the GPU kernel then copies the constants instead of
+        building them in every block. A head whose stored divisor is not its size (constants of
+        other sizes, or from before they were reloaded) is built as without them.
         """
         if input_ids.dim() != 1:
             input_ids = input_ids.reshape(-1)
@@ -103,8 +112,14 @@ class KernelOps:
             int(eos_token_id),
             int(heads_per_ngram),
             output,
+            head_divmod,
         )
         return output
+
+    @staticmethod
+    def ngram_head_divmod(head_sizes: torch.Tensor) -> torch.Tensor:
+        """:func:`ngram_head_divmod` (host code, the same for every library's ``ngram_ids``)."""
+        return ngram_head_divmod(head_sizes)
 
     def gather_rows(
         self,
@@ -291,10 +306,12 @@ def _ngram_ids_fake(
     eos_token_id: int,
     heads_per_ngram: int,
     output: torch.Tensor,
+    head_divmod: torch.Tensor | None = None,
 ) -> None:
     # The op only writes into `output`; the shape rules are the kernel's own checks, repeated
     # here so that a traced graph fails at trace time, not at run time. The device check matters
     # here too: a meta tensor among CPU ones routes the call to this function, not the kernel.
+    optional = {} if head_divmod is None else {"head_divmod": head_divmod}
     _check_same_device(
         "ngram_ids",
         input_ids=input_ids,
@@ -304,13 +321,31 @@ def _ngram_ids_fake(
         ngram_heads_vocab_sizes=ngram_heads_vocab_sizes,
         ngram_heads_offsets=ngram_heads_offsets,
         output=output,
+        **optional,
     )
+    num_heads = ngram_context.shape[1] * heads_per_ngram
     torch._check(input_ids.dim() == 1, lambda: "ngram_ids: input_ids must be 1-D")
     torch._check(
-        output.shape == (input_ids.shape[0], ngram_context.shape[1] * heads_per_ngram),
+        output.shape == (input_ids.shape[0], num_heads),
         lambda: "ngram_ids: output must be [T, NH]",
     )
+    if head_divmod is not None:
+        torch._check(
+            head_divmod.dtype == torch.int64 and head_divmod.shape == (num_heads, 4),
+            lambda: "ngram_ids: head_divmod must be int64 [NH, 4]",
+        )
+        torch._check(
+            head_divmod.is_contiguous(), lambda: "ngram_ids: head_divmod must be contiguous"
+        )
     return None
+
+
+def _ngram_head_divmod_fake(head_sizes: torch.Tensor) -> torch.Tensor:
+    torch._check(
+        head_sizes.dtype == torch.int64 and head_sizes.dim() == 1,
+        lambda: "ngram_head_divmod: head_sizes must be int64 [NH]",
+    )
+    return head_sizes.new_empty((head_sizes.shape[0], 4))
 
 
 def _gather_rows_fake(
@@ -499,6 +534,21 @@ ngram_ids = _kernels.ngram_ids
 gather_rows = _kernels.gather_rows
 ple_gate = _kernels.ple_gate
 ple_conv = _kernels.ple_conv
+torch.library.register_fake("qwen4exp::ngram_head_divmod", _ngram_head_divmod_fake)
+
+
+def ngram_head_divmod(head_sizes: torch.Tensor) -> torch.Tensor:
+    """The fast-modulo constants of a layer's head sizes, for :func:`ngram_ids`' ``head_divmod``:
+    int64 [NH, 4] on ``head_sizes``' device (the bytes of csrc/common/fast_divmod.h's
+    ``FastDivmodU64`` per head: divisor, multiplier, both shifts in one slot, 2^64 mod divisor).
+
+    Computed on the host by the kernels' own ``make_fast_divmod``; from a GPU tensor that is a
+    copy each way, so compute it once per layer (when the sizes are loaded), never per step and
+    never during CUDA-graph capture. Raises unless ``head_sizes`` is int64 [NH] of positive sizes.
+    """
+    if head_sizes.device.type in ("cpu", "meta"):
+        return torch.ops.qwen4exp.ngram_head_divmod(head_sizes)
+    return torch.ops.qwen4exp.ngram_head_divmod(head_sizes.cpu()).to(head_sizes.device)
 
 
 def cpu_gather_stream_bytes() -> int:

@@ -107,10 +107,14 @@ def ngram_ids(
     eos_token_id: int,
     heads_per_ngram: int,
     output: torch.Tensor | None = None,
+    *,
+    head_divmod: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Hashed n-gram table row of every (token, head) — SPEC §3.
 
-    Same signature as vLLM 0.33.0 ``ple_ngram_ids``. ``input_ids`` [T] (int32/int64, any shape
+    Same signature as vLLM 0.33.0 ``ple_ngram_ids``, plus ``ops.ngram_ids``' ``head_divmod``,
+    which is ignored here: those precomputed modulo constants change how fast the kernel reduces,
+    never the ids (``torch.remainder`` needs none). ``input_ids`` [T] (int32/int64, any shape
     that flattens to T), ``query_start_loc`` [R+1], ``ngram_context`` [R, N-1] (oldest first),
     ``layer_multipliers`` [N], sizes and offsets [NH] with NH = (N-1)·heads_per_ngram.
 

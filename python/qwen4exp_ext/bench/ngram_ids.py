@@ -17,7 +17,9 @@ prime head sizes, offsets) are transformers' own, computed from the config, and 
 requires them, and its ids, to equal ours exactly. Decode R = 256 is then [256, 3]: the
 baseline hashes three positions per token where ours hashes one (the context it needs anyway).
 
-The oracle is ``reference.ngram_ids``; ours and the oracle write into preallocated outputs.
+The oracle is ``reference.ngram_ids``; ours and the oracle write into preallocated outputs. Ours
+gets the layer's modulo constants (``ops.ngram_head_divmod``), computed once per case as the
+callers compute them once per layer.
 """
 
 from __future__ import annotations
@@ -133,13 +135,15 @@ def _case(
     out_ours = torch.full((tokens, NGRAM_HEADS), -1, dtype=torch.int64, device=device)
     out_ref = torch.full((tokens, NGRAM_HEADS), -2, dtype=torch.int64, device=device)
     args = (*inputs, EOS_TOKEN_ID, HEADS_PER_NGRAM)
+    # The layer's modulo constants, computed once as NGramEmbedding and the vLLM shim do.
+    head_divmod = ops.ngram_head_divmod(inputs[4])
     # transformers' input: each request's context, then its chunk, one row per request.
     batch = torch.cat((ngram_context, input_ids.view(requests, -1)), dim=1).to(device)
     context_len = NGRAM_SIZE - 1
 
     # Looked up at call time (not bound here), so a test can substitute a broken kernel.
     def ours() -> torch.Tensor:
-        return ops.ngram_ids(*args, output=out_ours)
+        return ops.ngram_ids(*args, output=out_ours, head_divmod=head_divmod)
 
     def oracle() -> torch.Tensor:
         return reference.ngram_ids(*args, output=out_ref)
@@ -164,7 +168,7 @@ def _case(
             got, transformers(), "ids", against="transformers"
         )
 
-    nbytes = sum(t.numel() * t.element_size() for t in (*inputs, out_ours))
+    nbytes = sum(t.numel() * t.element_size() for t in (*inputs, head_divmod, out_ours))
     eos_count = int((input_ids == EOS_TOKEN_ID).sum())
     return Case(
         op="ngram_ids",

@@ -158,6 +158,33 @@ class NGramEmbedding(nn.Module):
         self.register_buffer(
             "ngram_heads_offsets", torch.tensor(heads.offsets, dtype=torch.int64, device=device)
         )
+        # ngram_ids' fast-modulo constants of the head sizes, computed once here and again
+        # whenever the sizes are loaded (load_weights, load_state_dict), never per forward. Not
+        # persistent: derived from ngram_heads_vocab_sizes, they are no part of a checkpoint, and
+        # as a buffer they follow .to() with it. Constants that do fall behind the sizes (an
+        # in-place edit) still give the right ids: the kernel rebuilds every head whose stored
+        # divisor is not its size.
+        sizes = torch.tensor(heads.sizes, dtype=torch.int64)
+        self.register_buffer(
+            "ngram_heads_divmod", ops.ngram_head_divmod(sizes).to(device), persistent=False
+        )
+        self.register_load_state_dict_post_hook(_refresh_head_divmod_after_load)
+
+    def _refresh_head_divmod(self) -> None:
+        """Recomputes ``ngram_heads_divmod`` from the sizes, in place when it can (a captured
+        CUDA graph keeps reading the same memory). Sizes that are not all positive keep the old
+        constants: the kernels handle such heads themselves (the CPU rejects them, the GPU gives
+        id -1), and a load does not fail over a derived buffer."""
+        sizes = self.ngram_heads_vocab_sizes
+        if sizes.dim() != 1 or not bool((sizes > 0).all()):
+            return
+        fresh = ops.ngram_head_divmod(sizes)
+        current = self.ngram_heads_divmod
+        if current.shape == fresh.shape and current.device == fresh.device:
+            with torch.no_grad():
+                current.copy_(fresh)
+        else:
+            self.ngram_heads_divmod = fresh
 
     def _allocate_table(self, compute_device: torch.device) -> None:
         """The zeroed table of this rank's rows (NVFP4: codes and block scales) where
@@ -250,6 +277,7 @@ class NGramEmbedding(nn.Module):
             self.ngram_heads_offsets,
             self.eos_token_id,
             self.heads_per_ngram,
+            head_divmod=self.ngram_heads_divmod,
         )
         return self.lookup(ids)
 
@@ -433,6 +461,8 @@ class NGramEmbedding(nn.Module):
                 else:
                     buffer = getattr(self, name)
                     buffer.copy_(tensor.to(dtype=torch.int64).to(buffer.device))
+        if any(name == "ngram_heads_vocab_sizes" for _, name, _ in staged):
+            self._refresh_head_divmod()
 
     def _check_complete(self) -> None:
         if self._incomplete_load is not None:
@@ -553,6 +583,11 @@ class NGramEmbedding(nn.Module):
                     self._copy_rows(lo, piece[lo - start : hi - start], target)
 
         return read
+
+
+def _refresh_head_divmod_after_load(module: NGramEmbedding, incompatible_keys: Any) -> None:
+    """load_state_dict post hook: the constants follow the sizes it loaded."""
+    module._refresh_head_divmod()
 
 
 def _compute_device(placement: Placement, device: torch.device | str | None) -> torch.device:

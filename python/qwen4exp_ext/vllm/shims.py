@@ -85,6 +85,58 @@ def signature_text(fn: Callable[..., Any]) -> str:
 # ---- replacements ---------------------------------------------------------------------------
 
 
+@dataclass
+class _HeadDivmod:
+    """ngram_ids' constants of one head-sizes tensor: those of the tensor's ``version`` (None
+    where its sizes are not all positive), and whether a CUDA graph captured them."""
+
+    version: int
+    divmod: torch.Tensor | None
+    captured: bool = False
+
+
+# vLLM hands ple_ngram_ids a layer's head sizes on every call; their constants are computed once
+# per tensor, keyed by (device, address, length): a tensor written in place (a new _version) or
+# a new one at another address misses and is recomputed. A new tensor that reuses a freed
+# address with the same version hits constants that may be another layer's: the kernel rebuilds
+# every head whose stored divisor is not its size, so that costs time, never wrong ids.
+_HEAD_DIVMODS: dict[tuple[torch.device, int, int], _HeadDivmod] = {}
+# Constants a captured CUDA graph reads: kept alive even once their entry is replaced.
+_CAPTURED_DIVMODS: list[torch.Tensor] = []
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def head_divmod_for(sizes: torch.Tensor) -> torch.Tensor | None:
+    """The :func:`~qwen4exp_ext.ops.ngram_head_divmod` constants of ``sizes``, from the cache, or
+    computed and cached (a host round trip for a GPU tensor). None where they cannot be had
+    without work that must not happen here: under torch.compile tracing, and during CUDA graph
+    capture for sizes not seen before (a copy to the host is impossible then); also for sizes
+    that are not all positive (the kernel treats those heads itself)."""
+    if torch.compiler.is_compiling():
+        return None
+    key = (sizes.device, sizes.data_ptr(), sizes.numel())
+    version = sizes._version
+    entry = _HEAD_DIVMODS.get(key)
+    capturing = _capturing(sizes.device)
+    if entry is not None and entry.version == version:
+        if capturing and entry.divmod is not None and not entry.captured:
+            entry.captured = True
+            _CAPTURED_DIVMODS.append(entry.divmod)
+        return entry.divmod
+    if capturing:
+        return None
+    host = sizes.detach().cpu()
+    divmod = None
+    if host.dtype == torch.int64 and host.dim() == 1 and bool((host > 0).all()):
+        divmod = ops.ngram_head_divmod(host).to(sizes.device)
+    _HEAD_DIVMODS[key] = _HeadDivmod(version, divmod)
+    return divmod
+
+
 def _make_ple_ngram_ids(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def ple_ngram_ids(
         input_ids: torch.Tensor,
@@ -97,8 +149,19 @@ def _make_ple_ngram_ids(original: Callable[..., torch.Tensor]) -> Callable[..., 
         heads_per_ngram: int,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        fn = ops.ngram_ids if input_ids.device.type in DEVICE_TYPES else original
-        return fn(
+        if input_ids.device.type not in DEVICE_TYPES:
+            return original(
+                input_ids,
+                query_start_loc,
+                ngram_context,
+                layer_multipliers,
+                ngram_heads_vocab_sizes,
+                ngram_heads_offsets,
+                eos_token_id,
+                heads_per_ngram,
+                output,
+            )
+        return ops.ngram_ids(
             input_ids,
             query_start_loc,
             ngram_context,
@@ -108,6 +171,7 @@ def _make_ple_ngram_ids(original: Callable[..., torch.Tensor]) -> Callable[..., 
             eos_token_id,
             heads_per_ngram,
             output,
+            head_divmod=head_divmod_for(ngram_heads_vocab_sizes),
         )
 
     return ple_ngram_ids

@@ -1,0 +1,96 @@
+"""The vLLM shims' own logic, without vLLM: the ngram_ids constants that ``ple_ngram_ids``
+caches per head-sizes tensor (vLLM passes the sizes on every call) and passes to our kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qwen4exp_ext import layout, ops, reference
+from qwen4exp_ext.vllm import shims
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache(monkeypatch):
+    monkeypatch.setattr(shims, "_HEAD_DIVMODS", {})
+    monkeypatch.setattr(shims, "_CAPTURED_DIVMODS", [])
+
+
+def sizes_of_layer(layer: int) -> torch.Tensor:
+    return torch.tensor(layout.head_vocab_layout(20_000, 16, layer, 128).sizes)
+
+
+def test_constants_are_computed_once_per_tensor():
+    sizes = sizes_of_layer(0)
+    first = shims.head_divmod_for(sizes)
+    assert torch.equal(first, ops.ngram_head_divmod(sizes))
+    assert shims.head_divmod_for(sizes) is first
+    other = sizes_of_layer(1)
+    assert torch.equal(shims.head_divmod_for(other), ops.ngram_head_divmod(other))
+    assert shims.head_divmod_for(sizes) is first  # each layer has its own
+
+
+def test_a_tensor_written_in_place_misses():
+    sizes = sizes_of_layer(0)
+    first = shims.head_divmod_for(sizes)
+    sizes.copy_(sizes_of_layer(2))  # a reload into the same tensor: a new _version
+    again = shims.head_divmod_for(sizes)
+    assert again is not first
+    assert torch.equal(again, ops.ngram_head_divmod(sizes_of_layer(2)))
+
+
+def test_sizes_that_are_not_all_positive_give_none():
+    assert shims.head_divmod_for(torch.tensor([1009, 0, 1013])) is None
+
+
+def test_capture_never_computes(monkeypatch):
+    """During CUDA graph capture: constants already cached are passed (and kept alive for the
+    graph even once replaced); new sizes get None, with no host copy."""
+    cached = sizes_of_layer(0)
+    constants = shims.head_divmod_for(cached)
+    monkeypatch.setattr(shims, "_capturing", lambda device: True)
+
+    def no_compute(_sizes):
+        raise AssertionError("computed during capture")
+
+    monkeypatch.setattr(ops, "ngram_head_divmod", no_compute)
+    assert shims.head_divmod_for(cached) is constants
+    assert shims._CAPTURED_DIVMODS == [constants]
+    assert shims.head_divmod_for(sizes_of_layer(1)) is None
+    assert len(shims._HEAD_DIVMODS) == 1  # the miss left nothing behind
+
+
+def test_compiling_passes_none(monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert shims.head_divmod_for(sizes_of_layer(0)) is None
+    assert not shims._HEAD_DIVMODS
+
+
+def test_ple_ngram_ids_passes_the_cached_constants(monkeypatch):
+    def vllm_original(*args):
+        raise AssertionError("vLLM's function ran on a device our build serves")
+
+    ple_ngram_ids = shims._make_ple_ngram_ids(vllm_original)
+    seen = []
+    real = ops.ngram_ids
+
+    def spy(*args, head_divmod=None, **kwargs):
+        seen.append(head_divmod)
+        return real(*args, head_divmod=head_divmod, **kwargs)
+
+    monkeypatch.setattr(ops, "ngram_ids", spy)
+    heads = layout.head_vocab_layout(20_000, 4, 0, 128)
+    args = (
+        torch.tensor([9, 7, 3, 5, 11]),
+        torch.tensor([0, 4, 5], dtype=torch.int32),
+        torch.tensor([[7, 7], [1, 2]]),
+        torch.tensor(layout.layer_multipliers(128, 3, 42, 0)),
+        torch.tensor(heads.sizes),
+        torch.tensor(heads.offsets),
+        7,
+        2,
+    )
+    for _ in range(2):
+        assert torch.equal(ple_ngram_ids(*args), reference.ngram_ids(*args))
+    assert seen[0] is not None and seen[1] is seen[0]
+    assert torch.equal(seen[0], ops.ngram_head_divmod(args[4]))
