@@ -44,7 +44,8 @@ constexpr int64_t kCacheLine = 64;
 // so a helper that only prefetches is classified "const" and every call to it is deleted as dead
 // code (GCC 12 -O3 drops them all). Inlined, the prefetches stay in the loop.
 // Locality 3 (prefetcht0: into L1 and below), as the row is copied a few hundred ns later:
-// faster than prefetcht1 and prefetchnta on every id pattern measured (results/cpu-kernel-notes.md).
+// faster than prefetcht1 and prefetchnta on every id pattern measured
+// (results/cpu-kernel-notes.md).
 __attribute__((always_inline)) inline void prefetch_bytes(const char* begin, int64_t bytes) {
   const uintptr_t first = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t(kCacheLine - 1);
   const uintptr_t last = reinterpret_cast<uintptr_t>(begin + bytes - 1);
@@ -363,6 +364,70 @@ struct RowConverter {
   }
 };
 
+// What one thread of this process can count on keeping in cache: its core's L2 plus its share
+// of the L3, from sysfs (cpu0's caches; sizes like "32768K"). The L3 share is the L3 over the
+// CPUs that sysfs says share it, capped at kL3ShareCap: inside a VM sysfs lists only the VM's
+// own CPUs next to the whole socket's L3 (a 2-CPU VM on a 480 MiB-L3 Xeon sees 240 MiB each),
+// and the tenants on the other cores use the rest. (sysconf(_SC_LEVEL3_CACHE_SIZE) is no
+// substitute: on EPYC it reports every CCD's L3 together.)
+// 4 MiB: the L3 per core of a Zen 4 CCD, more than a Xeon gives a core (V-Cache parts have more).
+constexpr int64_t kL3ShareCap = int64_t{4} << 20;
+struct CacheShare {
+  int64_t l2 = int64_t{1} << 20;  // per core, where sysfs has nothing
+  int64_t l3 = int64_t{2} << 20;  // per CPU
+};
+
+int64_t sysfs_cache_bytes(const std::string& size) {
+  int64_t value = std::strtoll(size.c_str(), nullptr, 10);
+  const char unit = size.empty() ? '\0' : size.back();
+  if (unit == 'K') value <<= 10;
+  if (unit == 'M') value <<= 20;
+  return value;
+}
+
+// CPUs in a sysfs list such as "0-3,8-11".
+int64_t sysfs_cpu_count(const std::string& list) {
+  int64_t count = 0;
+  const char* p = list.c_str();
+  while (*p != '\0') {
+    char* end = nullptr;
+    const long first = std::strtol(p, &end, 10);
+    if (end == p) break;
+    long last = first;
+    p = end;
+    if (*p == '-') {
+      last = std::strtol(p + 1, &end, 10);
+      p = end;
+    }
+    count += std::max<long>(0, last - first + 1);
+    if (*p == ',') ++p;
+  }
+  return count;
+}
+
+const CacheShare& cache_share() {
+  static const CacheShare share = [] {
+    CacheShare s;
+    for (int index = 0; index < 8; ++index) {
+      const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index);
+      std::ifstream level_file(dir + "/level"), size_file(dir + "/size"), type_file(dir + "/type"),
+          shared_file(dir + "/shared_cpu_list");
+      int level = 0;
+      std::string size, type, shared;
+      if (!(level_file >> level) || !(size_file >> size) || !(type_file >> type)) continue;
+      if (type == "Instruction") continue;
+      const int64_t bytes = sysfs_cache_bytes(size);
+      if (bytes <= 0) continue;
+      const int64_t sharing =
+          (shared_file >> shared) ? std::max<int64_t>(1, sysfs_cpu_count(shared)) : 1;
+      if (level == 2) s.l2 = bytes / sharing;
+      if (level == 3) s.l3 = std::min(kL3ShareCap, bytes / sharing);
+    }
+    return s;
+  }();
+  return share;
+}
+
 // --- The streaming path --------------------------------------------------------------------
 //
 // An output larger than what this process's threads can keep in cache (a prefill) would have
@@ -376,11 +441,13 @@ struct RowConverter {
 // With 32-byte stores the rows are written in output order: scattered 32-byte streaming stores
 // cost more than the sort saves (the measurements: results/cpu-kernel-notes.md).
 
-// Items per block: 32768 rows of 320 bytes (10 MiB) spread over a 4M-row table put a
-// row every ~40 KiB; bigger blocks sort better but start the copy later and balance worse. At
-// least two blocks per thread (as on the cached path: a thread whose core is busy takes fewer),
-// down to 1024 items, so that a many-core host still puts every core to work.
-constexpr int64_t kStreamBlockItems = 32768;
+// Items per block: the more a block holds, the denser its sorted rows lie in the table (32768
+// rows spread over a 4M-row table put one every ~40 KiB, 65536 one every ~20 KiB) and the more
+// page-table lines each walk shares with the next. The sort's scratch (kStreamScratchBytes an
+// item) should stay in the core's L2, which bounds a block; one block per thread, down to 1024
+// items, so that a many-core host still puts every core to work. (On a 2-core Zen 5 VM, 1 MiB
+// L2: 65536-item blocks 1.61x index_select at T = 8192, 32768-item ones 1.36x, 131072 1.39x.)
+constexpr int64_t kStreamScratchBytes = sizeof(int64_t) + 2 * sizeof(int32_t);
 constexpr int64_t kStreamMinBlockItems = 1024;
 // Conversions are staged through an L1-resident buffer of this many bytes, then written out.
 constexpr int64_t kStageBytes = 2048;
@@ -591,8 +658,9 @@ void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out
                            RowStores stores) {
   const int64_t items = p.num_tokens * p.num_heads;
   const int64_t threads = cpu::num_threads();
-  const int64_t block_items = std::clamp<int64_t>((items + 2 * threads - 1) / (2 * threads),
-                                                  kStreamMinBlockItems, kStreamBlockItems);
+  const int64_t l2_items = std::max(kStreamMinBlockItems, cache_share().l2 / kStreamScratchBytes);
+  const int64_t block_items =
+      std::clamp<int64_t>((items + threads - 1) / threads, kStreamMinBlockItems, l2_items);
   // Buckets of 2^shift rows, about as many buckets as items in a block: finer buys nothing (a
   // bucket then holds ~1 item), coarser leaves rows unsorted within a bucket.
   const int64_t last_row = std::max<int64_t>(p.rows, 1) - 1;
@@ -608,70 +676,6 @@ void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out
                                shift,
                                (last_row >> shift) + 1};
   cpu::parallel_blocks(job.blocks, 1, [&](int64_t block) { stream_block(job, block); });
-}
-
-// What one thread of this process can count on keeping in cache: its core's L2 plus its share
-// of the L3, from sysfs (cpu0's caches; sizes like "32768K"). The L3 share is the L3 over the
-// CPUs that sysfs says share it, capped at kL3ShareCap: inside a VM sysfs lists only the VM's
-// own CPUs next to the whole socket's L3 (a 2-CPU VM on a 480 MiB-L3 Xeon sees 240 MiB each),
-// and the tenants on the other cores use the rest. (sysconf(_SC_LEVEL3_CACHE_SIZE) is no
-// substitute: on EPYC it reports every CCD's L3 together.)
-// 4 MiB: the L3 per core of a Zen 4 CCD, more than a Xeon gives a core (V-Cache parts have more).
-constexpr int64_t kL3ShareCap = int64_t{4} << 20;
-struct CacheShare {
-  int64_t l2 = int64_t{1} << 20;  // per core, where sysfs has nothing
-  int64_t l3 = int64_t{2} << 20;  // per CPU
-};
-
-int64_t sysfs_cache_bytes(const std::string& size) {
-  int64_t value = std::strtoll(size.c_str(), nullptr, 10);
-  const char unit = size.empty() ? '\0' : size.back();
-  if (unit == 'K') value <<= 10;
-  if (unit == 'M') value <<= 20;
-  return value;
-}
-
-// CPUs in a sysfs list such as "0-3,8-11".
-int64_t sysfs_cpu_count(const std::string& list) {
-  int64_t count = 0;
-  const char* p = list.c_str();
-  while (*p != '\0') {
-    char* end = nullptr;
-    const long first = std::strtol(p, &end, 10);
-    if (end == p) break;
-    long last = first;
-    p = end;
-    if (*p == '-') {
-      last = std::strtol(p + 1, &end, 10);
-      p = end;
-    }
-    count += std::max<long>(0, last - first + 1);
-    if (*p == ',') ++p;
-  }
-  return count;
-}
-
-const CacheShare& cache_share() {
-  static const CacheShare share = [] {
-    CacheShare s;
-    for (int index = 0; index < 8; ++index) {
-      const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index);
-      std::ifstream level_file(dir + "/level"), size_file(dir + "/size"), type_file(dir + "/type"),
-          shared_file(dir + "/shared_cpu_list");
-      int level = 0;
-      std::string size, type, shared;
-      if (!(level_file >> level) || !(size_file >> size) || !(type_file >> type)) continue;
-      if (type == "Instruction") continue;
-      const int64_t bytes = sysfs_cache_bytes(size);
-      if (bytes <= 0) continue;
-      const int64_t sharing =
-          (shared_file >> shared) ? std::max<int64_t>(1, sysfs_cpu_count(shared)) : 1;
-      if (level == 2) s.l2 = bytes / sharing;
-      if (level == 3) s.l3 = std::min(kL3ShareCap, bytes / sharing);
-    }
-    return s;
-  }();
-  return share;
 }
 
 // set_cpu_gather_stream_bytes's setting; -1: the default. Read with one relaxed load per call.
