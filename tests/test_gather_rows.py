@@ -221,6 +221,37 @@ def test_many_blocks_wide_rows_and_zero_rows(backend, table_dtype, cpu_path):
             assert torch.all(buffer[:, :1] == 3) and torch.all(buffer[:, 1 + heads * width :] == 3)
 
 
+@pytest.mark.skipif("streaming" not in CPU_PATHS, reason="this CPU has no streaming path")
+@pytest.mark.parametrize("table_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_streaming_sorted_and_output_order(table_dtype, threads):
+    """The streaming path sorts a block's rows by table row unless its distinct rows fit in a
+    thread's share of the threshold; then it copies them in output order. With the threshold at
+    a quarter of the output, fresh ids take the sorted branch and ids drawn from 8 rows the
+    other; both, and a mix (a block of each kind), give the reference's rows."""
+    gen = torch.Generator().manual_seed(5)
+    rows, width, tokens, heads = 40_000, 160, 600, 16
+    table = make_table(rows, width, table_dtype, gen=gen)
+    scale = torch.tensor([0.5]) if table_dtype == torch.float8_e4m3fn else None
+    fresh = random_ids(tokens, heads, rows, torch.int64, gen)
+    few = torch.randint(0, rows, (8,), generator=gen)
+    duplicates = few[torch.randint(0, 8, (tokens, heads), generator=gen)]
+    mixed = torch.cat((fresh[: tokens // 2], duplicates[tokens // 2 :]))
+    mixed[::5, 3] = -1  # zero rows in both kinds of block
+    out_bytes = tokens * heads * width * 2
+    previous_threads = torch.get_num_threads()
+    previous = ops.set_cpu_gather_stream_bytes(out_bytes // 4)
+    try:
+        torch.set_num_threads(threads)
+        for ids in (fresh, duplicates, mixed):
+            expected = reference.gather_rows(table, ids, scale=scale, out_dtype=torch.bfloat16)
+            got = ops.gather_rows(table, ids, scale=scale, out_dtype=torch.bfloat16)
+            assert_exact(got, expected, bitwise=True)
+    finally:
+        ops.set_cpu_gather_stream_bytes(previous)
+        torch.set_num_threads(previous_threads)
+
+
 def test_cpu_gather_stream_bytes_switch():
     """The threshold is set through ops.set_cpu_gather_stream_bytes (None: the default, from the
     cache sizes), which returns the setting it replaces; a bad value is a clear error. The

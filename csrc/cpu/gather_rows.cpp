@@ -558,6 +558,7 @@ struct StreamJob {
   RowStores stores;
   bool sort;  // copy each block's rows in table order (else in output order)
   int64_t items, block_items, blocks, shift, buckets;
+  int64_t cache_bytes;  // what one thread can keep in cache (cpu_gather_stream_bytes / threads)
 };
 
 // One block of items.
@@ -596,7 +597,7 @@ void stream_block(const StreamJob<In, Out>& job, int64_t block) {
     // Resolve ids and write the zero rows now. The owned rows are listed in output order, or
     // (sorting) counted per bucket of table rows and then counting-sorted into table order.
     if (job.sort) std::fill(bucket_next, bucket_next + job.buckets + 1, 0);
-    int64_t owned = 0;
+    int64_t owned = 0, filled_buckets = 0;
     int64_t t = begin / nh, h = begin - t * nh;
     for (int64_t i = 0; i < count; ++i) {
       const int64_t row = q.local_row(q.id_at(t, h));
@@ -605,13 +606,24 @@ void stream_block(const StreamJob<In, Out>& job, int64_t block) {
         write_row<true>(stores, output + t * out_token_bytes + h * out_row_bytes, nullptr,
                         out_row_bytes);
       } else if (job.sort) {
-        ++bucket_next[(row >> shift) + 1];
+        filled_buckets += bucket_next[(row >> shift) + 1]++ == 0;
       } else {
         order[owned++] = static_cast<int32_t>(i);
       }
       if (++h == nh) h = 0, ++t;
     }
-    if (job.sort) {
+    // Rows that repeat so much that the block's distinct ones (at most one per filled bucket,
+    // as buckets are about as many as items) fit in what this thread can keep in cache (its
+    // share of the streaming threshold) need no page walk after their first use: sorting them would
+    // only scatter the output's stores over its pages (1024 distinct rows, sorted: 0.70x
+    // index_select; in output order: 1.14x). They are copied in output order.
+    const bool sort = job.sort && filled_buckets * row_bytes > job.cache_bytes;
+    if (job.sort && !sort) {
+      for (int64_t i = 0; i < count; ++i) {
+        if (row_of[i] >= 0) order[owned++] = static_cast<int32_t>(i);
+      }
+    }
+    if (sort) {
       for (int64_t b = 0; b < job.buckets; ++b) bucket_next[b + 1] += bucket_next[b];
       owned = bucket_next[job.buckets];
       for (int64_t i = 0; i < count; ++i) {
@@ -686,7 +698,7 @@ void stream_block(const StreamJob<In, Out>& job, int64_t block) {
 
 template <Dtype In, Dtype Out>
 void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out>& convert,
-                           RowStores stores) {
+                           RowStores stores, int64_t stream_bytes_from) {
   const int64_t items = p.num_tokens * p.num_heads;
   const int64_t threads = cpu::num_threads();
   const int64_t l2_items = std::max(kStreamMinBlockItems, cache_share().l2 / kStreamScratchBytes);
@@ -705,7 +717,8 @@ void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out
                                block_items,
                                (items + block_items - 1) / block_items,
                                shift,
-                               (last_row >> shift) + 1};
+                               (last_row >> shift) + 1,
+                               stream_bytes_from / threads};
   cpu::parallel_blocks(job.blocks, 1, [&](int64_t block) { stream_block(job, block); });
 }
 
@@ -756,7 +769,7 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
       p.num_tokens * p.num_heads * p.width * static_cast<int64_t>(sizeof(OutT));
   const int64_t stream_bytes_from = cpu_gather_stream_bytes();
   if (stream_bytes_from >= 0 && out_bytes >= stream_bytes_from) {
-    return gather_rows_streaming<In, Out>(p, convert, best_row_stores());
+    return gather_rows_streaming<In, Out>(p, convert, best_row_stores(), stream_bytes_from);
   }
   // Locals, not loads through `p`: the row copies write through char-typed pointers, which may
   // alias anything, so the compiler would reload every field of `p` after each row.
