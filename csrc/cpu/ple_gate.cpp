@@ -194,6 +194,23 @@ struct TokenRows {
         conv_input(static_cast<T*>(p.conv_input) + t * p.conv_input_row_stride) {}
 };
 
+// Token t's input rows, prefetched into L2 while the token before it is computed. A token reads
+// from 2·M + 1 places at once (every stream's key and hidden, and the value), more streams than
+// the hardware prefetchers keep up with: on a 2-core Zen 5 VM the fp32 gate at prefill went from
+// 53% to 58% of a same-footprint copy at 1 thread and from 55% to 68% at 2.
+// (Always inlined: GCC deletes calls to a function that only prefetches; see gather_rows.cpp.)
+template <typename T>
+QWEN4EXP_ALWAYS_INLINE void prefetch_token_rows(const PleGateParams& p, int64_t t) {
+  const TokenRows<T> row(p, t);
+  constexpr int64_t kLine = 64 / sizeof(T);
+  const int64_t channels = static_cast<int64_t>(p.width) * p.streams;
+  for (int64_t i = 0; i < channels; i += kLine) {
+    __builtin_prefetch(row.key + i, 0, 2);
+    __builtin_prefetch(row.hidden + i, 0, 2);
+  }
+  for (int64_t i = 0; i < p.width; i += kLine) __builtin_prefetch(row.value + i, 0, 2);
+}
+
 // kNaNs: what the roundings may assume (simd::NaNs); kLowHalfZero where the weight factors hold no
 // NaN, since every other operand is bf16, a value rounded to it, or a NaN-free scalar.
 template <typename T, simd::NaNs kNaNs = simd::NaNs::kAny>
@@ -209,6 +226,7 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_vllm(const PleGateParams& p, const GateWei
   float* leaves = leaf_buf.data();
   for (int64_t t = begin; t < end; ++t) {
     const TokenRows<T> row(p, t);
+    if (t + 1 < end) prefetch_token_rows<T>(p, t + 1);
     for (int m = 0; m < p.streams; ++m) {
       const int64_t base = static_cast<int64_t>(m) * H;
       const T* k = row.key + base;
@@ -282,6 +300,7 @@ QWEN4EXP_ALWAYS_INLINE void gate_rows_fp32(const PleGateParams& p, const GateWei
   const float eps = p.eps;
   for (int64_t t = begin; t < end; ++t) {
     const TokenRows<T> row(p, t);
+    if (t + 1 < end) prefetch_token_rows<T>(p, t + 1);
     // One Σvalue² serves every stream: Σ(g·v)² = g²·Σv².
     f32x16 acc_vv = zero16;
     simd::for_each_block(0, H, [&](int i, auto n) QWEN4EXP_LAMBDA_INLINE {
