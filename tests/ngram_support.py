@@ -22,3 +22,18 @@ HEADS = layout.head_vocab_layout(50, 4, 1, 16)  # 4 heads = (N-1)=2 x heads_per_
 ROWS = HEADS.padded_rows
 HEAD_DIM = 6  # ple_embed_dim / 4 heads
 SHARD_ROWS = -(-ROWS // 7)  # rows of each of the checkpoint's split_ngram_parts shards
+
+
+def spy_on_ngram_ids(monkeypatch) -> list:
+    """Records the head_divmod of every ops.ngram_ids call (and still runs it)."""
+    from qwen4exp_ext import ops
+
+    seen = []
+    real = ops.ngram_ids
+
+    def spy(*args, head_divmod=None, **kwargs):
+        seen.append(head_divmod)
+        return real(*args, head_divmod=head_divmod, **kwargs)
+
+    monkeypatch.setattr(ops, "ngram_ids", spy)
+    return seen

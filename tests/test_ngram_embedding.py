@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import devices
-from ngram_support import CONFIG, HEAD_DIM, HEADS, ROWS, SHARD_ROWS
+from ngram_support import CONFIG, HEAD_DIM, HEADS, ROWS, SHARD_ROWS, spy_on_ngram_ids
 from qwen4exp_ext import layout, ops, reference
 from qwen4exp_ext.layers import NGramEmbedding
 from qwen4exp_ext.testing import assert_untouched, snapshot
@@ -57,19 +57,6 @@ def test_buffers_follow_spec_layout():
     }
     assert "ngram_heads_divmod" not in m.state_dict()
     assert torch.equal(m.ngram_heads_divmod, ops.ngram_head_divmod(m.ngram_heads_vocab_sizes))
-
-
-def spy_on_ngram_ids(monkeypatch) -> list:
-    """Records the head_divmod of every ops.ngram_ids call (and still runs it)."""
-    seen = []
-    real = ops.ngram_ids
-
-    def spy(*args, head_divmod=None, **kwargs):
-        seen.append(head_divmod)
-        return real(*args, head_divmod=head_divmod, **kwargs)
-
-    monkeypatch.setattr(ops, "ngram_ids", spy)
-    return seen
 
 
 def other_sizes(m: NGramEmbedding) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ngram_support import spy_on_ngram_ids
 from qwen4exp_ext import layout, ops, reference
 from qwen4exp_ext.vllm import shims
 
@@ -71,14 +72,7 @@ def test_ple_ngram_ids_passes_the_cached_constants(monkeypatch):
         raise AssertionError("vLLM's function ran on a device our build serves")
 
     ple_ngram_ids = shims._make_ple_ngram_ids(vllm_original)
-    seen = []
-    real = ops.ngram_ids
-
-    def spy(*args, head_divmod=None, **kwargs):
-        seen.append(head_divmod)
-        return real(*args, head_divmod=head_divmod, **kwargs)
-
-    monkeypatch.setattr(ops, "ngram_ids", spy)
+    seen = spy_on_ngram_ids(monkeypatch)
     heads = layout.head_vocab_layout(20_000, 4, 0, 128)
     args = (
         torch.tensor([9, 7, 3, 5, 11]),

@@ -149,19 +149,7 @@ def _make_ple_ngram_ids(original: Callable[..., torch.Tensor]) -> Callable[..., 
         heads_per_ngram: int,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if input_ids.device.type not in DEVICE_TYPES:
-            return original(
-                input_ids,
-                query_start_loc,
-                ngram_context,
-                layer_multipliers,
-                ngram_heads_vocab_sizes,
-                ngram_heads_offsets,
-                eos_token_id,
-                heads_per_ngram,
-                output,
-            )
-        return ops.ngram_ids(
+        args = (
             input_ids,
             query_start_loc,
             ngram_context,
@@ -171,8 +159,10 @@ def _make_ple_ngram_ids(original: Callable[..., torch.Tensor]) -> Callable[..., 
             eos_token_id,
             heads_per_ngram,
             output,
-            head_divmod=head_divmod_for(ngram_heads_vocab_sizes),
         )
+        if input_ids.device.type not in DEVICE_TYPES:
+            return original(*args)
+        return ops.ngram_ids(*args, head_divmod=head_divmod_for(ngram_heads_vocab_sizes))
 
     return ple_ngram_ids
 
