@@ -64,10 +64,15 @@ QWEN4EXP_DEVICE void ngram_id(const NgramIdsParams& p, const FastDivmodU64* head
   // other head's row.
   constexpr int64_t kMaxId = std::numeric_limits<OutT>::max();
   int64_t id = -1;
-  if (p.sizes[h] > 0) {
-    const int64_t residue = floor_mod_i64(head_mod[h], mix);  // in [0, size)
+  const int64_t size = p.sizes[h];
+  if (size > 0) {
+    // In [0, size) unless the caller's constants were corrupted (their divisor matches, their
+    // multiplier does not): such a residue gives -1 too, never an overflow.
+    const int64_t residue = floor_mod_i64(head_mod[h], mix);
     const int64_t offset = p.offsets[h];
-    if (offset <= kMaxId - residue && residue + offset >= 0) id = residue + offset;
+    if (residue >= 0 && residue < size && offset <= kMaxId - residue && residue + offset >= 0) {
+      id = residue + offset;
+    }
   }
   static_cast<OutT*>(p.output)[t * p.output_row_stride + h * p.output_col_stride] =
       static_cast<OutT>(id);
