@@ -21,6 +21,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../common/dispatch.h"
@@ -452,7 +453,7 @@ constexpr int64_t kStreamMinBlockItems = 1024;
 // Conversions are staged through an L1-resident buffer of this many bytes, then written out.
 constexpr int64_t kStageBytes = 2048;
 // A converting gather copies its rows as stored, this many bytes of them at a time, before
-// converting them (stream_block): with the kStageBytes, well inside a 32 KiB L1.
+// converting them (convert_staged): with the kStageBytes, well inside a 32 KiB L1.
 constexpr int64_t kRawStageBytes = 16384;
 
 // How the streaming path writes rows: streaming stores 32 or 64 bytes wide (plain ones where the
@@ -551,6 +552,43 @@ StreamScratch& stream_scratch() {
   return scratch;
 }
 
+// The converting gathers of both paths. A converted row costs several times the instructions of
+// a copied one, and while a prefetch waits for its page walk the reorder buffer then holds fewer
+// rows, so fewer misses overlap (fp8 rows, half the bytes, took 1.5x the time of bf16 ones). So
+// items [0, count) go in chunks of kRawStageBytes: a chunk's rows are first copied as they are
+// stored (each followed by its NVFP4 block scales, scale_bytes of them) into this thread's
+// L1-resident buffer, in a loop as lean as the same-dtype copy, prefetching
+// prefetch(j + kPrefetchDistance) as it goes; then emit(j, row, scales) converts each from
+// there. source(j) gives item j's row and scales as stored; a null row is a zero row, which is
+// not staged and reaches emit as a null row.
+template <typename Source, typename Prefetch, typename Emit>
+__attribute__((always_inline)) inline void convert_staged(int64_t count, int64_t row_bytes,
+                                                          int64_t scale_bytes, Source source,
+                                                          Prefetch prefetch, Emit emit) {
+  const int64_t raw_bytes = row_bytes + scale_bytes;
+  const int64_t chunk_rows = std::max<int64_t>(1, kRawStageBytes / raw_bytes);
+  std::vector<char>& raw = stream_scratch().raw;
+  raw.resize(static_cast<size_t>(chunk_rows * raw_bytes));
+  for (int64_t j0 = 0; j0 < count; j0 += chunk_rows) {
+    const int64_t end = std::min(count, j0 + chunk_rows);
+    for (int64_t j = j0; j < end; ++j) {
+      if (j + kPrefetchDistance < count) prefetch(j + kPrefetchDistance);
+      const auto [row, scales] = source(j);
+      if (row == nullptr) continue;
+      char* staged = raw.data() + (j - j0) * raw_bytes;
+      std::memcpy(staged, row, static_cast<size_t>(row_bytes));
+      if (scale_bytes > 0)
+        std::memcpy(staged + row_bytes, scales, static_cast<size_t>(scale_bytes));
+    }
+    for (int64_t j = j0; j < end; ++j) {
+      const char* staged = raw.data() + (j - j0) * raw_bytes;
+      const bool zero = source(j).first == nullptr;
+      emit(j, zero ? nullptr : staged,
+           reinterpret_cast<const uint8_t*>(zero ? nullptr : staged + row_bytes));
+    }
+  }
+}
+
 template <Dtype In, Dtype Out>
 struct StreamJob {
   GatherRowsParams p;
@@ -591,104 +629,87 @@ void stream_block(const StreamJob<In, Out>& job, int64_t block) {
     const int64_t t = item / nh;
     return output + t * out_token_bytes + (item - t * nh) * out_row_bytes;
   };
-  {
-    const int64_t begin = block * job.block_items;
-    const int64_t count = std::min(job.items - begin, job.block_items);
-    // Resolve ids and write the zero rows now. The owned rows are listed in output order, or
-    // (sorting) counted per bucket of table rows and then counting-sorted into table order.
-    if (job.sort) std::fill(bucket_next, bucket_next + job.buckets + 1, 0);
-    int64_t owned = 0, filled_buckets = 0;
-    int64_t t = begin / nh, h = begin - t * nh;
+  const int64_t begin = block * job.block_items;
+  const int64_t count = std::min(job.items - begin, job.block_items);
+  // Resolve ids and write the zero rows now. The owned rows are listed in output order, or
+  // (sorting) counted per bucket of table rows and then counting-sorted into table order.
+  if (job.sort) std::fill(bucket_next, bucket_next + job.buckets + 1, 0);
+  int64_t owned = 0, filled_buckets = 0;
+  int64_t t = begin / nh, h = begin - t * nh;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t row = q.local_row(q.id_at(t, h));
+    row_of[i] = row;
+    if (row < 0) {
+      write_row<true>(stores, output + t * out_token_bytes + h * out_row_bytes, nullptr,
+                      out_row_bytes);
+    } else if (job.sort) {
+      filled_buckets += bucket_next[(row >> shift) + 1]++ == 0;
+    } else {
+      order[owned++] = static_cast<int32_t>(i);
+    }
+    if (++h == nh) h = 0, ++t;
+  }
+  // Rows that repeat so much that the block's distinct ones (at most one per filled bucket,
+  // as buckets are about as many as items) fit in what this thread can keep in cache (its
+  // share of the streaming threshold) need no page walk after their first use: sorting them would
+  // only scatter the output's stores over its pages (1024 distinct rows, sorted: 0.70x
+  // index_select; in output order: 1.14x). They are copied in output order.
+  const bool sort = job.sort && filled_buckets * row_bytes > job.cache_bytes;
+  if (job.sort && !sort) {
     for (int64_t i = 0; i < count; ++i) {
-      const int64_t row = q.local_row(q.id_at(t, h));
-      row_of[i] = row;
-      if (row < 0) {
-        write_row<true>(stores, output + t * out_token_bytes + h * out_row_bytes, nullptr,
-                        out_row_bytes);
-      } else if (job.sort) {
-        filled_buckets += bucket_next[(row >> shift) + 1]++ == 0;
-      } else {
-        order[owned++] = static_cast<int32_t>(i);
-      }
-      if (++h == nh) h = 0, ++t;
+      if (row_of[i] >= 0) order[owned++] = static_cast<int32_t>(i);
     }
-    // Rows that repeat so much that the block's distinct ones (at most one per filled bucket,
-    // as buckets are about as many as items) fit in what this thread can keep in cache (its
-    // share of the streaming threshold) need no page walk after their first use: sorting them would
-    // only scatter the output's stores over its pages (1024 distinct rows, sorted: 0.70x
-    // index_select; in output order: 1.14x). They are copied in output order.
-    const bool sort = job.sort && filled_buckets * row_bytes > job.cache_bytes;
-    if (job.sort && !sort) {
-      for (int64_t i = 0; i < count; ++i) {
-        if (row_of[i] >= 0) order[owned++] = static_cast<int32_t>(i);
-      }
+  }
+  if (sort) {
+    for (int64_t b = 0; b < job.buckets; ++b) bucket_next[b + 1] += bucket_next[b];
+    owned = bucket_next[job.buckets];
+    for (int64_t i = 0; i < count; ++i) {
+      if (row_of[i] >= 0) order[bucket_next[row_of[i] >> shift]++] = static_cast<int32_t>(i);
     }
-    if (sort) {
-      for (int64_t b = 0; b < job.buckets; ++b) bucket_next[b + 1] += bucket_next[b];
-      owned = bucket_next[job.buckets];
-      for (int64_t i = 0; i < count; ++i) {
-        if (row_of[i] >= 0) order[bucket_next[row_of[i] >> shift]++] = static_cast<int32_t>(i);
-      }
+  }
+  // Copy in that order, prefetching kPrefetchDistance rows ahead as the cached path does.
+  const auto prefetch_row = [&](int64_t row) __attribute__((always_inline)) {
+    prefetch_bytes(table + row * table_row_bytes, row_bytes);
+    if constexpr (In == Dtype::kNvfp4) {
+      prefetch_bytes(reinterpret_cast<const char*>(q.block_scales) +
+                         row * q.block_scales_row_stride,
+                     width / kNvfp4Block);
     }
-    // Copy in that order, prefetching kPrefetchDistance rows ahead as the cached path does.
-    const auto prefetch_row = [&](int64_t row) __attribute__((always_inline)) {
-      prefetch_bytes(table + row * table_row_bytes, row_bytes);
-      if constexpr (In == Dtype::kNvfp4) {
-        prefetch_bytes(reinterpret_cast<const char*>(q.block_scales) +
-                           row * q.block_scales_row_stride,
-                       width / kNvfp4Block);
+  };
+  for (int64_t j = 0; j < std::min(owned, kPrefetchDistance); ++j) prefetch_row(row_of[order[j]]);
+  if constexpr (In == Out) {
+    for (int64_t j = 0; j < owned; ++j) {
+      if (j + kPrefetchDistance < owned) prefetch_row(row_of[order[j + kPrefetchDistance]]);
+      const int64_t i = order[j];
+      write_row<false>(stores, item_output(begin + i), table + row_of[i] * table_row_bytes,
+                       row_bytes);
+    }
+  } else {
+    const int64_t scale_bytes = In == Dtype::kNvfp4 ? width / kNvfp4Block : 0;
+    const auto source = [&](int64_t j) __attribute__((always_inline)) {
+      const int64_t row = row_of[order[j]];
+      return std::pair<const char*, const uint8_t*>(
+          table + row * table_row_bytes,
+          In == Dtype::kNvfp4 ? q.block_scales + row * q.block_scales_row_stride : nullptr);
+    };
+    const auto prefetch = [&](int64_t j)
+                              __attribute__((always_inline)) { prefetch_row(row_of[order[j]]); };
+    // Converted through an L1-resident stage, then written with the path's stores.
+    const auto emit = [&](int64_t j, const char* staged,
+                          const uint8_t* scales) __attribute__((always_inline)) {
+      char* dst = item_output(begin + order[j]);
+      constexpr int64_t kStage = kStageBytes / static_cast<int64_t>(sizeof(OutT));
+      static_assert(kStage % kNvfp4Block == 0, "NVFP4 chunks must start on a block");
+      alignas(64) OutT stage[kStage];
+      for (int64_t c = 0; c < width; c += kStage) {
+        const int64_t n = std::min(kStage, width - c);
+        const auto* chunk = reinterpret_cast<const InT*>(staged) + c / elems_per_word(In);
+        (*job.convert)(chunk, In == Dtype::kNvfp4 ? scales + c / kNvfp4Block : nullptr, stage, n);
+        constexpr int64_t kOut = sizeof(OutT);
+        write_row<false>(stores, dst + c * kOut, reinterpret_cast<const char*>(stage), n * kOut);
       }
     };
-    for (int64_t j = 0; j < std::min(owned, kPrefetchDistance); ++j) prefetch_row(row_of[order[j]]);
-    if constexpr (In == Out) {
-      for (int64_t j = 0; j < owned; ++j) {
-        if (j + kPrefetchDistance < owned) prefetch_row(row_of[order[j + kPrefetchDistance]]);
-        const int64_t i = order[j];
-        write_row<false>(stores, item_output(begin + i), table + row_of[i] * table_row_bytes,
-                         row_bytes);
-      }
-    } else {
-      // A converted row costs several times the instructions of a copied one, and while a
-      // prefetch waits for its page walk the reorder buffer then holds fewer rows, so fewer
-      // misses overlap (fp8 rows, half the bytes, took 1.5x the time of bf16 ones). So the rows
-      // of a chunk are first copied as they are into an L1-resident buffer, in a loop as lean
-      // as the same-dtype one, and then converted from there.
-      const int64_t scale_bytes = In == Dtype::kNvfp4 ? width / kNvfp4Block : 0;
-      const int64_t raw_bytes = row_bytes + scale_bytes;  // a row, then its block scales
-      const int64_t chunk_rows = std::max<int64_t>(1, kRawStageBytes / raw_bytes);
-      std::vector<char>& raw = s.raw;
-      raw.resize(static_cast<size_t>(chunk_rows * raw_bytes));
-      for (int64_t j0 = 0; j0 < owned; j0 += chunk_rows) {
-        const int64_t rows_here = std::min(chunk_rows, owned - j0);
-        for (int64_t j = j0; j < j0 + rows_here; ++j) {
-          if (j + kPrefetchDistance < owned) prefetch_row(row_of[order[j + kPrefetchDistance]]);
-          const int64_t row = row_of[order[j]];
-          char* staged = raw.data() + (j - j0) * raw_bytes;
-          std::memcpy(staged, table + row * table_row_bytes, static_cast<size_t>(row_bytes));
-          if constexpr (In == Dtype::kNvfp4) {
-            std::memcpy(staged + row_bytes, q.block_scales + row * q.block_scales_row_stride,
-                        static_cast<size_t>(scale_bytes));
-          }
-        }
-        for (int64_t j = j0; j < j0 + rows_here; ++j) {
-          const char* staged = raw.data() + (j - j0) * raw_bytes;
-          const auto* scales = reinterpret_cast<const uint8_t*>(staged + row_bytes);
-          char* dst = item_output(begin + order[j]);
-          constexpr int64_t kStage = kStageBytes / static_cast<int64_t>(sizeof(OutT));
-          static_assert(kStage % kNvfp4Block == 0, "NVFP4 chunks must start on a block");
-          alignas(64) OutT stage[kStage];
-          for (int64_t c = 0; c < width; c += kStage) {
-            const int64_t n = std::min(kStage, width - c);
-            const auto* chunk = reinterpret_cast<const InT*>(staged) + c / elems_per_word(In);
-            (*job.convert)(chunk, In == Dtype::kNvfp4 ? scales + c / kNvfp4Block : nullptr, stage,
-                           n);
-            constexpr int64_t kOut = sizeof(OutT);
-            write_row<false>(stores, dst + c * kOut, reinterpret_cast<const char*>(stage),
-                             n * kOut);
-          }
-        }
-      }
-    }
+    convert_staged(owned, row_bytes, scale_bytes, source, prefetch, emit);
   }
 #if QWEN4EXP_X86_AVX512
   // Streaming stores are weakly ordered: make them visible before this block counts as done.
@@ -800,67 +821,48 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
     // out-of-order core runs far ahead and keeps the prefetched misses overlapping.
     const char* rows[kBlockItems];
     const uint8_t* scale_rows[kNvfp4 ? kBlockItems : 1];  // NVFP4: each row's block scales
-    {
-      const int64_t begin = block * block_items;
-      const int64_t count = std::min(items - begin, block_items);
-      int64_t t = begin / nh, h = begin - t * nh;
-      for (int64_t i = 0; i < count; ++i) {
-        const int64_t row = q.local_row(q.id_at(t, h));
-        rows[i] = row >= 0 ? table + row * table_row_bytes : nullptr;
-        if constexpr (kNvfp4) {
-          scale_rows[i] = row >= 0 ? block_scales + row * scale_row_stride : nullptr;
-        }
-        if (++h == nh) h = 0, ++t;
+    const int64_t begin = block * block_items;
+    const int64_t count = std::min(items - begin, block_items);
+    int64_t t = begin / nh, h = begin - t * nh;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t row = q.local_row(q.id_at(t, h));
+      rows[i] = row >= 0 ? table + row * table_row_bytes : nullptr;
+      if constexpr (kNvfp4) {
+        scale_rows[i] = row >= 0 ? block_scales + row * scale_row_stride : nullptr;
       }
-      const auto prefetch_item = [&](int64_t i) __attribute__((always_inline)) {
-        if (rows[i] == nullptr) return;
-        prefetch_bytes(rows[i], row_bytes);
-        if constexpr (kNvfp4)
-          prefetch_bytes(reinterpret_cast<const char*>(scale_rows[i]), scale_row_bytes);
-      };
-      for (int64_t i = 0; i < std::min(count, kPrefetchDistance); ++i) prefetch_item(i);
-      t = begin / nh;
-      h = begin - t * nh;
-      const auto write_out = [&](const char* row,
-                                 const uint8_t* scales) __attribute__((always_inline)) {
-        OutT* dst = output + t * out_row_stride + h * width;
-        if (row != nullptr) {
-          convert(reinterpret_cast<const InT*>(row), scales, dst, width);
-        } else {
-          std::memset(static_cast<void*>(dst), 0, static_cast<size_t>(width) * sizeof(OutT));
-        }
-        if (++h == nh) h = 0, ++t;
-      };
-      if constexpr (In == Out) {
-        for (int64_t i = 0; i < count; ++i) {
-          if (i + kPrefetchDistance < count) prefetch_item(i + kPrefetchDistance);
-          write_out(rows[i], nullptr);
-        }
+      if (++h == nh) h = 0, ++t;
+    }
+    const auto prefetch_item = [&](int64_t i) __attribute__((always_inline)) {
+      if (rows[i] == nullptr) return;
+      prefetch_bytes(rows[i], row_bytes);
+      if constexpr (kNvfp4)
+        prefetch_bytes(reinterpret_cast<const char*>(scale_rows[i]), scale_row_bytes);
+    };
+    for (int64_t i = 0; i < std::min(count, kPrefetchDistance); ++i) prefetch_item(i);
+    t = begin / nh;
+    h = begin - t * nh;
+    const auto write_out = [&](const char* row,
+                               const uint8_t* scales) __attribute__((always_inline)) {
+      OutT* dst = output + t * out_row_stride + h * width;
+      if (row != nullptr) {
+        convert(reinterpret_cast<const InT*>(row), scales, dst, width);
       } else {
-        // As in stream_block: the rows of a chunk are copied as stored first, in a loop as lean
-        // as the copy above, then converted from the L1-resident copies.
-        const int64_t raw_bytes = row_bytes + (kNvfp4 ? scale_row_bytes : 0);
-        const int64_t chunk_rows = std::max<int64_t>(1, kRawStageBytes / raw_bytes);
-        std::vector<char>& raw = stream_scratch().raw;
-        raw.resize(static_cast<size_t>(chunk_rows * raw_bytes));
-        for (int64_t i0 = 0; i0 < count; i0 += chunk_rows) {
-          const int64_t end = std::min(count, i0 + chunk_rows);
-          for (int64_t i = i0; i < end; ++i) {
-            if (i + kPrefetchDistance < count) prefetch_item(i + kPrefetchDistance);
-            if (rows[i] == nullptr) continue;
-            char* staged = raw.data() + (i - i0) * raw_bytes;
-            std::memcpy(staged, rows[i], static_cast<size_t>(row_bytes));
-            if constexpr (kNvfp4) {
-              std::memcpy(staged + row_bytes, scale_rows[i], static_cast<size_t>(scale_row_bytes));
-            }
-          }
-          for (int64_t i = i0; i < end; ++i) {
-            const char* staged = raw.data() + (i - i0) * raw_bytes;
-            write_out(rows[i] == nullptr ? nullptr : staged,
-                      kNvfp4 ? reinterpret_cast<const uint8_t*>(staged + row_bytes) : nullptr);
-          }
-        }
+        std::memset(static_cast<void*>(dst), 0, static_cast<size_t>(width) * sizeof(OutT));
       }
+      if (++h == nh) h = 0, ++t;
+    };
+    if constexpr (In == Out) {
+      for (int64_t i = 0; i < count; ++i) {
+        if (i + kPrefetchDistance < count) prefetch_item(i + kPrefetchDistance);
+        write_out(rows[i], nullptr);
+      }
+    } else {
+      const auto source = [&](int64_t i) __attribute__((always_inline)) {
+        return std::pair<const char*, const uint8_t*>(rows[i], kNvfp4 ? scale_rows[i] : nullptr);
+      };
+      convert_staged(count, row_bytes, kNvfp4 ? scale_row_bytes : 0, source, prefetch_item,
+                     [&](int64_t, const char* staged, const uint8_t* scales)
+                         __attribute__((always_inline)) { write_out(staged, scales); });
     }
   });
 }
