@@ -3,6 +3,8 @@ caches per head-sizes tensor (vLLM passes the sizes on every call) and passes to
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from qwen4exp_ext.vllm import shims
 
 @pytest.fixture(autouse=True)
 def _empty_cache(monkeypatch):
-    monkeypatch.setattr(shims, "_HEAD_DIVMODS", {})
+    monkeypatch.setattr(shims, "_HEAD_DIVMODS", OrderedDict())
     monkeypatch.setattr(shims, "_CAPTURED_DIVMODS", [])
 
 
@@ -38,6 +40,25 @@ def test_a_tensor_written_in_place_misses():
     again = shims.head_divmod_for(sizes)
     assert again is not first
     assert torch.equal(again, ops.ngram_head_divmod(sizes_of_layer(2)))
+
+
+def test_the_cache_keeps_the_most_recently_used(monkeypatch):
+    """Past _HEAD_DIVMODS_MAX tensors the least recently used entry goes; a hit counts as a use,
+    and an evicted tensor is simply computed again."""
+    monkeypatch.setattr(shims, "_HEAD_DIVMODS_MAX", 3)
+    layers = [sizes_of_layer(i) for i in range(5)]
+    first = shims.head_divmod_for(layers[0])
+    for sizes in layers[1:3]:
+        shims.head_divmod_for(sizes)
+    assert shims.head_divmod_for(layers[0]) is first  # now the most recent
+    shims.head_divmod_for(layers[3])  # evicts layers[1]
+    assert len(shims._HEAD_DIVMODS) == 3
+    assert shims.head_divmod_for(layers[0]) is first
+    shims.head_divmod_for(layers[4])  # evicts layers[2]
+    assert len(shims._HEAD_DIVMODS) == 3
+    again = shims.head_divmod_for(layers[1])  # gone, so computed anew
+    assert torch.equal(again, ops.ngram_head_divmod(layers[1]))
+    assert len(shims._HEAD_DIVMODS) == 3
 
 
 def test_sizes_that_are_not_all_positive_give_none():

@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -99,8 +100,12 @@ class _HeadDivmod:
 # per tensor, keyed by (device, address, length): a tensor written in place (a new _version) or
 # a new one at another address misses and is recomputed. A new tensor that reuses a freed
 # address with the same version hits constants that may be another layer's: the kernel rebuilds
-# every head whose stored divisor is not its size, so that costs time, never wrong ids.
-_HEAD_DIVMODS: dict[tuple[torch.device, int, int], _HeadDivmod] = {}
+# every head whose stored divisor is not its size, so that costs time, never wrong ids. The
+# least recently used entry goes past _HEAD_DIVMODS_MAX (a process that keeps making new size
+# tensors would otherwise grow the cache without end); that covers a head-sizes tensor per layer
+# of any released model several times over.
+_HEAD_DIVMODS_MAX = 512
+_HEAD_DIVMODS: OrderedDict[tuple[torch.device, int, int], _HeadDivmod] = OrderedDict()
 # Constants a captured CUDA graph reads: kept alive even once their entry is replaced.
 _CAPTURED_DIVMODS: list[torch.Tensor] = []
 
@@ -123,6 +128,7 @@ def head_divmod_for(sizes: torch.Tensor) -> torch.Tensor | None:
     entry = _HEAD_DIVMODS.get(key)
     capturing = _capturing(sizes.device)
     if entry is not None and entry.version == version:
+        _HEAD_DIVMODS.move_to_end(key)
         if capturing and entry.divmod is not None and not entry.captured:
             entry.captured = True
             _CAPTURED_DIVMODS.append(entry.divmod)
@@ -134,6 +140,9 @@ def head_divmod_for(sizes: torch.Tensor) -> torch.Tensor | None:
     if host.dtype == torch.int64 and host.dim() == 1 and bool((host > 0).all()):
         divmod = ops.ngram_head_divmod(host).to(sizes.device)
     _HEAD_DIVMODS[key] = _HeadDivmod(version, divmod)
+    _HEAD_DIVMODS.move_to_end(key)
+    if len(_HEAD_DIVMODS) > _HEAD_DIVMODS_MAX:
+        _HEAD_DIVMODS.popitem(last=False)
     return divmod
 
 
