@@ -373,6 +373,32 @@ def test_decode_window_layouts_and_lengths(backend, dtype, kernel, dilation, lay
         assert_same(got, batch.run(reference.ple_conv), dtype, f"{layout}, seed {seed}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel,dilation", [(4, 3), (3, 5), (8, 8), (2, 3)])
+@pytest.mark.parametrize("channels", [31, 600])
+def test_decode_dim_first_channel_tails(backend, dtype, kernel, dilation, channels):
+    """Dim-first decode with contiguous windows (S = 9, 10, 56 and 3) copies each chunk's tap
+    columns out of the windows and shifts them with one memmove per chunk: 31 channels (less
+    than one 16-element block) and 600 (a whole 512-channel chunk, then one of 88 that ends in a
+    partial block)."""
+    ops, device = backend.ops, backend.device
+    batch = make_batch(
+        "decode",
+        dtype,
+        tokens=5,
+        channels=channels,
+        kernel=kernel,
+        dilation=dilation,
+        window_first=False,
+        seed=channels + kernel,
+    )
+    state = batch.conv_state
+    assert state.stride()[1:] == (state.shape[2], 1)  # [slots, C, S]: contiguous windows
+    got = batch.run(ops.ple_conv, device)
+    assert_same(got, batch.run(reference.ple_conv), dtype, f"C = {channels}")
+
+
 # --- SPEC §9 properties ---------------------------------------------------------------------------
 
 
