@@ -379,9 +379,9 @@ def test_decode_window_layouts_and_lengths(backend, dtype, kernel, dilation, lay
 @pytest.mark.parametrize("channels", [31, 600])
 def test_decode_dim_first_channel_tails(backend, dtype, kernel, dilation, channels):
     """Dim-first decode with contiguous windows (S = 9, 10, 56 and 3) copies each chunk's tap
-    columns out of the windows and shifts them with one memmove per chunk: 31 channels (less
-    than one 16-element block) and 600 (a whole 512-channel chunk, then one of 88 that ends in a
-    partial block)."""
+    columns out of the windows and shifts them with one memmove per chunk: 31 channels (one
+    16-element block, then a partial one) and 600 (a whole 512-channel chunk, then one of 88 that
+    ends in a partial block)."""
     ops, device = backend.ops, backend.device
     batch = make_batch(
         "decode",
