@@ -436,11 +436,11 @@ const CacheShare& cache_share() {
 // anyone reads them: streaming (non-temporal) stores write whole lines straight to memory
 // instead, a third less DRAM traffic; 64-byte stores with AVX-512, 32-byte ones with AVX
 // (x86-64 CPUs without AVX, and other architectures, keep the cached path).
-// With 64-byte stores each block of items is also counting-sorted by table row first and copied
-// in table order: the row reads sweep the table upwards, consecutive rows share page-table lines
-// and DRAM pages, and the page walk that every random row of a multi-GB table costs gets cheaper.
-// With 32-byte stores the rows are written in output order: scattered 32-byte streaming stores
-// cost more than the sort saves (the measurements: results/cpu-kernel-notes.md).
+// Each block of items is also counting-sorted by table row first and copied in table order: the
+// row reads sweep the table upwards, consecutive rows share page-table lines and DRAM pages, and
+// the page walk that every random row of a multi-GB table costs gets cheaper. That pays with
+// either store width: on a Zen 3 EPYC (AVX2, 32-byte stores) the sorted copy took 0.84-0.91x
+// the time of the copy in output order, side by side (results/cpu-kernel-notes.md).
 
 // Items per block: the more a block holds, the denser its sorted rows lie in the table (32768
 // rows spread over a 4M-row table put one every ~40 KiB, 65536 one every ~20 KiB) and the more
@@ -594,7 +594,6 @@ struct StreamJob {
   GatherRowsParams p;
   const RowConverter<In, Out>* convert;
   RowStores stores;
-  bool sort;  // copy each block's rows in table order (else in output order)
   int64_t items, block_items, blocks, shift, buckets;
   int64_t cache_bytes;  // what one thread can keep in cache (cpu_gather_stream_bytes / threads)
 };
@@ -619,7 +618,7 @@ void stream_block(const StreamJob<In, Out>& job, int64_t block) {
   StreamScratch& s = stream_scratch();
   s.row_of.resize(static_cast<size_t>(job.block_items));
   s.order.resize(static_cast<size_t>(job.block_items));
-  if (job.sort) s.bucket_next.resize(static_cast<size_t>(job.buckets + 1));
+  s.bucket_next.resize(static_cast<size_t>(job.buckets + 1));
   int64_t* const row_of = s.row_of.data();
   int32_t* const order = s.order.data();
   int32_t* const bucket_next = s.bucket_next.data();
@@ -631,9 +630,9 @@ void stream_block(const StreamJob<In, Out>& job, int64_t block) {
   };
   const int64_t begin = block * job.block_items;
   const int64_t count = std::min(job.items - begin, job.block_items);
-  // Resolve ids and write the zero rows now. The owned rows are listed in output order, or
-  // (sorting) counted per bucket of table rows and then counting-sorted into table order.
-  if (job.sort) std::fill(bucket_next, bucket_next + job.buckets + 1, 0);
+  // Resolve ids and write the zero rows now. The owned rows are counted per bucket of table rows,
+  // then counting-sorted into table order (or listed in output order, below).
+  std::fill(bucket_next, bucket_next + job.buckets + 1, 0);
   int64_t owned = 0, filled_buckets = 0;
   int64_t t = begin / nh, h = begin - t * nh;
   for (int64_t i = 0; i < count; ++i) {
@@ -642,10 +641,8 @@ void stream_block(const StreamJob<In, Out>& job, int64_t block) {
     if (row < 0) {
       write_row<true>(stores, output + t * out_token_bytes + h * out_row_bytes, nullptr,
                       out_row_bytes);
-    } else if (job.sort) {
-      filled_buckets += bucket_next[(row >> shift) + 1]++ == 0;
     } else {
-      order[owned++] = static_cast<int32_t>(i);
+      filled_buckets += bucket_next[(row >> shift) + 1]++ == 0;
     }
     if (++h == nh) h = 0, ++t;
   }
@@ -654,8 +651,8 @@ void stream_block(const StreamJob<In, Out>& job, int64_t block) {
   // share of the streaming threshold) need no page walk after their first use: sorting them would
   // only scatter the output's stores over its pages (1024 distinct rows, sorted: 0.70x
   // index_select; in output order: 1.14x). They are copied in output order.
-  const bool sort = job.sort && filled_buckets * row_bytes > job.cache_bytes;
-  if (job.sort && !sort) {
+  const bool sort = filled_buckets * row_bytes > job.cache_bytes;
+  if (!sort) {
     for (int64_t i = 0; i < count; ++i) {
       if (row_of[i] >= 0) order[owned++] = static_cast<int32_t>(i);
     }
@@ -733,7 +730,6 @@ void gather_rows_streaming(const GatherRowsParams& p, const RowConverter<In, Out
   const StreamJob<In, Out> job{p,
                                &convert,
                                stores,
-                               stores == RowStores::kStream64,
                                items,
                                block_items,
                                (items + block_items - 1) / block_items,

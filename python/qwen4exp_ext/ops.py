@@ -561,7 +561,7 @@ def ngram_head_divmod(head_sizes: torch.Tensor) -> torch.Tensor:
 
 def cpu_gather_stream_bytes() -> int:
     """The output size in bytes from which the CPU ``gather_rows`` takes its streaming path
-    (rows written with non-temporal stores; with AVX-512 also read in table order); -1 where
+    (rows read in table order and written with non-temporal stores); -1 where
     this CPU has none (it needs x86-64 with AVX). Default: what this process's threads can keep
     in cache (per thread its core's L2 and its share of the L3, at most 4 MiB of it); another
     comes from :func:`set_cpu_gather_stream_bytes`, or from ``QWEN4EXP_CPU_GATHER_STREAM_BYTES``
