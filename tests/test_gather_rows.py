@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import math
 
 import pytest
 import torch
@@ -117,6 +118,33 @@ def test_fp8_scales(backend, table_dtype, scale):
             table.to(device), ids.to(device), scale=s.to(device), out_dtype=out_dtype
         )
         assert_exact(got, expected, bitwise=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("table_dtype", FP8, ids=str)
+@pytest.mark.parametrize(
+    "scale",
+    # Scales whose outputs stay normal and finite for every code (the CPU's AVX2 kernel factors
+    # the table then), and scales whose outputs overflow, turn subnormal, or are all NaN or zero.
+    [0.0123, -0.5, 1.0, 7.0e4, 3.0e-38, 1.0e30, math.inf, math.nan, 0.0, -0.0],
+)
+def test_fp8_every_code_in_long_rows(backend, table_dtype, scale):
+    """Every fp8 byte, the NaNs included, at every position of rows long enough for the CPU's
+    vector lookups (32 codes a step) and their tails: each output as the scalar dequantisation
+    gives it, bit for bit (any NaN for a NaN)."""
+    ops, device = backend.ops, backend.device
+    width = 256 + 37
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    table = torch.stack([codes.roll(k).repeat(2)[:width] for k in range(0, 256, 5)])
+    table = table.view(table_dtype)
+    ids = torch.arange(table.shape[0]).reshape(-1, 4)
+    s = torch.tensor([scale])
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        expected = reference.gather_rows(table, ids, scale=s, out_dtype=out_dtype)
+        got = ops.gather_rows(
+            table.to(device), ids.to(device), scale=s.to(device), out_dtype=out_dtype
+        )
+        assert_exact(got, expected, f"{out_dtype}", bitwise=True, equal_nan=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)

@@ -5,9 +5,10 @@
 // order and, kPrefetchDistance items ahead, issues software prefetches for every cache line of the
 // row it will need: that keeps many misses in flight per core instead of one row at a time, which
 // is what F.embedding / index_select do. The rows themselves are then plain copies (same dtype),
-// a vectorised fp8 decode (or, with AVX-512BW, an in-register table of already-scaled,
-// already-rounded outputs), a vectorised decode of two E2M1 codes per byte with the row's block
-// scales (NVFP4), or a vectorised decode/round loop (other conversions). All offsets are int64:
+// lookups in a table of the 256 already-scaled, already-rounded fp8 outputs (in registers with
+// AVX-512BW, factored into byte shuffles with AVX2), a vectorised decode of two E2M1 codes per
+// byte with the row's block scales (NVFP4), or a vectorised decode/round loop (other
+// conversions). All offsets are int64:
 // the released table holds 51.2 billion elements.
 //
 // An output larger than this process's threads can keep in cache (a prefill) takes the
@@ -57,73 +58,159 @@ __attribute__((always_inline)) inline void prefetch_bytes(const char* begin, int
 
 // --- fp8 dequantisation ----------------------------------------------------------------------
 //
-// Every fp8 byte has one possible output (its value times the scale, rounded to the output type).
-// Two ways to compute it, bit-identical by construction (the same decode, one fp32 product, the
-// same rounding):
-// - decoded in simd.h's vectors (AVX2, AVX-512 or baseline clones): the byte's fp32 bits from
-//   its fields (fp8_e4m3fn_to_float's formula, with selects for subnormals and NaN), times the
-//   scale, rounded as a conversion rounds; the path of every CPU without AVX-512BW (a lookup
-//   one byte at a time made the fp8 gather slower than the bf16 one of twice the bytes).
-// - with AVX-512BW, from a 256-entry table of outputs built per call and held in registers:
-//   vpermi2w / vpermi2ps look up 32 (16-bit outputs) or 16 (fp32) bytes per instruction; the 256
-//   entries are 4 (8) slices of 64 (32), one permute per slice, then the upper index bits pick
-//   the slice with masked blends.
+// Every fp8 byte has one possible output (its value times the scale, rounded to the output
+// type): the 256 outputs are built with the scalar dequantize, so every path below is
+// bit-identical to it by construction, and kept per thread for the last scale (fp8_outputs).
+// They are looked up
+// - with AVX-512BW, in registers: vpermi2w / vpermi2ps look up 32 (16-bit outputs) or 16 (fp32)
+//   bytes per instruction; the 256 entries are 4 (8) slices of 64 (32), one permute per slice,
+//   then the upper index bits pick the slice with masked blends;
+// - with AVX2 and 16-bit outputs whose table factors (Fp8Outputs::factored, checked for all 256
+//   codes), by two 16-entry byte shuffles and a few integer operations per 32 codes;
+// - elsewhere, one element at a time from L1 (an 8-byte load of codes, then a load and a store
+//   per element).
+// Decoding the fields in 8-lane vectors instead (selects for subnormals and NaN, the scale
+// product, the output's rounding: ~6 instructions an element) made fp8 rows cost more than bf16
+// rows of twice the bytes (results/cpu-kernel-notes.md).
 
-template <Dtype In>  // an fp8 format
-QWEN4EXP_ALWAYS_INLINE simd::f32x8 fp8x8_to_f32(const uint8_t* src) {
-  using simd::u32x8;
-  constexpr bool kFn = In == Dtype::kFp8E4M3FN;
-  // Byte j of the little-endian word, lane j (a widening __builtin_convertvector of the 8 bytes
-  // compiles to byte-by-byte inserts).
-  uint64_t packed;
-  std::memcpy(&packed, src, sizeof(packed));
-  const uint32_t lo = static_cast<uint32_t>(packed), hi = static_cast<uint32_t>(packed >> 32);
-  const u32x8 b = (u32x8{lo, lo, lo, lo, hi, hi, hi, hi} >> u32x8{0, 8, 16, 24, 0, 8, 16, 24}) &
-                  0xFFu;
-  const u32x8 sign = (b & 0x80u) << 24;
-  const u32x8 magnitude = b & 0x7Fu;  // exponent and mantissa fields
-  // Normal: the fields shifted into fp32's, the exponent rebiased (e4m3fn bias 7, fnuz 8).
-  const u32x8 normal = sign | ((magnitude << 20) + ((kFn ? 120u : 119u) << 23));
-  // Subnormal (exponent 0): m·2^-9 (fnuz: 2^-10), exact and normal in fp32.
-  // (Converted as signed: the unsigned conversion costs a split into halves and an FMA.)
-  const simd::f32x8 sub = __builtin_convertvector(simd::i32x8(b & 7u), simd::f32x8) *
-                          (kFn ? 0.001953125f : 0.0009765625f);
-  u32x8 bits = magnitude < 8u ? (sign | simd::as_u32(sub)) : normal;
-  if constexpr (kFn) {
-    bits = magnitude == 0x7Fu ? (sign | 0x7FC00000u) : bits;  // S.1111.111: NaN
-  } else {
-    bits = b == 0x80u ? simd::splat_u(0x7FC00000u) : bits;  // negative zero's code: NaN
-  }
-  return simd::as_f32(bits);
+// The outputs of one fp8 format at one scale. For a 16-bit output with kMantissaBits mantissa
+// bits, scaling a normal code by 2^k moves its output's exponent field by k as long as the output
+// stays normal and finite, and negating a code flips the output's sign bit. So where the scale
+// allows, the output of code b, with exponent field e = (b >> 3) & 15 and mantissa m = b & 7, is
+//   (base[m + 8·(e != 0)] + (e << kMantissaBits)) ^ ((b & 0x80) << 8)      (16-bit arithmetic)
+// except for at most two codes (the NaNs), which `factored` records after checking every code.
+template <typename OutT>
+struct Fp8Outputs {
+  std::array<OutT, 256> value{};
+  bool factored = false;
+  std::array<uint8_t, 16> base_low{}, base_high{};  // the bytes of base[16]
+  std::array<uint16_t, 2> odd_code{256, 256};       // 256: none (no code is)
+  std::array<uint16_t, 2> odd_value{};
+};
+
+template <int kMantissaBits>
+uint16_t factored_output(const uint16_t* base, uint32_t code) {
+  const uint32_t e = (code >> 3) & 15u, m = code & 7u;
+  const uint16_t sum = static_cast<uint16_t>(base[m + (e != 0 ? 8 : 0)] + (e << kMantissaBits));
+  return static_cast<uint16_t>(sum ^ ((code & 0x80u) << 8));
 }
 
-template <Dtype In, typename OutV>
-QWEN4EXP_ALWAYS_INLINE void fp8_rows_body(const uint8_t* __restrict src, OutV* __restrict dst,
-                                          int64_t n, float scale_out) {
-  const simd::f32x8 scale = simd::splat(scale_out);
+template <typename OutT>
+void factor_fp8_outputs(Fp8Outputs<OutT>& t) {
+  if constexpr (sizeof(OutT) == 2) {
+    constexpr int kMantissaBits = std::is_same_v<OutT, bf16_t> ? 7 : 10;
+    uint16_t value[256], base[16];
+    std::memcpy(value, t.value.data(), sizeof(value));
+    for (int m = 0; m < 8; ++m) {
+      base[m] = value[m];
+      base[8 + m] = static_cast<uint16_t>(value[8 + m] - (1u << kMantissaBits));
+    }
+    int odd = 0;
+    for (uint32_t code = 0; code < 256; ++code) {
+      if (factored_output<kMantissaBits>(base, code) == value[code]) continue;
+      if (odd == 2) return;  // t.factored stays false
+      t.odd_code[odd] = static_cast<uint16_t>(code);
+      t.odd_value[odd++] = value[code];
+    }
+    for (int k = 0; k < 16; ++k) {
+      t.base_low[k] = static_cast<uint8_t>(base[k]);
+      t.base_high[k] = static_cast<uint8_t>(base[k] >> 8);
+    }
+    t.factored = true;
+  }
+}
+
+// The outputs of fp8 format In at scale_out (already rounded to Out), rebuilt only when this
+// thread's last call with the same formats had another scale (a decode step's call would
+// otherwise spend ~1 us on them).
+template <Dtype In, Dtype Out>
+const Fp8Outputs<storage_t<Out>>& fp8_outputs(float scale_out) {
+  struct Cache {
+    uint32_t scale_bits = 0;
+    bool valid = false;
+    Fp8Outputs<storage_t<Out>> outputs;
+  };
+  thread_local Cache cache;
+  uint32_t bits;
+  std::memcpy(&bits, &scale_out, sizeof(bits));
+  if (!cache.valid || cache.scale_bits != bits) {
+    cache.outputs = {};
+    for (int b = 0; b < 256; ++b) {
+      cache.outputs.value[b] = dequantize<In, Out>(static_cast<uint8_t>(b), scale_out);
+    }
+    factor_fp8_outputs(cache.outputs);
+    cache.scale_bits = bits;
+    cache.valid = true;
+  }
+  return cache.outputs;
+}
+
+template <typename OutT>
+void fp8_rows_scalar(const uint8_t* __restrict src, OutT* __restrict dst, int64_t n,
+                     const Fp8Outputs<OutT>& t) {
+  const OutT* __restrict lut = t.value.data();
   int64_t i = 0;
-  for (; i + simd::kLanes <= n; i += simd::kLanes) {
-    simd::store(dst + i, fp8x8_to_f32<In>(src + i) * scale);
+  for (; i + 8 <= n; i += 8) {
+    uint64_t codes;
+    std::memcpy(&codes, src + i, sizeof(codes));
+    for (int k = 0; k < 8; ++k) dst[i + k] = lut[(codes >> (8 * k)) & 0xFFu];
   }
-  if (i < n) {
-    const int rest = static_cast<int>(n - i);
-    uint8_t tail[simd::kLanes] = {};
-    std::memcpy(tail, src + i, static_cast<size_t>(rest));
-    simd::store_n(dst + i, fp8x8_to_f32<In>(tail) * scale, rest);
-  }
+  for (; i < n; ++i) dst[i] = lut[src[i]];
 }
 
-#define QWEN4EXP_FP8_ROWS(NAME, IN, OUT)                                                    \
-  QWEN4EXP_CPU_CLONES void NAME(const uint8_t* src, OUT* dst, int64_t n, float scale_out) { \
-    fp8_rows_body<IN>(src, dst, n, scale_out);                                              \
+#if QWEN4EXP_X86_AVX512  // x86-64 (the macro names where the intrinsics can be compiled)
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+
+// A factored table (Fp8Outputs), 32 codes per step; the rest through the scalar lookup.
+template <typename OutT>
+__attribute__((target("avx2"))) void fp8_rows_avx2(const uint8_t* __restrict src,
+                                                   OutT* __restrict dst, int64_t n,
+                                                   const Fp8Outputs<OutT>& t) {
+  static_assert(sizeof(OutT) == 2);
+  constexpr int kMantissaBits = std::is_same_v<OutT, bf16_t> ? 7 : 10;
+  const auto table16 = [](const std::array<uint8_t, 16>& bytes) __attribute__((target("avx2"))) {
+    return _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes.data())));
+  };
+  const __m256i base_low = table16(t.base_low), base_high = table16(t.base_high);
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i exponent_bits = _mm256_set1_epi8(0x78), mantissa_bits = _mm256_set1_epi8(7),
+                normal = _mm256_set1_epi8(8);
+  const __m256i exponent16 = _mm256_set1_epi16(0x78), sign16 = _mm256_set1_epi16(0x80);
+  const __m256i odd_code0 = _mm256_set1_epi16(static_cast<int16_t>(t.odd_code[0])),
+                odd_code1 = _mm256_set1_epi16(static_cast<int16_t>(t.odd_code[1])),
+                odd_value0 = _mm256_set1_epi16(static_cast<int16_t>(t.odd_value[0])),
+                odd_value1 = _mm256_set1_epi16(static_cast<int16_t>(t.odd_value[1]));
+  // Eight codes of each 128-bit lane, widened to 16 bits, with their looked-up bases.
+  const auto finish = [&](__m256i codes, __m256i base) __attribute__((target("avx2"))) {
+    const __m256i exponent =
+        _mm256_slli_epi16(_mm256_and_si256(codes, exponent16), kMantissaBits - 3);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(codes, sign16), 8);
+    __m256i out = _mm256_xor_si256(_mm256_add_epi16(base, exponent), sign);
+    out = _mm256_blendv_epi8(out, odd_value0, _mm256_cmpeq_epi16(codes, odd_code0));
+    return _mm256_blendv_epi8(out, odd_value1, _mm256_cmpeq_epi16(codes, odd_code1));
+  };
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i is_normal =
+        _mm256_andnot_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x, exponent_bits), zero), normal);
+    const __m256i index = _mm256_or_si256(_mm256_and_si256(x, mantissa_bits), is_normal);
+    const __m256i low = _mm256_shuffle_epi8(base_low, index);
+    const __m256i high = _mm256_shuffle_epi8(base_high, index);
+    // unpacklo/hi work within 128-bit lanes: codes [0, 8) and [16, 24), then [8, 16), [24, 32).
+    const __m256i a = finish(_mm256_unpacklo_epi8(x, zero), _mm256_unpacklo_epi8(low, high));
+    const __m256i b = finish(_mm256_unpackhi_epi8(x, zero), _mm256_unpackhi_epi8(low, high));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_permute2x128_si256(a, b, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i + 16),
+                        _mm256_permute2x128_si256(a, b, 0x31));
   }
-QWEN4EXP_FP8_ROWS(fp8_e4m3fn_rows_f32, Dtype::kFp8E4M3FN, float)
-QWEN4EXP_FP8_ROWS(fp8_e4m3fn_rows_bf16, Dtype::kFp8E4M3FN, bf16_t)
-QWEN4EXP_FP8_ROWS(fp8_e4m3fn_rows_f16, Dtype::kFp8E4M3FN, f16_t)
-QWEN4EXP_FP8_ROWS(fp8_e4m3fnuz_rows_f32, Dtype::kFp8E4M3FNUZ, float)
-QWEN4EXP_FP8_ROWS(fp8_e4m3fnuz_rows_bf16, Dtype::kFp8E4M3FNUZ, bf16_t)
-QWEN4EXP_FP8_ROWS(fp8_e4m3fnuz_rows_f16, Dtype::kFp8E4M3FNUZ, f16_t)
-#undef QWEN4EXP_FP8_ROWS
+  if (i < n) fp8_rows_scalar(src + i, dst + i, n - i, t);
+}
+#endif  // QWEN4EXP_X86_AVX512
 
 #if QWEN4EXP_X86_AVX512
 #define QWEN4EXP_AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl")))
@@ -302,30 +389,15 @@ void nvfp4_rows(const uint8_t* src, const uint8_t* scales, storage_t<Out>* dst, 
   if constexpr (Out == Dtype::kF16) nvfp4_rows_f16(src, scales, dst, n, g, scale_values);
 }
 
-template <Dtype In, Dtype Out>  // In an fp8 format
-void fp8_rows(const uint8_t* src, storage_t<Out>* dst, int64_t n, float scale_out) {
-  constexpr bool kFn = In == Dtype::kFp8E4M3FN;
-  if constexpr (Out == Dtype::kF32) {
-    (kFn ? fp8_e4m3fn_rows_f32 : fp8_e4m3fnuz_rows_f32)(src, dst, n, scale_out);
-  }
-  if constexpr (Out == Dtype::kBF16) {
-    (kFn ? fp8_e4m3fn_rows_bf16 : fp8_e4m3fnuz_rows_bf16)(src, dst, n, scale_out);
-  }
-  if constexpr (Out == Dtype::kF16) {
-    (kFn ? fp8_e4m3fn_rows_f16 : fp8_e4m3fnuz_rows_f16)(src, dst, n, scale_out);
-  }
-}
-
 // Converts `width` elements of one table row; `scales` is the row's NVFP4 block scales (unused,
 // and null, for other formats). An NVFP4 `src` may start at any multiple of kNvfp4Block elements.
 template <Dtype In, Dtype Out>
 struct RowConverter {
   using InT = storage_t<In>;
   using OutT = storage_t<Out>;
-  float scale_out = 0.0f;  // fp8 only: the per-tensor scale rounded to Out
-  // fp8 with AVX-512BW only: the 256 outputs, and the in-register lookup over them.
-  std::array<OutT, 256> lut{};
-  void (*lut_rows)(const uint8_t*, OutT*, int64_t, const OutT*) = nullptr;
+  // fp8 only: the outputs of every code (fp8_outputs), and the lookup over them.
+  const Fp8Outputs<OutT>* fp8 = nullptr;
+  void (*fp8_rows)(const uint8_t*, OutT*, int64_t, const Fp8Outputs<OutT>&) = nullptr;
   float global_scale = 0.0f;            // NVFP4 only
   const float* scale_values = nullptr;  // NVFP4 only: e4m3fn_values()
 
@@ -335,13 +407,15 @@ struct RowConverter {
       scale_values = e4m3fn_values();
     }
     if constexpr (is_fp8(In)) {
-      scale_out = round_scale<Out>(*p.scale);
+      fp8 = &fp8_outputs<In, Out>(round_scale<Out>(*p.scale));
+      fp8_rows = &fp8_rows_scalar<OutT>;
 #if QWEN4EXP_X86_AVX512
       if (cpu_has_avx512bw_vl()) {
-        for (int b = 0; b < 256; ++b) {
-          lut[b] = dequantize<In, Out>(static_cast<uint8_t>(b), scale_out);
-        }
-        lut_rows = &lut_rows_avx512;
+        fp8_rows = [](const uint8_t* src, OutT* dst, int64_t n, const Fp8Outputs<OutT>& t) {
+          lut_rows_avx512(src, dst, n, t.value.data());
+        };
+      } else if constexpr (sizeof(OutT) == 2) {
+        if (fp8->factored && cpu_has_avx2()) fp8_rows = &fp8_rows_avx2<OutT>;
       }
 #endif
     }
@@ -354,11 +428,7 @@ struct RowConverter {
     } else if constexpr (In == Out) {
       std::memcpy(dst, src, static_cast<size_t>(width) * sizeof(InT));
     } else if constexpr (is_fp8(In)) {
-      if (lut_rows != nullptr) {
-        lut_rows(src, dst, width, lut.data());
-      } else {
-        fp8_rows<In, Out>(src, dst, width, scale_out);
-      }
+      fp8_rows(src, dst, width, *fp8);
     } else {
       convert_rows<In, Out>(src, dst, width);
     }
