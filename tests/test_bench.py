@@ -10,6 +10,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,15 @@ def test_quick_run_writes_complete_json(ngram_run: dict) -> None:
         assert key in report
     assert report["device"]
     assert report["device_type"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    # The host CPU and the source, which a VM's model name and a file name leave out.
+    cpu = report["cpu"]
+    if cpu is not None:  # Linux
+        assert cpu["model_name"] and cpu["family"] is not None and cpu["model"] is not None
+        # torch's own reading of the CPU agrees (its kernels' dispatch level).
+        needs = {"AVX2": "avx2", "AVX512": "avx512f"}.get(torch.backends.cpu.get_cpu_capability())
+        assert needs is None or needs in cpu["flags"]
+    source = report["source"]
+    assert source is None or re.fullmatch(r"[0-9a-f]{40}(-dirty)?", source)
     assert report["torch"] == torch.__version__
     assert report["thread_counts"] == THREADS
     results = report["results"]

@@ -23,6 +23,7 @@ import json
 import math
 import platform
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -432,7 +433,69 @@ def _environment(device: torch.device) -> dict[str, Any]:
         # The source of the "vllm" baselines (GPU only; None: no vLLM source here).
         "vllm_kernels": vllm_triton.source_origin() if device.type == "cuda" else None,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        # What "AMD EPYC" alone (a VM's model name) does not say: the host CPU's generation,
+        # vector extensions and caches, whichever device ran.
+        "cpu": _cpu_facts(),
+        "source": _source_commit(),
     }
+
+
+# The x86 extensions that pick the CPU kernels' paths (simd.h, gather_rows.cpp), where present.
+_CPU_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile")
+
+
+def _cpu_facts() -> dict[str, Any] | None:
+    """The first CPU's vendor, family, model, name, the flags of ``_CPU_FLAGS`` it has and its
+    L2 and L3 sizes, from /proc/cpuinfo and sysfs (Linux); None where there is neither."""
+    facts: dict[str, Any] = {}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            fields = {}
+            for line in cpuinfo:
+                if not line.strip():
+                    break  # the first processor's block
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return None
+    facts["vendor"] = fields.get("vendor_id")
+    facts["family"] = fields.get("cpu family")
+    facts["model"] = fields.get("model")
+    facts["model_name"] = fields.get("model name")
+    flags = set(fields.get("flags", "").split())
+    facts["flags"] = [flag for flag in _CPU_FLAGS if flag in flags]
+    cache_dir = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in sorted(cache_dir.glob("index*")):
+        try:
+            level = (index / "level").read_text().strip()
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if kind != "Instruction" and level in ("2", "3"):
+            facts[f"l{level}"] = size
+    return facts
+
+
+def _source_commit() -> str | None:
+    """The git commit of this package's checkout (with "-dirty" if the tracked files differ
+    from it), or None outside a checkout or without git."""
+    here = str(Path(__file__).resolve().parent)
+    try:
+        head = subprocess.run(
+            ["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 def _device_name(device: torch.device) -> str:
