@@ -80,6 +80,9 @@ __attribute__((always_inline)) inline void prefetch_bytes(const char* begin, int
 //   (base[m + 8·(e != 0)] + (e << kMantissaBits)) ^ ((b & 0x80) << 8)      (16-bit arithmetic)
 // except for at most two codes (the NaNs), which `factored` records after checking every code.
 template <typename OutT>
+constexpr int kMantissaBits = std::is_same_v<OutT, bf16_t> ? 7 : 10;  // 16-bit OutT
+
+template <typename OutT>
 struct Fp8Outputs {
   std::array<OutT, 256> value{};
   bool factored = false;
@@ -88,26 +91,26 @@ struct Fp8Outputs {
   std::array<uint16_t, 2> odd_value{};
 };
 
-template <int kMantissaBits>
+template <typename OutT>
 uint16_t factored_output(const uint16_t* base, uint32_t code) {
   const uint32_t e = (code >> 3) & 15u, m = code & 7u;
-  const uint16_t sum = static_cast<uint16_t>(base[m + (e != 0 ? 8 : 0)] + (e << kMantissaBits));
+  const uint16_t sum =
+      static_cast<uint16_t>(base[m + (e != 0 ? 8 : 0)] + (e << kMantissaBits<OutT>));
   return static_cast<uint16_t>(sum ^ ((code & 0x80u) << 8));
 }
 
 template <typename OutT>
 void factor_fp8_outputs(Fp8Outputs<OutT>& t) {
   if constexpr (sizeof(OutT) == 2) {
-    constexpr int kMantissaBits = std::is_same_v<OutT, bf16_t> ? 7 : 10;
     uint16_t value[256], base[16];
     std::memcpy(value, t.value.data(), sizeof(value));
     for (int m = 0; m < 8; ++m) {
       base[m] = value[m];
-      base[8 + m] = static_cast<uint16_t>(value[8 + m] - (1u << kMantissaBits));
+      base[8 + m] = static_cast<uint16_t>(value[8 + m] - (1u << kMantissaBits<OutT>));
     }
     int odd = 0;
     for (uint32_t code = 0; code < 256; ++code) {
-      if (factored_output<kMantissaBits>(base, code) == value[code]) continue;
+      if (factored_output<OutT>(base, code) == value[code]) continue;
       if (odd == 2) return;  // t.factored stays false
       t.odd_code[odd] = static_cast<uint16_t>(code);
       t.odd_value[odd++] = value[code];
@@ -170,7 +173,6 @@ __attribute__((target("avx2"))) void fp8_rows_avx2(const uint8_t* __restrict src
                                                    OutT* __restrict dst, int64_t n,
                                                    const Fp8Outputs<OutT>& t) {
   static_assert(sizeof(OutT) == 2);
-  constexpr int kMantissaBits = std::is_same_v<OutT, bf16_t> ? 7 : 10;
   const auto table16 = [](const std::array<uint8_t, 16>& bytes) __attribute__((target("avx2"))) {
     return _mm256_broadcastsi128_si256(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes.data())));
@@ -187,7 +189,7 @@ __attribute__((target("avx2"))) void fp8_rows_avx2(const uint8_t* __restrict src
   // Eight codes of each 128-bit lane, widened to 16 bits, with their looked-up bases.
   const auto finish = [&](__m256i codes, __m256i base) __attribute__((target("avx2"))) {
     const __m256i exponent =
-        _mm256_slli_epi16(_mm256_and_si256(codes, exponent16), kMantissaBits - 3);
+        _mm256_slli_epi16(_mm256_and_si256(codes, exponent16), kMantissaBits<OutT> - 3);
     const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(codes, sign16), 8);
     __m256i out = _mm256_xor_si256(_mm256_add_epi16(base, exponent), sign);
     out = _mm256_blendv_epi8(out, odd_value0, _mm256_cmpeq_epi16(codes, odd_code0));
@@ -726,8 +728,7 @@ void stream_block(const StreamJob<In, Out>& job, int64_t block) {
     for (int64_t i = 0; i < count; ++i) {
       if (row_of[i] >= 0) order[owned++] = static_cast<int32_t>(i);
     }
-  }
-  if (sort) {
+  } else {
     for (int64_t b = 0; b < job.buckets; ++b) bucket_next[b + 1] += bucket_next[b];
     owned = bucket_next[job.buckets];
     for (int64_t i = 0; i < count; ++i) {
