@@ -501,13 +501,9 @@ def _source_commit() -> str | None:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    facts = _cpu_facts()
+    if facts is not None and facts["model_name"]:
+        return facts["model_name"]
     return platform.processor() or platform.machine()
 
 
