@@ -666,6 +666,25 @@ def test_torch_compile_smoke(backend):
     )
 
 
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_torch_compile_into_an_output(backend):
+    # With an output the door takes its fast path, which Dynamo must trace to the OpOverload.
+    ops, device = backend.ops, backend.device
+    table = make_table(64, 16, torch.bfloat16).to(device)
+
+    @torch.compile(fullgraph=True, dynamic=True)
+    def embed(ids, out):
+        ops.gather_rows(table, ids, vocab_start=8, output=out)
+        return out * 2
+
+    for tokens in (7, 12):
+        ids = torch.randint(0, 80, (tokens, 3), device=device)
+        out = torch.empty(tokens, 48, dtype=torch.bfloat16, device=device)
+        eager = ops.gather_rows(table, ids, vocab_start=8) * 2
+        assert_exact(embed(ids, out), eager, bitwise=True)
+        assert_exact(out * 2, eager, bitwise=True)
+
+
 def op(table, ids, scale, start, end, output):
     torch.ops.qwen4exp.gather_rows.default(table, ids, scale, None, start, end, output)
 
@@ -719,6 +738,13 @@ def test_python_door_errors():
         ops.gather_rows(TABLE, IDS, out_dtype=torch.float32, output=OUT)
     with pytest.raises(ValueError, match=r"output must be \[3, 8\]"):
         ops.gather_rows(TABLE, IDS, output=OUT[:2])
+    with pytest.raises(ValueError, match="table must be 2-D"):
+        ops.gather_rows(TABLE[0, 0], IDS, output=OUT)
+    # What the door does not check itself is the op's error, raised as it is.
+    with pytest.raises(RuntimeError, match="an fp8 table needs its per-tensor scale"):
+        ops.gather_rows(TABLE8, IDS, output=OUT)
+    with pytest.raises(RuntimeError, match="ids must be int32 or int64"):
+        ops.gather_rows(TABLE, IDS.float(), output=OUT)
 
 
 def test_device_mismatch_is_an_error():

@@ -44,6 +44,20 @@ def _check_same_device(op: str, **tensors: torch.Tensor) -> None:
             )
 
 
+# Dynamo knows this function (True while it traces); one global lookup, not three attribute reads.
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
+
+
+def _dispatcher_handle(op: torch._ops.OpOverload):
+    """The callable that runs ``op`` through the C++ dispatcher, without ``OpOverload.__call__``
+    (a Python frame that costs ~1 us of a cold decode step's ~15 us; the handle does the same
+    dispatch: every dispatch key, mode and tensor subclass is honoured). Dynamo cannot trace it:
+    compiled code must call the OpOverload itself."""
+    # torch >= 2.13 keeps the C++ handle apart from ``_op``, which it may swap for its PyObject
+    # dispatch (a shortcut to Python kernels that our C++ kernels do not have).
+    return getattr(op, "_cpp_dispatch_handle", op._op)
+
+
 class KernelOps:
     """The typed doors to one library of the kernel ops (the schemas of csrc/schemas.h).
 
@@ -58,6 +72,7 @@ class KernelOps:
         # step's hashing.
         self._ngram_ids_op = library.ngram_ids.default
         self._gather_rows_op = library.gather_rows.default
+        self._gather_rows_handle = _dispatcher_handle(self._gather_rows_op)
         self._ple_gate_op = library.ple_gate.default
         self._ple_gate_out_op = library.ple_gate_out.default
         self._ple_conv_op = library.ple_conv.default
@@ -154,9 +169,35 @@ class KernelOps:
         written with streaming stores: it bypasses the cache, which it would not fit in anyway.
         Same values either way.
         """
-        # One path for every call, kept lean: at decode it costs as much as the op itself.
-        # (Each tensor attribute read costs ~0.1 us and slicing a shape ~0.4 us: this body runs
-        # on every decode step, so it reads each once and builds the 2-D output shape directly.)
+        # At decode this door costs as much as the op itself: each tensor attribute read is
+        # ~0.1 us, a whole lookup of one token ~2 us. With an output and 2-D ids there is
+        # nothing to build, so the fast path leaves every check to the op (csrc/
+        # gather_rows_args.h, the same checks as below); only when the op rejects the arguments
+        # does the checked path run, which names a problem of the door's as ValueError or
+        # raises the op's own error again (the op checks before it writes anything).
+        if (
+            output is not None
+            and out_dtype is None
+            and ids.dim() == 2
+            and (scale is None or isinstance(scale, torch.Tensor))
+        ):
+            # Dynamo traces the OpOverload; eager calls go straight to the C++ dispatcher.
+            call = self._gather_rows_op if _is_dynamo_compiling() else self._gather_rows_handle
+            try:
+                call(
+                    table,
+                    ids,
+                    scale,
+                    block_scales,
+                    vocab_start,
+                    vocab_start + table.shape[0] if vocab_end is None else vocab_end,
+                    output,
+                )
+                return output
+            except (RuntimeError, IndexError, TypeError):
+                pass
+        # The checked path: it reads each tensor attribute once and builds the 2-D output shape
+        # directly (slicing a shape costs ~0.4 us).
         table_shape = table.shape
         if len(table_shape) != 2:
             raise ValueError(
