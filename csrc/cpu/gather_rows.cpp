@@ -162,11 +162,6 @@ void fp8_rows_scalar(const uint8_t* __restrict src, OutT* __restrict dst, int64_
 }
 
 #if QWEN4EXP_X86_AVX512  // x86-64 (the macro names where the intrinsics can be compiled)
-bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
-}
-
 // A factored table (Fp8Outputs), 32 codes per step; the rest through the scalar lookup.
 template <typename OutT>
 __attribute__((target("avx2"))) void fp8_rows_avx2(const uint8_t* __restrict src,
@@ -216,12 +211,6 @@ __attribute__((target("avx2"))) void fp8_rows_avx2(const uint8_t* __restrict src
 
 #if QWEN4EXP_X86_AVX512
 #define QWEN4EXP_AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl")))
-
-bool cpu_has_avx512bw_vl() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl");
-  return has;
-}
 
 // 16-bit outputs (Half: bf16_t or f16_t, whose bits the table holds): 32 bytes per step.
 template <typename Half>
@@ -412,12 +401,12 @@ struct RowConverter {
       fp8 = &fp8_outputs<In, Out>(round_scale<Out>(*p.scale));
       fp8_rows = &fp8_rows_scalar<OutT>;
 #if QWEN4EXP_X86_AVX512
-      if (cpu_has_avx512bw_vl()) {
+      if (simd::cpu_has_avx512bw_vl()) {
         fp8_rows = [](const uint8_t* src, OutT* dst, int64_t n, const Fp8Outputs<OutT>& t) {
           lut_rows_avx512(src, dst, n, t.value.data());
         };
       } else if constexpr (sizeof(OutT) == 2) {
-        if (fp8->factored && cpu_has_avx2()) fp8_rows = &fp8_rows_avx2<OutT>;
+        if (fp8->factored && simd::cpu_has_avx2()) fp8_rows = &fp8_rows_avx2<OutT>;
       }
 #endif
     }
@@ -584,18 +573,13 @@ __attribute__((target("avx"))) void stream_row32(char* dst, const char* src, int
   }
   plain_bytes<kZeros>(dst + split.end, kZeros ? nullptr : src + split.end, bytes - split.end);
 }
-
-bool cpu_has_avx() {
-  static const bool has = __builtin_cpu_supports("avx");
-  return has;
-}
 #endif  // QWEN4EXP_X86_AVX512
 
 // The widest streaming stores this CPU has.
 RowStores best_row_stores() {
 #if QWEN4EXP_X86_AVX512
   if (simd::cpu_has_avx512f()) return RowStores::kStream64;
-  if (cpu_has_avx()) return RowStores::kStream32;
+  if (simd::cpu_has_avx()) return RowStores::kStream32;
 #endif
   return RowStores::kPlain;
 }

@@ -302,8 +302,21 @@ QWEN4EXP_ALWAYS_INLINE void for_each_block(int begin, int end, const Body& body)
 }
 
 #if QWEN4EXP_X86_AVX512
+inline bool cpu_has_avx() {
+  static const bool has = __builtin_cpu_supports("avx");
+  return has;
+}
+inline bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
 inline bool cpu_has_avx512f() {
   static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+inline bool cpu_has_avx512bw_vl() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
   return has;
 }
 #endif

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import math
 import platform
@@ -444,6 +445,7 @@ def _environment(device: torch.device) -> dict[str, Any]:
 _CPU_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile")
 
 
+@functools.cache  # read once per run: the header, the file name and the JSON all name the CPU
 def _cpu_facts() -> dict[str, Any] | None:
     """The first CPU's vendor, family, model, name, the flags of ``_CPU_FLAGS`` it has and its
     L2 and L3 sizes, from /proc/cpuinfo and sysfs (Linux); None where there is neither."""
