@@ -3,7 +3,9 @@
 // struct and runs the torch-free kernel of csrc/cpu/<op>.cpp. Also the threads those kernels run
 // on in this extension: ATen's, so that torch.set_num_threads applies to them (csrc/cpu/threads.h).
 #include <ATen/Parallel.h>
-#include <torch/all.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <string>

@@ -12,7 +12,7 @@
 // call.
 #pragma once
 
-#include <torch/all.h>
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 

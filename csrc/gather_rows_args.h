@@ -3,7 +3,7 @@
 // id out of range is not an error but a zero row (SPEC §4), on every backend.
 #pragma once
 
-#include <torch/all.h>
+#include <ATen/core/Tensor.h>
 
 #include "common/gather_rows.h"
 #include "tensor_args.h"

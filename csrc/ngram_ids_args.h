@@ -3,7 +3,7 @@
 // shape, device); the CPU entry point additionally validates data values it can read for free.
 #pragma once
 
-#include <torch/all.h>
+#include <ATen/core/Tensor.h>
 
 #include <limits>
 

@@ -4,7 +4,7 @@
 // read for free, and the GPU kernels skip rows whose indices are out of range.
 #pragma once
 
-#include <torch/all.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <string>

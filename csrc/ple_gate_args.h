@@ -3,7 +3,8 @@
 // device).
 #pragma once
 
-#include <torch/all.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 

@@ -7,7 +7,8 @@
 
 #if defined(QWEN4EXP_SIMT_WAVE_SIZE)
 
-#include <torch/all.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
 
 #include "../common/platform.h"
 
@@ -41,7 +42,8 @@ inline bool capturing() { return false; }
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/all.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
 
 #include "../common/platform.h"
 

@@ -21,7 +21,9 @@
 #define QWEN4EXP_GPU_HOST_GLUE 1
 
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/all.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <torch/library.h>
 
 #include <mutex>
 #include <unordered_map>
