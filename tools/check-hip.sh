@@ -32,27 +32,29 @@ cat >"$out/without_wavefront_macros.h" <<'EOF'
 #undef __AMDGCN_WAVEFRONT_SIZE__
 EOF
 status=0
+arch_flags=()
+for arch in "${archs[@]}"; do arch_flags+=(--offload-arch="$arch"); done
 for src in "$root"/csrc/hip/*.hip; do
   name="$(basename "$src" .hip)"
-  for arch in "${archs[@]}"; do
-    for macros in present removed; do
-      extra=()
-      [ "$macros" = removed ] && extra=(-include "$out/without_wavefront_macros.h")
-      work="$out/$name-$arch-$macros"
-      mkdir -p "$work"
-      # The flags torch's ROCm build adds (no implicit half conversions/operators) keep us honest
-      # about 16-bit float handling going through our own helpers; -ffp-contract=off is
-      # setup.py's (no a·b+c contracted into an FMA). --save-temps keeps the AMD assembly.
-      if (cd "$work" && hipcc --offload-arch="$arch" -O3 -std=c++17 -Wall -Werror \
-          -ffp-contract=off -D__HIP_NO_HALF_OPERATORS__=1 -D__HIP_NO_HALF_CONVERSIONS__=1 \
-          --save-temps "${extra[@]}" -I "$root/csrc" -c "$src" -o kernel.o 2>"$work/log"); then
-        :
-      else
-        cat "$work/log"
-        echo "check-hip: FAIL hipcc --offload-arch=$arch $name.hip (wavefront macros $macros)"
-        status=1
-        continue
-      fi
+  for macros in present removed; do
+    extra=()
+    [ "$macros" = removed ] && extra=(-include "$out/without_wavefront_macros.h")
+    work="$out/$name-$macros"
+    mkdir -p "$work"
+    # One compile for every arch: the host side is compiled once, not once per arch.
+    # The flags torch's ROCm build adds (no implicit half conversions/operators) keep us honest
+    # about 16-bit float handling going through our own helpers; -ffp-contract=off is
+    # setup.py's (no a·b+c contracted into an FMA). --save-temps keeps the AMD assembly, one
+    # file per arch.
+    if ! (cd "$work" && hipcc "${arch_flags[@]}" -O3 -std=c++17 -Wall -Werror \
+        -ffp-contract=off -D__HIP_NO_HALF_OPERATORS__=1 -D__HIP_NO_HALF_CONVERSIONS__=1 \
+        --save-temps "${extra[@]}" -I "$root/csrc" -c "$src" -o kernel.o 2>"$work/log"); then
+      cat "$work/log"
+      echo "check-hip: FAIL hipcc ${arch_flags[*]} $name.hip (wavefront macros $macros)"
+      status=1
+      continue
+    fi
+    for arch in "${archs[@]}"; do
       # grep reads all of strings' output (no -q): an early exit would SIGPIPE strings, and
       # pipefail would then fail a large object at random.
       if ! strings "$work/kernel.o" | grep "amdgcn-amd-amdhsa--$arch" >/dev/null; then
