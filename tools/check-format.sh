@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checks that every C/C++/HIP source the project owns (the tracked csrc/**/*.{h,cpp,hip} and
 # tests/cpp/**/*.{h,cpp}) is formatted as .clang-format says; fails, listing what to run, if not.
-# The clang-format version is pinned (tools/env.sh, which sets up the venv of the tests and CI):
+# The clang-format version is pinned (tools/venv.sh, which sets up the venv of the tests and CI):
 # another version formats differently, so any other is refused.
 #   usage: tools/check-format.sh
 # CLANG_FORMAT=PATH picks the binary; default: the venv's ($QWEN4EXP_VENV or ./.venv), else the
@@ -15,7 +15,7 @@ if [ -z "${CLANG_FORMAT:-}" ] && [ -x "$venv/bin/clang-format" ]; then
   CLANG_FORMAT="$venv/bin/clang-format"
 fi
 clang_format="${CLANG_FORMAT:-clang-format}"
-want="$(sed -n 's/.*clang-format==\([0-9.]*\).*/\1/p' tools/env.sh)"
+want="$(sed -n 's/.*clang-format==\([0-9.]*\).*/\1/p' tools/venv.sh)"
 if ! command -v "$clang_format" >/dev/null 2>&1; then
   echo "check-format: $clang_format not found (pip install clang-format==$want)"
   exit 1

@@ -1,23 +1,15 @@
 #!/usr/bin/env bash
-# Sourced by tools/run-tests.sh and tools/run-bench.sh: makes sure ./.venv exists with torch, the
-# test dependencies and a build of the extension that is current with csrc/ and setup.py.
+# Sourced by tools/run-tests.sh and tools/run-bench.sh: makes sure ./.venv exists with torch and
+# the test dependencies (tools/venv.sh) and a build of the extension that is current with csrc/
+# and setup.py.
 #
-# Knobs: QWEN4EXP_VENV (default ./.venv), QWEN4EXP_TORCH (the torch requirement, default
-# torch==2.14.1), QWEN4EXP_BUILD_TARGET (auto|cpu|cuda|rocm, see setup.py), QWEN4EXP_BUILD_SIMT
-# (default 1 here: the tests run the HIP kernels on the SIMT emulator too), and the usual
-# TORCH_CUDA_ARCH_LIST / PYTORCH_ROCM_ARCH / CUDA_HOME / MAX_JOBS.
+# Knobs: those of tools/venv.sh (QWEN4EXP_VENV, QWEN4EXP_TORCH), QWEN4EXP_BUILD_TARGET
+# (auto|cpu|cuda|rocm, see setup.py), QWEN4EXP_BUILD_SIMT (default 1 here: the tests run the HIP
+# kernels on the SIMT emulator too), and the usual TORCH_CUDA_ARCH_LIST / PYTORCH_ROCM_ARCH /
+# CUDA_HOME / MAX_JOBS.
 set -euo pipefail
 
-QWEN4EXP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${QWEN4EXP_VENV:-$QWEN4EXP_ROOT/.venv}"
-TORCH_REQ="${QWEN4EXP_TORCH:-torch==2.14.1}"
-
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "== creating $VENV"
-  python3 -m venv "$VENV"
-fi
-PY="$VENV/bin/python"
-export PATH="$VENV/bin:$PATH"
+source "$(dirname "${BASH_SOURCE[0]}")/venv.sh"
 
 # A toolkit whose nvcc on PATH is a wrapper script (as on these machines) hides its root from
 # torch; point CUDA_HOME at the usual location when nothing else says where it is.
@@ -31,25 +23,6 @@ if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1
 fi
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 export QWEN4EXP_BUILD_SIMT="${QWEN4EXP_BUILD_SIMT:-1}"
-
-stamp="$VENV/.qwen4exp-deps"
-# clang-format is pinned: another version formats differently (tools/check-format.sh).
-deps="$TORCH_REQ pytest>=8 pytest-xdist hypothesis>=6.100 numpy transformers==5.18.0 safetensors matplotlib ninja setuptools>=69 wheel ruff clang-format==23.1.5"
-vllm_reqs="$QWEN4EXP_ROOT/tools/requirements-vllm.txt"
-want="$deps | $(md5sum <"$vllm_reqs")"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  # (the filter drops this machine's pip-config noise about absent local index folders)
-  quiet_pip() {
-    "$PY" -m pip install --quiet --disable-pip-version-check "$@" \
-      2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-  }
-  echo "== installing $deps"
-  # shellcheck disable=SC2086
-  quiet_pip $deps
-  echo "== installing vLLM 0.33.0 for the plugin tests (--no-deps: torch stays as built)"
-  quiet_pip --no-deps -r "$vllm_reqs"
-  echo "$want" >"$stamp"
-fi
 
 # Rebuild when a library is missing, or a source or the build script is newer than it.
 needs_build() {
