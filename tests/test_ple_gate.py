@@ -255,13 +255,34 @@ def test_matches_reference(backend, dtype, rounding, tokens, width, streams):
 @pytest.mark.parametrize("tokens,streams", [(2**23 + 3, 2), (1, 2**24 + 5)])
 def test_more_token_streams_than_one_launch_takes(backend, tokens, streams):
     """H = 1: the GPU kernels take 2^24 (token, stream)s per launch (2^16 blocks of 256), so
-    these calls take two, split by tokens or, within the one token, by streams."""
+    these calls take two, split by tokens or, within the one token, by streams. At H = 1 each
+    (token, stream) is computed from its own inputs alone, so the reference runs on a sample of
+    them: both ends, both sides of the split, and random ones (on all 2^24 it took most of the
+    test's time)."""
     ops, device = backend.ops, backend.device
     key, value, hidden, weights = make_inputs(tokens, 1, streams, torch.bfloat16, device=device)
     got = ops.ple_gate(key, value, hidden, *weights, EPS)
-    expected = reference.ple_gate(
-        key.cpu(), value.cpu(), hidden.cpu(), *(w.cpu() for w in weights), EPS
-    )
+    by_tokens = tokens > 1
+    count, split = (tokens, 2**24 // streams) if by_tokens else (streams, 2**24)
+    near = 4096
+    sample = torch.cat(
+        [
+            torch.arange(0, near),
+            torch.arange(split - near, min(split + near, count)),
+            torch.arange(count - near, count),
+            torch.randint(0, count, (4 * near,), generator=torch.Generator().manual_seed(0)),
+        ]
+    ).unique()
+    key, value, hidden = key.cpu(), value.cpu(), hidden.cpu()
+    weights = [w.cpu() for w in weights]
+    if by_tokens:
+        expected = reference.ple_gate(key[sample], value[sample], hidden[sample], *weights, EPS)
+        got = [g.cpu()[sample] for g in got]
+    else:
+        expected = reference.ple_gate(
+            key[:, sample], value, hidden[:, sample], *(w[sample] for w in weights), EPS
+        )
+        got = [g.cpu()[:, sample] for g in got]
     for g, e, name in zip(got, expected, ("gated", "conv_input"), strict=True):
         assert_close(g, e, torch.bfloat16, "vllm", name)
 
