@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Checks that every C/C++/HIP source the project owns (the tracked csrc/**/*.{h,cpp,hip} and
 # tests/cpp/**/*.{h,cpp}) is formatted as .clang-format says; fails, listing what to run, if not.
+# Also fails when one of them includes torch/all.h or torch/extension.h (see the end).
 # The clang-format version is pinned (tools/venv.sh, which sets up the venv of the tests and CI):
 # another version formats differently, so any other is refused.
 #   usage: tools/check-format.sh
@@ -40,3 +41,12 @@ if ! report="$("$clang_format" --dry-run --Werror "${files[@]}" 2>&1)"; then
   exit 1
 fi
 echo "check-format: ${#files[@]} files formatted (clang-format $have)"
+
+# House rule: the torch glue includes ATen's own headers, never the whole C++ frontend, which made
+# each file that included it compile 3-4x as slowly (csrc/tensor_args.h).
+if frontend="$(grep -nE '#include <torch/(all|extension)\.h>' "${files[@]}")"; then
+  printf '%s\n' "$frontend"
+  echo "check-format: include ATen's headers (ATen/core/Tensor.h, ATen/ops/<op>.h," \
+    "torch/library.h), not torch/all.h or torch/extension.h (csrc/tensor_args.h says why)"
+  exit 1
+fi
