@@ -42,8 +42,8 @@ if ! report="$("$clang_format" --dry-run --Werror "${files[@]}" 2>&1)"; then
 fi
 echo "check-format: ${#files[@]} files formatted (clang-format $have)"
 
-# House rule: the torch glue includes ATen's own headers, never the whole C++ frontend, which made
-# each file that included it compile 3-4x as slowly (csrc/tensor_args.h).
+# House rule: the torch glue includes ATen's own headers, never the whole C++ frontend (why:
+# csrc/tensor_args.h).
 if frontend="$(grep -nE '#include <torch/(all|extension)\.h>' "${files[@]}")"; then
   printf '%s\n' "$frontend"
   echo "check-format: include ATen's headers (ATen/core/Tensor.h, ATen/ops/<op>.h," \
