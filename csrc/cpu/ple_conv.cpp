@@ -165,30 +165,19 @@ QWEN4EXP_ALWAYS_INLINE void with_kernel_size(int K, Body body) {
 // ---- the channel loop of one token ------------------------------------------------------------
 
 // The conv sum for one step of channels of one token (simd::for_each_block's step at chunk
-// offset i, channel c = c0 + i): the K taps summed in order from +0. taps[k] points at channel
-// c0 (the chunk's first); they are contiguous rows unless `contiguous` is false (a dim-first
-// state). A whole block comes back as an f32x16 in simd.h's block layout, which the weight rows
-// share (see transpose_weights). kK: the kernel size when known at compile time (0: p's).
+// offset i, channel c = c0 + i): the K taps summed in order from +0. rows[k] is tap k's
+// contiguous row from channel c0 (the chunk's first; see chunk_rows). A whole block comes back
+// as an f32x16 in simd.h's block layout, which the weight rows share (see transpose_weights).
+// kK: the kernel size when known at compile time (0: p's).
 template <int kK, typename T, typename Step>
-QWEN4EXP_ALWAYS_INLINE auto conv_sum(const ConvCtx<T>& ctx, const Tap<T>* taps, bool contiguous,
-                                     int64_t c, int64_t i, Step step) {
-  constexpr bool kBlock = std::is_same_v<Step, simd::Block16>;
-  constexpr int kWidth = kBlock ? simd::kBlock : simd::kLanes;
+QWEN4EXP_ALWAYS_INLINE auto conv_sum(const ConvCtx<T>& ctx, const T* const* rows, int64_t c,
+                                     int64_t i, Step step) {
   const int64_t channels = ctx.p.channels;
   decltype(simd::load_n(ctx.weights, step)) acc{};
   const int K = kK > 0 ? kK : ctx.p.kernel_size;
 #pragma GCC unroll 8
   for (int k = 0; k < K; ++k) {
-    const auto w = simd::load_n(ctx.weights + k * channels + c, step);
-    if (contiguous) {
-      acc += w * simd::load_n(taps[k].ptr + i, step);
-    } else {
-      T gathered[kWidth] = {};
-      int lanes = kWidth;
-      if constexpr (!kBlock) lanes = step;
-      for (int j = 0; j < lanes; ++j) gathered[j] = taps[k].ptr[(i + j) * taps[k].stride];
-      acc += w * simd::load_n(gathered, step);
-    }
+    acc += simd::load_n(ctx.weights + k * channels + c, step) * simd::load_n(rows[k] + i, step);
   }
   return acc;
 }
@@ -206,8 +195,8 @@ QWEN4EXP_ALWAYS_INLINE void finish_step(T* residual, const T* outer, Y y, int64_
   simd::store_n(res, y, step);
 }
 
-// residual[c0, c0+n) of one token from its K taps, each pointing at channel c0 (chunk-relative).
-// `produce` false writes y = 0 (vLLM's inactive rows), still through the fused residuals.
+// residual[c0, c0+n) of one token from its K tap rows (see chunk_rows). `produce` false writes
+// y = 0 (vLLM's inactive rows), still through the fused residuals; rows is then not read.
 //
 // The sum is rounded to the storage dtype before SiLU (F.conv1d materialises it). For 16-bit T
 // the chunk goes in three sweeps: the sums' storage bits into a buffer, the SiLU table looked up
@@ -215,17 +204,15 @@ QWEN4EXP_ALWAYS_INLINE void finish_step(T* residual, const T* outer, Y y, int64_
 // out of its register one instruction at a time. fp32 computes SiLU in the loop, a block's two
 // halves keeping two independent exp/divide chains in flight.
 template <int kK, typename T>
-QWEN4EXP_ALWAYS_INLINE void conv_chunk_at(const ConvCtx<T>& ctx, const Tap<T>* taps, int64_t c0,
-                                          int n, bool produce, T* residual, const T* outer) {
-  bool contiguous = true;
-  for (int k = 0; k < ctx.p.kernel_size; ++k) contiguous = contiguous && taps[k].stride == 1;
+QWEN4EXP_ALWAYS_INLINE void conv_chunk(const ConvCtx<T>& ctx, const T* const* rows, int64_t c0,
+                                       int n, bool produce, T* residual, const T* outer) {
   if constexpr (std::is_same_v<T, float>) {
     simd::for_each_block(0, n, [&](int i, auto step) QWEN4EXP_LAMBDA_INLINE {
       const int64_t c = c0 + i;
-      using Y = decltype(conv_sum<kK>(ctx, taps, contiguous, c, i, step));
+      using Y = decltype(conv_sum<kK>(ctx, rows, c, i, step));
       Y y{};
       if (produce) {
-        const Y acc = conv_sum<kK>(ctx, taps, contiguous, c, i, step);
+        const Y acc = conv_sum<kK>(ctx, rows, c, i, step);
         if constexpr (std::is_same_v<Y, simd::f32x16>) {
           y = simd::f32x16{silu(acc.lo), silu(acc.hi)};
         } else {
@@ -240,7 +227,7 @@ QWEN4EXP_ALWAYS_INLINE void conv_chunk_at(const ConvCtx<T>& ctx, const Tap<T>* t
     alignas(64) float y[kChunk];
     if (produce) {
       simd::for_each_block(0, n, [&](int i, auto step) QWEN4EXP_LAMBDA_INLINE {
-        const auto acc = conv_sum<kK>(ctx, taps, contiguous, c0 + i, i, step);
+        const auto acc = conv_sum<kK>(ctx, rows, c0 + i, i, step);
         if constexpr (std::is_same_v<decltype(acc), const simd::f32x16>) {
           const simd::u32x8 lo = simd::bits_u32<T>(acc.lo), hi = simd::bits_u32<T>(acc.hi);
           std::memcpy(bits + i, &lo, sizeof(lo));
@@ -259,17 +246,27 @@ QWEN4EXP_ALWAYS_INLINE void conv_chunk_at(const ConvCtx<T>& ctx, const Tap<T>* t
   }
 }
 
-// The same with taps that point at channel 0 (whole rows or state entries).
-template <int kK, typename T>
-QWEN4EXP_ALWAYS_INLINE void conv_chunk(const ConvCtx<T>& ctx, const Tap<T>* taps, int64_t c0, int n,
-                                       bool produce, T* residual, const T* outer) {
-  Tap<T> at[kMaxConvKernel] = {};
-  if (produce) {
-    for (int k = 0; k < ctx.p.kernel_size; ++k) {
-      at[k] = Tap<T>{taps[k].ptr + c0 * taps[k].stride, taps[k].stride};
+// Tap k's row of the chunk [c0, c0+n) in rows[k]: a tap of channel stride 1 is read in place, a
+// strided one (a state column of a dim-first or otherwise strided state) is copied into a
+// column buffer first. A strided load lane by lane inside the vector loop made a dim-first
+// decode several times slower; one contiguous form also keeps one copy of the channel loop per
+// kernel size, dtype and instruction set. A token's last tap is never a state column (its
+// history position j + (K-1)·δ >= S), so K - 1 buffers suffice.
+template <typename T>
+QWEN4EXP_ALWAYS_INLINE void chunk_rows(const Tap<T>* taps, int K, int64_t c0, int n,
+                                       T (&columns)[kMaxConvKernel - 1][kChunk], const T** rows) {
+  int copied = 0;
+  for (int k = 0; k < K; ++k) {
+    const int64_t stride = taps[k].stride;
+    const T* first = taps[k].ptr + c0 * stride;
+    if (stride == 1) {
+      rows[k] = first;
+      continue;
     }
+    T* column = columns[copied++];
+    for (int i = 0; i < n; ++i) column[i] = first[i * stride];
+    rows[k] = column;
   }
-  conv_chunk_at<kK>(ctx, at, c0, n, produce, residual, outer);
 }
 
 // dst[c] = src[c] (or 0) for c in [c0, c0+n): one state entry, channel-strided.
@@ -288,11 +285,10 @@ QWEN4EXP_ALWAYS_INLINE void copy_entry(T* dst, int64_t dst_stride, const T* src,
 // ---- decode -----------------------------------------------------------------------------------
 
 // A dim-first state (vLLM's VLLM_SSM_CONV_STATE_LAYOUT=DS: [slots, C, W], window stride 1)
-// keeps each channel's window together, so a tap is a column C·W elements long. Decode copies
-// the chunk's K-1 tap columns into window-first rows first (a strided gather lane by lane into
-// the vector made decode several times slower than with a window-first state), and when the
-// window is the whole channel row (W = S) shifts the state with one memmove of the chunk's
-// n·S - 1 elements plus a store of x per channel.
+// keeps each channel's window together, so a tap is a column C·W elements long: chunk_rows
+// copies the chunk's K-1 tap columns into rows first, and when the window is the whole channel
+// row (W = S) the state shifts with one memmove of the chunk's n·S - 1 elements plus a store of
+// x per channel.
 template <typename T>
 QWEN4EXP_ALWAYS_INLINE void decode_tokens(const ConvCtx<T>& ctx, int64_t begin, int64_t end) {
   const PleConvParams& p = ctx.p;
@@ -302,7 +298,7 @@ QWEN4EXP_ALWAYS_INLINE void decode_tokens(const ConvCtx<T>& ctx, int64_t begin, 
   const bool dim_first = cs != 1 && p.state_window_stride == 1;
   const bool shift_by_memmove = dim_first && cs == S && S > 0;
   Tap<T> taps[kMaxConvKernel];
-  alignas(64) T columns[kMaxConvKernel - 1][kChunk];  // dim-first: the taps of one chunk
+  alignas(64) T columns[kMaxConvKernel - 1][kChunk];
   for (int64_t t = begin; t < end; ++t) {
     const int64_t row = conv_physical_row(p, t);
     const int64_t slot = p.state_indices[t];
@@ -319,22 +315,11 @@ QWEN4EXP_ALWAYS_INLINE void decode_tokens(const ConvCtx<T>& ctx, int64_t begin, 
     const T* outer = ctx.outer_row(row);
     for (int64_t c0 = 0; c0 < p.channels; c0 += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, p.channels - c0));
-      if (read && dim_first) {
-        Tap<T> at[kMaxConvKernel];
-        for (int k = 0; k + 1 < K; ++k) {
-          const T* column = taps[k].ptr + c0 * cs;
-          for (int i = 0; i < n; ++i) columns[k][i] = column[i * cs];
-          at[k] = Tap<T>{columns[k], 1};
-        }
-        at[K - 1] = Tap<T>{x + c0, 1};
-        with_kernel_size(K, [&](auto k) QWEN4EXP_LAMBDA_INLINE {
-          conv_chunk_at<decltype(k)::value>(ctx, at, c0, n, true, residual, outer);
-        });
-      } else {
-        with_kernel_size(K, [&](auto k) QWEN4EXP_LAMBDA_INLINE {
-          conv_chunk<decltype(k)::value>(ctx, taps, c0, n, live, residual, outer);
-        });
-      }
+      const T* rows[kMaxConvKernel];
+      if (live) chunk_rows(taps, K, c0, n, columns, rows);
+      with_kernel_size(K, [&](auto k) QWEN4EXP_LAMBDA_INLINE {
+        conv_chunk<decltype(k)::value>(ctx, rows, c0, n, live, residual, outer);
+      });
       if (!live) continue;
       // Shift the window by one and append x (zeros ++ x without an initial state).
       if (read && shift_by_memmove) {
@@ -364,6 +349,7 @@ QWEN4EXP_ALWAYS_INLINE void chunk_tokens(const ConvCtx<T>& ctx, int64_t begin, i
   const IndexView& qsl = p.query_start_loc;
   const bool spec = p.mode == ConvMode::kSpec;
   Tap<T> taps[kMaxConvKernel];
+  alignas(64) T columns[kMaxConvKernel - 1][kChunk];
   int64_t r = R > 0 ? find_request(qsl, R, begin) : -1;
   for (int64_t t = begin; t < end; ++t) {
     while (r >= 0 && r + 1 < R && qsl[r + 1] <= t) ++r;
@@ -393,8 +379,10 @@ QWEN4EXP_ALWAYS_INLINE void chunk_tokens(const ConvCtx<T>& ctx, int64_t begin, i
     const T* outer = ctx.outer_row(row);
     for (int64_t c0 = 0; c0 < p.channels; c0 += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, p.channels - c0));
+      const T* rows[kMaxConvKernel];
+      if (produce) chunk_rows(taps, K, c0, n, columns, rows);
       with_kernel_size(K, [&](auto k) QWEN4EXP_LAMBDA_INLINE {
-        conv_chunk<decltype(k)::value>(ctx, taps, c0, n, produce, residual, outer);
+        conv_chunk<decltype(k)::value>(ctx, rows, c0, n, produce, residual, outer);
       });
     }
   }
