@@ -4,13 +4,18 @@
 # warning. Debian's hipcc (ROCm 5.2) targets gfx90a (MI200) and gfx940 (MI300 family, the closest
 # it knows to gfx942); a full ROCm toolchain builds gfx942/gfx950 through setup.py.
 #
-# Each kernel is compiled twice per arch: as the compiler defines it, and with the wavefront-size
-# macros removed (__AMDGCN_WAVEFRONT_SIZE and __AMDGCN_WAVEFRONT_SIZE__: deprecated in ROCm 6.3,
-# gone in ROCm 7.2). ROCm 5.2's own headers still need them, so they are removed right after
+# Each kernel is compiled for every arch with the wavefront-size macros removed
+# (__AMDGCN_WAVEFRONT_SIZE and __AMDGCN_WAVEFRONT_SIZE__: deprecated in ROCm 6.3, gone in ROCm
+# 7.2). ROCm 5.2's own headers still need them, so they are removed right after
 # <hip/hip_runtime.h>, before any of our code: what our code sees is then what ROCm 7.2 gives it.
+# With the macros as the compiler defines them (ROCm before 7.2) it goes through the front end
+# only (-fsyntax-only: the host pass and each arch's device pass, errors and warnings). Our code
+# never reads the macros (the wave size comes from the target: csrc/common/platform.h); what
+# their presence can change is what ROCm's own headers do with them, which the front end checks
+# in a tenth of a full compile's time. (A second full compile doubled this script's time.)
 # The kernels built on wave reductions (REDUCING below) must keep cross-lane instructions (DPP,
-# ds_swizzle/permute/bpermute, permlane) in every one of their AMD functions, both ways: a wave
-# size that silently fell back to 1 would leave none.
+# ds_swizzle/permute/bpermute, permlane) in every one of their AMD functions: a wave size that
+# silently fell back to 1 would leave none.
 #   usage: tools/check-hip.sh [ARCH ...]     (default: gfx90a gfx940)
 # QWEN4EXP_HIP_ASM_DIR=DIR keeps each kernel's assembly (macros removed) as DIR/<kernel>-<arch>.s.
 set -euo pipefail
@@ -34,59 +39,63 @@ EOF
 status=0
 arch_flags=()
 for arch in "${archs[@]}"; do arch_flags+=(--offload-arch="$arch"); done
+# The flags torch's ROCm build adds (no implicit half conversions/operators) keep us honest about
+# 16-bit float handling going through our own helpers; -ffp-contract=off is setup.py's (no a·b+c
+# contracted into an FMA).
+flags=(-O3 -std=c++17 -Wall -Werror -ffp-contract=off -D__HIP_NO_HALF_OPERATORS__=1
+  -D__HIP_NO_HALF_CONVERSIONS__=1 -I "$root/csrc")
 for src in "$root"/csrc/hip/*.hip; do
   name="$(basename "$src" .hip)"
-  for macros in present removed; do
-    extra=()
-    [ "$macros" = removed ] && extra=(-include "$out/without_wavefront_macros.h")
-    work="$out/$name-$macros"
-    mkdir -p "$work"
-    # One compile for every arch: the host side is compiled once, not once per arch.
-    # The flags torch's ROCm build adds (no implicit half conversions/operators) keep us honest
-    # about 16-bit float handling going through our own helpers; -ffp-contract=off is
-    # setup.py's (no a·b+c contracted into an FMA). --save-temps keeps the AMD assembly, one
-    # file per arch.
-    if ! (cd "$work" && hipcc "${arch_flags[@]}" -O3 -std=c++17 -Wall -Werror \
-        -ffp-contract=off -D__HIP_NO_HALF_OPERATORS__=1 -D__HIP_NO_HALF_CONVERSIONS__=1 \
-        --save-temps "${extra[@]}" -I "$root/csrc" -c "$src" -o kernel.o 2>"$work/log"); then
-      cat "$work/log"
-      echo "check-hip: FAIL hipcc ${arch_flags[*]} $name.hip (wavefront macros $macros)"
-      status=1
-      continue
+  work="$out/$name"
+  mkdir -p "$work"
+  if hipcc "${arch_flags[@]}" "${flags[@]}" -c -fsyntax-only "$src" 2>"$work/log"; then
+    echo "check-hip: ok   hipcc ${arch_flags[*]} -fsyntax-only $name.hip, wavefront macros present"
+  else
+    cat "$work/log"
+    echo "check-hip: FAIL hipcc ${arch_flags[*]} -fsyntax-only $name.hip (wavefront macros present)"
+    status=1
+  fi
+  # One compile for every arch: the host side is compiled once, not once per arch. --save-temps
+  # keeps the AMD assembly, one file per arch.
+  if ! (cd "$work" && hipcc "${arch_flags[@]}" "${flags[@]}" --save-temps \
+      -include "$out/without_wavefront_macros.h" -c "$src" -o kernel.o 2>"$work/log"); then
+    cat "$work/log"
+    echo "check-hip: FAIL hipcc ${arch_flags[*]} $name.hip (wavefront macros removed)"
+    status=1
+    continue
+  fi
+  for arch in "${archs[@]}"; do
+    # grep reads all of strings' output (no -q): an early exit would SIGPIPE strings, and
+    # pipefail would then fail a large object at random.
+    if ! strings "$work/kernel.o" | grep "amdgcn-amd-amdhsa--$arch" >/dev/null; then
+      echo "check-hip: FAIL $name.hip has no $arch code object"; status=1; continue
     fi
-    for arch in "${archs[@]}"; do
-      # grep reads all of strings' output (no -q): an early exit would SIGPIPE strings, and
-      # pipefail would then fail a large object at random.
-      if ! strings "$work/kernel.o" | grep "amdgcn-amd-amdhsa--$arch" >/dev/null; then
-        echo "check-hip: FAIL $name.hip has no $arch code object"; status=1; continue
+    note=""
+    asm="$(compgen -G "$work/*amdgcn-amd-amdhsa*$arch*.s" | sed -n 1p)"
+    [ -n "$asm" ] || { echo "check-hip: FAIL no AMD assembly for $name.hip"; status=1; continue; }
+    # What ROCm 7.2 compiles is the kernel report's AMD input (tools/kernel_report.py --amd-asm).
+    if [ -n "${QWEN4EXP_HIP_ASM_DIR:-}" ]; then
+      mkdir -p "$QWEN4EXP_HIP_ASM_DIR" && cp "$asm" "$QWEN4EXP_HIP_ASM_DIR/$name-$arch.s"
+    fi
+    if [[ " ${REDUCING[*]} " == *" $name "* ]]; then
+      # Cross-lane instructions per kernel (a kernel's code runs from its label to .Lfunc_end).
+      report="$(awk -v pattern="$CROSS_LANE" '
+        /^_Z[^ :]*:/ { fn = substr($1, 1, length($1) - 1); count[fn] = 0; next }
+        /^\.Lfunc_end/ { fn = "" }
+        fn != "" && $0 ~ pattern { count[fn]++ }
+        END { for (f in count) print count[f], f }' "$asm")"
+      kernels="$(echo "$report" | grep -c . || true)"
+      without="$(echo "$report" | awk '$1 == 0' | grep -c . || true)"
+      if [ "$kernels" -eq 0 ] || [ "$without" -ne 0 ]; then
+        echo "$report" | awk '$1 == 0 { print "   no cross-lane instruction:", $2 }'
+        echo "check-hip: FAIL $name.hip for $arch: $without of $kernels kernels reduce without" \
+          "cross-lane instructions"
+        status=1
+        continue
       fi
-      note=""
-      asm="$(compgen -G "$work/*amdgcn-amd-amdhsa*$arch*.s" | sed -n 1p)"
-      [ -n "$asm" ] || { echo "check-hip: FAIL no AMD assembly for $name.hip"; status=1; continue; }
-      # What ROCm 7.2 compiles is the kernel report's AMD input (tools/kernel_report.py --amd-asm).
-      if [ -n "${QWEN4EXP_HIP_ASM_DIR:-}" ] && [ "$macros" = removed ]; then
-        mkdir -p "$QWEN4EXP_HIP_ASM_DIR" && cp "$asm" "$QWEN4EXP_HIP_ASM_DIR/$name-$arch.s"
-      fi
-      if [[ " ${REDUCING[*]} " == *" $name "* ]]; then
-        # Cross-lane instructions per kernel (a kernel's code runs from its label to .Lfunc_end).
-        report="$(awk -v pattern="$CROSS_LANE" '
-          /^_Z[^ :]*:/ { fn = substr($1, 1, length($1) - 1); count[fn] = 0; next }
-          /^\.Lfunc_end/ { fn = "" }
-          fn != "" && $0 ~ pattern { count[fn]++ }
-          END { for (f in count) print count[f], f }' "$asm")"
-        kernels="$(echo "$report" | grep -c . || true)"
-        without="$(echo "$report" | awk '$1 == 0' | grep -c . || true)"
-        if [ "$kernels" -eq 0 ] || [ "$without" -ne 0 ]; then
-          echo "$report" | awk '$1 == 0 { print "   no cross-lane instruction:", $2 }'
-          echo "check-hip: FAIL $name.hip for $arch (wavefront macros $macros): $without of" \
-            "$kernels kernels reduce without cross-lane instructions"
-          status=1
-          continue
-        fi
-        note=" ($kernels kernels, each with cross-lane reductions)"
-      fi
-      echo "check-hip: ok   hipcc --offload-arch=$arch $name.hip, wavefront macros $macros$note"
-    done
+      note=" ($kernels kernels, each with cross-lane reductions)"
+    fi
+    echo "check-hip: ok   hipcc --offload-arch=$arch $name.hip, wavefront macros removed$note"
   done
 done
 exit $status

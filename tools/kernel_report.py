@@ -26,6 +26,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -365,8 +366,11 @@ def main(argv: list[str] | None = None) -> int:
                 if asm is None or not asm.is_file():
                     asm = compile_amd(src, arch, work)
                 kernels += parse_amd(asm, src.stem, arch)
-        for src in kernel_sources():
-            log, ptx = compile_nvidia(src, work)
+        # nvcc compiles one file on one core: the four side by side.
+        sources = kernel_sources()
+        with ThreadPoolExecutor(max_workers=len(sources)) as pool:
+            compiled = list(pool.map(lambda src: compile_nvidia(src, work), sources))
+        for src, (log, ptx) in zip(sources, compiled, strict=True):
             kernels += parse_nvidia(log, ptx, src.stem)
 
     failed = check(kernels)
