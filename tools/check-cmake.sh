@@ -70,8 +70,8 @@ check_backend SIMT Debug -DQWEN4EXP_SIMT_WAVE_SIZE=64
 
 cuda_home="${CUDA_HOME:-/usr/local/cuda}"
 if [ -x "$cuda_home/bin/nvcc" ]; then
-  check_backend CUDA Debug -DCMAKE_CUDA_COMPILER="$cuda_home/bin/nvcc" -DCUDAToolkit_ROOT="$cuda_home" \
-    -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}"
+  check_backend CUDA Debug -DCMAKE_CUDA_COMPILER="$cuda_home/bin/nvcc" \
+    -DCUDAToolkit_ROOT="$cuda_home" -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}"
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
     "$work/CUDA/consumer/run_gather"
   else
