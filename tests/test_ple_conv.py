@@ -338,6 +338,39 @@ def test_fp32_weights_and_strided_rows(backend, dtype, mode):
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("window_first", [True, False], ids=["window_first", "dim_first"])
+def test_nans_spread_as_in_the_reference(backend, dtype, mode, window_first):
+    """NaNs in an input row and in two fp32 weights (channels in a whole block and in the tail)
+    reach the same outputs as in the reference. The weights' NaNs are 0x7FFFFFFF and 0xFFFF8001,
+    whose low halves a bf16 rounding without its NaN select would carry into the sign or the
+    exponent: the CPU kernel must clear them first (ple_conv.cpp, kNaNs)."""
+    ops, device = backend.ops, backend.device
+    batch = make_batch(
+        mode,
+        dtype,
+        lengths=[4, 3],
+        tokens=5,
+        channels=37,
+        query_len=4,
+        weight_dtype=torch.float32,
+        window_first=window_first,
+        seed=13,
+    )
+    payloads = torch.tensor([0x7FFFFFFF, 0xFFFF8001 - 2**32], dtype=torch.int32)
+    batch.conv_weights[[5, 35], [3, 1]] = payloads.view(torch.float32)
+    batch.inputs[2, 20] = float("nan")
+    got, expected = batch.run(ops.ple_conv, device), batch.run(reference.ple_conv)
+    tol = tolerance("ple_conv", dtype)
+    for g, e, name in zip(got, expected, ("residual", "conv_state"), strict=True):
+        nan = e.isnan()
+        assert torch.equal(g.isnan(), nan), name
+        assert_within(g[~nan], e[~nan], tol, name)
+    assert expected[0].isnan().any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kernel,dilation", [(4, 3), (3, 5), (8, 8), (2, 1)])
 @pytest.mark.parametrize("layout", ["window_first", "window_first_odd_stride", "dim_first"])

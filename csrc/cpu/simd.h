@@ -244,10 +244,10 @@ QWEN4EXP_ALWAYS_INLINE u32x8 bf16_bits_high(f32x8 x) {
 }
 
 // The storage bits of x in T, one per 32-bit lane (16-bit T only).
-template <typename T>
+template <typename T, NaNs kNaNs = NaNs::kAny>
 QWEN4EXP_ALWAYS_INLINE u32x8 bits_u32(f32x8 x) {
   if constexpr (std::is_same_v<T, bf16_t>) {
-    return bf16_bits_high(x) >> 16;
+    return bf16_bits_high<kNaNs>(x) >> 16;
   } else {
     return f32_to_f16x8_bits(x);
   }
