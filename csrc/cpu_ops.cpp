@@ -78,7 +78,7 @@ at::Tensor ngram_head_divmod_cpu(const at::Tensor& head_sizes) {
 void gather_rows_cpu(const at::Tensor& table, const at::Tensor& ids,
                      const std::optional<at::Tensor>& scale,
                      const std::optional<at::Tensor>& block_scales, int64_t vocab_start,
-                     int64_t vocab_end, const at::Tensor& output) {
+                     std::optional<int64_t> vocab_end, const at::Tensor& output) {
   const GatherRowsParams p =
       check_gather_rows_args(table, ids, scale, block_scales, vocab_start, vocab_end, output);
   check_on_cpu("gather_rows", table);

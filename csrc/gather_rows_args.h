@@ -5,6 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <limits>
+
 #include "common/gather_rows.h"
 #include "tensor_args.h"
 
@@ -13,7 +15,8 @@ namespace qwen4exp {
 inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at::Tensor& ids,
                                                const std::optional<at::Tensor>& scale,
                                                const std::optional<at::Tensor>& block_scales,
-                                               int64_t vocab_start, int64_t vocab_end,
+                                               int64_t vocab_start,
+                                               std::optional<int64_t> vocab_end_or_none,
                                                const at::Tensor& output) {
   GatherRowsParams p{};
   TORCH_CHECK(table.dim() == 2, "gather_rows: table must be 2-D [rows, d], got shape ",
@@ -29,6 +32,12 @@ inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at
   TORCH_CHECK(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong,
               "gather_rows: ids must be int32 or int64, got ", ids.scalar_type());
   const int64_t rows = table.size(0);
+  TORCH_CHECK(vocab_end_or_none.has_value() ||
+                  vocab_start <= std::numeric_limits<int64_t>::max() - rows,
+              "gather_rows: vocab_start + rows (the default vocab_end) must fit in int64, got "
+              "vocab_start ",
+              vocab_start, " with ", rows, " table rows");
+  const int64_t vocab_end = vocab_end_or_none.value_or(vocab_start + rows);
   const bool nvfp4 = p.table_dtype == Dtype::kNvfp4;
   const int64_t width = table.size(1) * elems_per_word(p.table_dtype);
   const int64_t num_tokens = ids.size(0);

@@ -23,10 +23,11 @@ inline void define_kernel_ops(torch::Library& m) {
   // fp8 table is dequantised with its per-tensor fp32 `scale`, an NVFP4 one — uint8 [rows, d/2] —
   // with its e4m3 `block_scales` [rows, d/16] and global fp32 `scale`). Ids outside
   // [vocab_start, vocab_end) give zero rows: ids are data, never errors, and never read out of
-  // bounds.
+  // bounds. vocab_end None is vocab_start + rows: at decode, reading table.shape[0] in Python
+  // costs a noticeable part of the call.
   m.def(
       "gather_rows(Tensor table, Tensor ids, Tensor? scale, Tensor? block_scales, "
-      "int vocab_start, int vocab_end, Tensor(a!) output) -> ()");
+      "int vocab_start, int? vocab_end, Tensor(a!) output) -> ()");
   // SPEC §5. Returns (gated, conv_input), [T, C] in hidden's dtype. rounding "vllm" reproduces
   // vLLM 0.33.0's rounding points; "fp32" is the fast single pass (fp32 intermediates).
   m.def(

@@ -626,8 +626,8 @@ def test_opcheck(backend, case):
     device = backend.device
     table_dtype, id_dtype, out_dtype, start, end = case
     table = make_table(70, 24, table_dtype).to(device)
-    end = start + 70 if end is None else end
-    ids = random_ids(9, 5, end, id_dtype).to(device)
+    # end None: the op's own default, vocab_start + rows.
+    ids = random_ids(9, 5, start + 70 if end is None else end, id_dtype).to(device)
     scale = torch.tensor([0.5], device=device) if table_dtype in FP8 else None
     out = torch.empty(9, 5 * 24, dtype=out_dtype, device=device)
     utils = None
@@ -720,6 +720,8 @@ TABLE8 = torch.zeros(10, 4, dtype=torch.uint8).view(torch.float8_e4m3fn)
         ((TABLE, IDS, None, 0, 11, OUT), r"shard \[vocab_start, vocab_end\) = \[0, 11\)"),
         ((TABLE, IDS, None, -1, 5, OUT), r"shard \[vocab_start, vocab_end\)"),
         ((TABLE, IDS, None, 5, 4, OUT), r"shard \[vocab_start, vocab_end\)"),
+        ((TABLE, IDS, None, -1, None, OUT), r"shard \[vocab_start, vocab_end\) = \[-1, 9\)"),
+        ((TABLE, IDS, None, 2**63 - 5, None, OUT), r"the default vocab_end\) must fit in int64"),
         ((TABLE8, IDS, None, 0, 10, OUT), "an fp8 table needs its per-tensor scale"),
         ((TABLE8, IDS, SCALE.double(), 0, 10, OUT), "scale must be one float32 element"),
         ((TABLE8, IDS, torch.ones(2), 0, 10, OUT), "scale must be one float32 element"),

@@ -12,7 +12,7 @@ namespace {
 void gather_rows_gpu(const at::Tensor& table, const at::Tensor& ids,
                      const std::optional<at::Tensor>& scale,
                      const std::optional<at::Tensor>& block_scales, int64_t vocab_start,
-                     int64_t vocab_end, const at::Tensor& output) {
+                     std::optional<int64_t> vocab_end, const at::Tensor& output) {
   const GatherRowsParams p =
       check_gather_rows_args(table, ids, scale, block_scales, vocab_start, vocab_end, output);
   TORCH_CHECK(glue::on_kernel_device(table), "gather_rows: GPU kernel called with ", table.device(),

@@ -190,7 +190,7 @@ class KernelOps:
                     scale,
                     block_scales,
                     vocab_start,
-                    vocab_start + table.shape[0] if vocab_end is None else vocab_end,
+                    vocab_end,  # None: the op reads the table's rows itself
                     output,
                 )
                 return output
@@ -207,7 +207,7 @@ class KernelOps:
         ids_dim = len(ids_shape)
         if ids_dim == 0:
             raise ValueError("gather_rows: ids must be [..., NH], got a 0-d tensor")
-        rows, width = table_shape
+        width = table_shape[1]
         table_dtype = table.dtype
         if table_dtype == _NVFP4_TABLE_DTYPE:
             width *= 2
@@ -231,8 +231,6 @@ class KernelOps:
                     f"gather_rows: output must be {list(out_shape)} = [..., NH·d], "
                     f"got {list(output.shape)}"
                 )
-        if vocab_end is None:
-            vocab_end = vocab_start + rows
         if scale is not None and not isinstance(scale, torch.Tensor):
             scale = torch.tensor([float(scale)], dtype=torch.float32, device=table.device)
         ids2, out2 = ids, output
@@ -242,7 +240,13 @@ class KernelOps:
             ids2 = ids.reshape(num_tokens, num_heads)
             out2 = output.view(num_tokens, num_heads * width)
         self._gather_rows_op(
-            table, ids2, scale, block_scales, int(vocab_start), int(vocab_end), out2
+            table,
+            ids2,
+            scale,
+            block_scales,
+            int(vocab_start),
+            None if vocab_end is None else int(vocab_end),
+            out2,
         )
         return output
 
@@ -403,7 +407,7 @@ def _gather_rows_fake(
     scale: torch.Tensor | None,
     block_scales: torch.Tensor | None,
     vocab_start: int,
-    vocab_end: int,
+    vocab_end: int | None,
     output: torch.Tensor,
 ) -> None:
     tensors = {"table": table, "ids": ids, "output": output}
@@ -446,6 +450,8 @@ def _gather_rows_fake(
             "[rows, d/16], other tables take none"
         ),
     )
+    if vocab_end is None:
+        vocab_end = vocab_start + table.shape[0]
     torch._check(
         0 <= vocab_start <= vocab_end and vocab_end - vocab_start <= table.shape[0],
         lambda: "gather_rows: shard [vocab_start, vocab_end) does not fit the table",
