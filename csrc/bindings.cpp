@@ -11,12 +11,28 @@
 #include <string>
 
 #include "common/gather_rows.h"
+#include "common/ple_conv.h"
 #include "schemas.h"
 #include "switches.h"
 
 #ifndef QWEN4EXP_BUILD_INFO_JSON
 #error "setup.py defines QWEN4EXP_BUILD_INFO_JSON (what this binary was built with)"
 #endif
+
+namespace {
+
+// A CPU kernel's setter (it checks the value, returns the setting it replaces) as an op: its
+// std::invalid_argument becomes Python's ValueError.
+template <int64_t (*kSetter)(int64_t)>
+int64_t checked_setting(int64_t value) {
+  try {
+    return kSetter(value);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+}  // namespace
 
 TORCH_LIBRARY(qwen4exp, m) {
   qwen4exp::define_kernel_ops(m);
@@ -28,14 +44,14 @@ TORCH_LIBRARY(qwen4exp, m) {
   // non-temporal stores; csrc/cpu/gather_rows.cpp), -1 where this CPU or build has none.
   m.def("cpu_gather_stream_bytes() -> int", &qwen4exp::cpu_gather_stream_bytes);
   // Sets that size (-1: the default, from the cache sizes) and returns the setting it replaces.
-  // The kernel checks the value; its std::invalid_argument becomes Python's ValueError here.
-  m.def("set_cpu_gather_stream_bytes(int bytes) -> int", [](int64_t bytes) -> int64_t {
-    try {
-      return qwen4exp::set_cpu_gather_stream_bytes(bytes);
-    } catch (const std::invalid_argument& e) {
-      TORCH_CHECK_VALUE(false, e.what());
-    }
-  });
+  m.def("set_cpu_gather_stream_bytes(int bytes) -> int",
+        &checked_setting<qwen4exp::set_cpu_gather_stream_bytes>);
+  // How the 16-bit CPU conv looks its SiLU up (csrc/cpu/ple_conv.cpp): 0 a loop, 1 AVX-512
+  // gathers; by default timed on first use. The setter takes -1 (timed), 0 or 1 and returns the
+  // setting it replaces.
+  m.def("cpu_conv_silu_lookup() -> int", &qwen4exp::cpu_conv_silu_lookup);
+  m.def("set_cpu_conv_silu_lookup(int lookup) -> int",
+        &checked_setting<qwen4exp::set_cpu_conv_silu_lookup>);
   // SPEC §4, pinned host tables: pins (or host-registers) a CPU tensor's memory once and returns
   // a view of it on `device` (hip/cudaHostGetDevicePointer) that kernels read over PCIe. GPU
   // builds only (csrc/gpu/host_table.cpp).

@@ -282,6 +282,52 @@ def test_matches_reference(backend, dtype, mode, channels, lengths):
     assert_same(batch.run(ops.ple_conv, device), batch.run(reference.ple_conv), dtype, mode)
 
 
+def _cpu_silu_lookups() -> list[str]:
+    previous = ops.set_cpu_conv_silu_lookup("loop")
+    try:
+        ops.set_cpu_conv_silu_lookup("gather")
+        return ["loop", "gather"]
+    except ValueError:
+        return ["loop"]
+    finally:
+        ops.set_cpu_conv_silu_lookup(previous)
+
+
+@pytest.mark.parametrize("lookup", _cpu_silu_lookups())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", MODES)
+def test_cpu_silu_lookups(lookup, dtype, mode):
+    """Each SiLU lookup this CPU has (the loop; AVX-512 gathers), pinned: the CPU kernel times
+    them and runs the faster, so without the pin only one would be tested on a given CPU. 2624
+    channels are five whole 512-channel chunks and a 64-channel tail; tokens enough that the
+    lookup sees most of the table."""
+    previous = ops.set_cpu_conv_silu_lookup(lookup)
+    try:
+        assert ops.cpu_conv_silu_lookup() == lookup
+        lengths = [4, 1] if mode == "spec" else [300, 1]
+        batch = make_batch(mode, dtype, lengths=lengths, tokens=301, channels=2624, query_len=4)
+        assert_same(batch.run(ops.ple_conv), batch.run(reference.ple_conv), dtype, mode)
+    finally:
+        ops.set_cpu_conv_silu_lookup(previous)
+
+
+def test_cpu_silu_lookup_switch():
+    """The timed default reports what it chose; a bad setting is a clear error."""
+    previous = ops.set_cpu_conv_silu_lookup(None)
+    try:
+        assert ops.cpu_conv_silu_lookup() in _cpu_silu_lookups()
+        assert ops.set_cpu_conv_silu_lookup("loop") is None
+        assert ops.set_cpu_conv_silu_lookup(None) == "loop"
+        for bad in ("scalar", 0, True):
+            with pytest.raises(ValueError, match="lookup must be 'loop', 'gather' or None"):
+                ops.set_cpu_conv_silu_lookup(bad)
+        if "gather" not in _cpu_silu_lookups():
+            with pytest.raises(ValueError, match="the gather lookup needs AVX-512"):
+                ops.set_cpu_conv_silu_lookup("gather")
+    finally:
+        ops.set_cpu_conv_silu_lookup(previous)
+
+
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
 @pytest.mark.parametrize("mode", MODES)
 def test_weights_rewritten_in_place_between_calls(backend, mode):

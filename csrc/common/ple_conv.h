@@ -75,6 +75,17 @@ QWEN4EXP_HD int64_t conv_spec_offset(const PleConvParams& p, int64_t r) {
 // Throws std::invalid_argument on a dtype it has no kernel for.
 QWEN4EXP_API void run_ple_conv_cpu(const PleConvParams& p);
 
+// How the 16-bit CPU conv looks its SiLU up: kConvSiluLoop (one load per element) or
+// kConvSiluGather (AVX-512 gathers, where the CPU has them). By default the first call that asks
+// times both on this CPU and keeps the faster; set_cpu_conv_silu_lookup pins one (kConvSiluTimed:
+// the default) and returns the setting it replaces. It throws std::invalid_argument on any other
+// value, and on kConvSiluGather where the CPU or build has no AVX-512.
+constexpr int64_t kConvSiluTimed = -1;
+constexpr int64_t kConvSiluLoop = 0;
+constexpr int64_t kConvSiluGather = 1;
+QWEN4EXP_API int64_t cpu_conv_silu_lookup();
+QWEN4EXP_API int64_t set_cpu_conv_silu_lookup(int64_t lookup);
+
 #if defined(QWEN4EXP_HAS_LAUNCHERS)  // a CPU-only build sees only the params
 // Enqueues the conv (outputs, then the state write-back for prefill/spec) on `stream`; returns the
 // launch status (hipErrorInvalidValue, launching nothing, past 65535·256·VEC channels: one block

@@ -25,11 +25,14 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -95,14 +98,16 @@ QWEN4EXP_ALWAYS_INLINE simd::f32x8 silu(simd::f32x8 x) {
   return x * (1.0f / (1.0f + exp_poly(-x)));
 }
 
-// y[i] = table[bits[i]] for i < n: the SiLU table's lookup sweep. One load per element otherwise
-// bounds the 16-bit conv; with AVX-512 a gather fetches 16 per instruction. Chosen at run time
-// (the clones of simd.h cannot name a gather intrinsic that the baseline clone lacks); without
-// AVX-512 it is the plain loop (an AVX2 gather was no faster on Zen 3).
+// y[i] = table[bits[i]] for i < n: the SiLU table's lookup sweep, a third of a bf16 prefill.
+// Either a plain loop or, with AVX-512, a gather of 16 per instruction. Which is faster depends
+// on the core's gather (on a Zen 4 VM the loop: 81 against 93 ms a prefill; on Zen 5 the two
+// were even; an AVX2 gather was no faster on Zen 3), so by default the first call times both
+// (timed_lookup). The clones of simd.h cannot name a gather intrinsic that the baseline clone
+// lacks, so the choice is a function pointer.
 using LookupFn = void (*)(const float* table, const uint32_t* bits, float* y, int n);
 
 // Unrolled: the loop's own counter, compare and branch were two of its five instructions per
-// element, and the lookup is a third of a bf16 prefill.
+// element.
 void lookup_scalar(const float* table, const uint32_t* bits, float* y, int n) {
 #pragma GCC unroll 8
   for (int i = 0; i < n; ++i) y[i] = table[bits[i]];
@@ -119,11 +124,59 @@ __attribute__((target("avx512f"))) void lookup_avx512(const float* table, const 
   }
   for (; i < n; ++i) y[i] = table[bits[i]];
 }
-
-LookupFn pick_lookup() { return simd::cpu_has_avx512f() ? lookup_avx512 : lookup_scalar; }
+bool has_gather_lookup() { return simd::cpu_has_avx512f(); }
+LookupFn gather_lookup() { return lookup_avx512; }
 #else
-LookupFn pick_lookup() { return lookup_scalar; }
+bool has_gather_lookup() { return false; }
+LookupFn gather_lookup() { return lookup_scalar; }  // (never chosen: has_gather_lookup)
 #endif
+
+// The faster lookup on this CPU: each one's best of several alternating sweeps over indices like
+// a conv's (the bf16 bits of sums of small random values: a few thousand distinct entries, as
+// activations give), tens of microseconds once per process. Both give the same values, so a
+// noisy timing can only cost speed.
+LookupFn timed_lookup(const float* table) {
+  if (!has_gather_lookup()) return lookup_scalar;
+  constexpr int kIndices = 4096;
+  std::vector<uint32_t> bits(kIndices);
+  std::vector<float> y(kIndices);
+  uint32_t state = 12345;
+  for (uint32_t& b : bits) {
+    float x = -2.0f;
+    for (int i = 0; i < 4; ++i) {
+      state = state * 1664525u + 1013904223u;
+      x += static_cast<float>(state >> 8) * (1.0f / 16777216.0f);
+    }
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof(u));
+    b = u >> 16;
+  }
+  const LookupFn candidates[] = {lookup_scalar, gather_lookup()};
+  double best[] = {1e30, 1e30};
+  for (int round = 0; round < 8; ++round) {
+    for (int c = 0; c < 2; ++c) {
+      const auto start = std::chrono::steady_clock::now();
+      candidates[c](table, bits.data(), y.data(), kIndices);
+      const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+      best[c] = std::min(best[c], took.count());
+    }
+  }
+  return best[1] < best[0] ? candidates[1] : candidates[0];
+}
+
+std::atomic<int64_t> silu_lookup_setting{kConvSiluTimed};
+
+LookupFn current_lookup() {
+  switch (silu_lookup_setting.load(std::memory_order_relaxed)) {
+    case kConvSiluLoop: return lookup_scalar;
+    case kConvSiluGather: return gather_lookup();
+    default: {
+      // Timed once, on the bf16 table: the fp16 one has the same size and use.
+      static const LookupFn timed = timed_lookup(silu_table<bf16_t>());
+      return timed;
+    }
+  }
+}
 
 // ---- per-call state ---------------------------------------------------------------------------
 
@@ -349,6 +402,20 @@ QWEN4EXP_ALWAYS_INLINE void decode_tokens(const ConvCtx<T>& ctx, int64_t begin, 
 
 // ---- prefill / spec ---------------------------------------------------------------------------
 
+// Lines [c0, c0+n) of a row, prefetched into L2 (locality 2: prefetcht1) one token ahead of the
+// channel loop. A token reads C channels of its input, residual and outer rows for the first
+// time from DRAM; with many streams and the loop's compute between their loads, the hardware
+// prefetchers left a quarter of a bf16 prefill stalled on those first loads (Zen 4, 1 thread:
+// 93 against 101 ms with the gather lookup, 81 against 95 with the plain loop).
+// (Always inlined: GCC deletes calls to a function that only prefetches; see gather_rows.cpp.)
+template <typename T>
+QWEN4EXP_ALWAYS_INLINE void prefetch_row_chunk(const T* row, int64_t c0, int n) {
+  if (row == nullptr) return;
+  const char* first = reinterpret_cast<const char*>(row + c0);
+  const char* end = reinterpret_cast<const char*>(row + c0 + n);
+  for (const char* line = first; line < end; line += 64) __builtin_prefetch(line, 0, 2);
+}
+
 template <typename T>
 QWEN4EXP_ALWAYS_INLINE void chunk_tokens(const ConvCtx<T>& ctx, int64_t begin, int64_t end) {
   const PleConvParams& p = ctx.p;
@@ -387,8 +454,15 @@ QWEN4EXP_ALWAYS_INLINE void chunk_tokens(const ConvCtx<T>& ctx, int64_t begin, i
     }
     T* residual = ctx.residual_row(row);
     const T* outer = ctx.outer_row(row);
+    const int64_t next = t + 1 < end ? conv_physical_row(p, t + 1) : -1;
+    const bool prefetch = next >= 0;
     for (int64_t c0 = 0; c0 < p.channels; c0 += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, p.channels - c0));
+      if (prefetch) {
+        prefetch_row_chunk(ctx.input_row(next), c0, n);
+        prefetch_row_chunk(ctx.residual_row(next), c0, n);
+        prefetch_row_chunk(ctx.outer_row(next), c0, n);
+      }
       const T* rows[kMaxConvKernel];
       if (produce) chunk_rows(taps, K, c0, n, columns, rows);
       with_kernel_size(K, [&](auto k) QWEN4EXP_LAMBDA_INLINE {
@@ -567,7 +641,7 @@ void ple_conv_cpu_impl(const PleConvParams& p) {
   const std::vector<T> zeros(p.channels, from_float<T>(0.0f));
   const float* silu = nullptr;
   if constexpr (!std::is_same_v<T, float>) silu = silu_table<T>();
-  static const LookupFn lookup = pick_lookup();
+  const LookupFn lookup = silu == nullptr ? nullptr : current_lookup();
   const ConvCtx<T> ctx{p, weights->transposed.data(), zeros.data(), silu, lookup};
   // A token is C channels of up to K + 3 rows: a couple of tokens already fill a thread.
   const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, p.channels));
@@ -585,6 +659,24 @@ void ple_conv_cpu_impl(const PleConvParams& p) {
 }
 
 }  // namespace
+
+int64_t cpu_conv_silu_lookup() {
+  return current_lookup() == lookup_scalar ? kConvSiluLoop : kConvSiluGather;
+}
+
+int64_t set_cpu_conv_silu_lookup(int64_t lookup) {
+  if (lookup != kConvSiluTimed && lookup != kConvSiluLoop && lookup != kConvSiluGather) {
+    throw std::invalid_argument(
+        "set_cpu_conv_silu_lookup: lookup must be -1 (timed), 0 (loop) "
+        "or 1 (gather), got " +
+        std::to_string(lookup));
+  }
+  if (lookup == kConvSiluGather && !has_gather_lookup()) {
+    throw std::invalid_argument(
+        "set_cpu_conv_silu_lookup: the gather lookup needs AVX-512, which this CPU or build lacks");
+  }
+  return silu_lookup_setting.exchange(lookup);
+}
 
 void run_ple_conv_cpu(const PleConvParams& p) {
   if (p.num_rows == 0 && p.num_requests == 0) return;

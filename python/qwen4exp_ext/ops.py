@@ -20,12 +20,14 @@ from .reference import CONV_MODES, FP8_DTYPES
 
 __all__ = [
     "KernelOps",
+    "cpu_conv_silu_lookup",
     "cpu_gather_stream_bytes",
     "gather_rows",
     "ngram_head_divmod",
     "ngram_ids",
     "ple_conv",
     "ple_gate",
+    "set_cpu_conv_silu_lookup",
     "set_cpu_gather_stream_bytes",
 ]
 
@@ -630,6 +632,30 @@ def set_cpu_gather_stream_bytes(stream_bytes: int | None) -> int | None:
         -1 if stream_bytes is None else stream_bytes
     )
     return None if previous < 0 else int(previous)
+
+
+_CONV_SILU_LOOKUPS = ("loop", "gather")  # the kernel's codes 0 and 1
+
+
+def cpu_conv_silu_lookup() -> str:
+    """How the CPU ``ple_conv`` looks up the SiLU of a bf16/fp16 sum in its 65536-entry table:
+    ``"loop"`` (one load per element) or ``"gather"`` (AVX-512 gathers, where the CPU has them).
+    By default the first call (of this or of a 16-bit conv) times both on this CPU and keeps the
+    faster; :func:`set_cpu_conv_silu_lookup` pins one. Same values either way."""
+    return _CONV_SILU_LOOKUPS[torch.ops.qwen4exp.cpu_conv_silu_lookup()]
+
+
+def set_cpu_conv_silu_lookup(lookup: str | None) -> str | None:
+    """Pins the CPU conv's SiLU lookup to ``"loop"`` or ``"gather"`` (None: the timed default)
+    for the whole process; returns the setting it replaces. ``"gather"`` raises ValueError where
+    the CPU or build has no AVX-512."""
+    if lookup is not None and lookup not in _CONV_SILU_LOOKUPS:
+        raise ValueError(
+            f"set_cpu_conv_silu_lookup: lookup must be 'loop', 'gather' or None, got {lookup!r}"
+        )
+    code = -1 if lookup is None else _CONV_SILU_LOOKUPS.index(lookup)
+    previous = torch.ops.qwen4exp.set_cpu_conv_silu_lookup(code)
+    return None if previous < 0 else _CONV_SILU_LOOKUPS[previous]
 
 
 _stream_bytes_from_env = _switches.cpu_gather_stream_bytes_from_env()
