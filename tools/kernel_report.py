@@ -14,7 +14,8 @@ occupancy floor stated for its op in FLOORS. Torch-free: it needs hipcc and nvcc
     tools/kernel_report.py [--amd-asm DIR] [--text PATH] [--json PATH] [--check]
 
 ``--amd-asm DIR`` reads the AMD assembly that ``QWEN4EXP_HIP_ASM_DIR=DIR tools/check-hip.sh``
-kept (``<kernel>-<arch>.s``), instead of compiling again (CI does this).
+kept (``<kernel>-<arch>.s``), as CI does; without it, the report runs check-hip.sh itself, so
+that the AMD code it reads is always compiled as check-hip.sh compiles it (one set of flags).
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class Kernel:
 def run(cmd: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        sys.exit(f"kernel-report: {' '.join(cmd[:3])}... failed:\n{proc.stderr[-4000:]}")
+        output = proc.stdout + proc.stderr
+        sys.exit(f"kernel-report: {' '.join(cmd[:3])}... failed:\n{output[-4000:]}")
     return proc.stdout + proc.stderr
 
 
@@ -108,31 +110,12 @@ def amd_width(suffix: str) -> int:
     return 0  # atomics and others: not a plain access width
 
 
-def compile_amd(src: Path, arch: str, work: Path) -> Path:
-    out = work / f"{src.stem}-{arch}"
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        "hipcc",
-        f"--offload-arch={arch}",
-        "-O3",
-        "-std=c++17",
-        "-ffp-contract=off",
-        "-D__HIP_NO_HALF_OPERATORS__=1",
-        "-D__HIP_NO_HALF_CONVERSIONS__=1",
-        "--save-temps",
-        "-I",
-        str(ROOT / "csrc"),
-        "-c",
-        str(src),
-        "-o",
-        "kernel.o",
-    ]
-    # Debian's hipcc targets NVIDIA when it finds nvcc.
-    run(cmd, cwd=out, env={**os.environ, "HIP_PLATFORM": "amd"})
-    found = sorted(out.glob(f"*amdgcn-amd-amdhsa*{arch}*.s"))
-    if not found:
-        sys.exit(f"kernel-report: no AMD assembly for {src.name} ({arch})")
-    return found[0]
+def compile_amd(asm_dir: Path) -> None:
+    """Every kernel's AMD assembly into asm_dir, by check-hip.sh (its flags, macros removed)."""
+    run(
+        ["bash", str(ROOT / "tools" / "check-hip.sh"), *AMD_ARCHS],
+        env={**os.environ, "QWEN4EXP_HIP_ASM_DIR": str(asm_dir)},
+    )
 
 
 def parse_amd(asm: Path, op: str, arch: str) -> list[Kernel]:
@@ -360,11 +343,15 @@ def main(argv: list[str] | None = None) -> int:
     kernels: list[Kernel] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        asm_dir = args.amd_asm
+        if asm_dir is None:
+            asm_dir = work / "hip-asm"
+            compile_amd(asm_dir)
         for arch in AMD_ARCHS:
             for src in kernel_sources():
-                asm = args.amd_asm / f"{src.stem}-{arch}.s" if args.amd_asm else None
-                if asm is None or not asm.is_file():
-                    asm = compile_amd(src, arch, work)
+                asm = asm_dir / f"{src.stem}-{arch}.s"
+                if not asm.is_file():
+                    sys.exit(f"kernel-report: no AMD assembly {asm} (from tools/check-hip.sh)")
                 kernels += parse_amd(asm, src.stem, arch)
         # nvcc compiles one file on one core: the four side by side.
         sources = kernel_sources()
