@@ -17,10 +17,11 @@ dilation=3)`` in bf16, SiLU, then the fused residuals in place (``residual += y`
 ``residual += outer``), and the state update by cat + slice (``state[slots, :, :n] =
 window[..., -n:]``: n = S, or S - 1 + q for spec from the window's second entry, as ple_conv's
 spec write-back keeps old[o+1:o+S] ++ chunk). "conv1d_fp32": the same with the window and
-weights upcast to fp32 for the convolution (rounded to bf16 before SiLU): on a CPU, torch's
-bf16 depthwise dilated conv1d takes a slow path, ~100x the fp32 one, and a user who noticed
-would upcast. On a GPU with vLLM importable, also vLLM's own Triton ``ple_conv`` ("vllm"). The
-oracle is ``reference.ple_conv``.
+weights upcast to fp32 for the convolution (rounded to bf16 before SiLU): on an AVX2 CPU,
+torch's bf16 depthwise dilated conv1d can take a slow path (at decode R = 64 on Zen 3, 32x the
+fp32 one), and a user who noticed would upcast; on the AVX-512 CPUs measured (Zen 4, Zen 5, a
+Xeon) the bf16 one is the faster. On a GPU with vLLM importable, also vLLM's own Triton
+``ple_conv`` ("vllm"). The oracle is ``reference.ple_conv``.
 
 ple_conv works in place (residual, conv_state): each contender owns its copies, and the timed
 calls keep advancing them, as a server's steps do. The check runs every contender once from
