@@ -75,10 +75,10 @@ class Kernel:
 
 def run(cmd: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    output = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        output = proc.stdout + proc.stderr
         sys.exit(f"kernel-report: {' '.join(cmd[:3])}... failed:\n{output[-4000:]}")
-    return proc.stdout + proc.stderr
+    return output
 
 
 def demangle(names: list[str]) -> dict[str, str]:
