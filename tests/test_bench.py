@@ -246,7 +246,12 @@ def test_wrong_kernel_fails_the_check(monkeypatch: pytest.MonkeyPatch, tmp_path:
     path = tmp_path / "bench.json"
     argv = ["ngram_ids", "--quick", "--device", "cpu", "--threads", "1", "--json", str(path)]
     assert main(argv) == 1
-    assert not path.exists()
+    # Every case failed, none was timed, and the report says which failed and why.
+    report = json.loads(path.read_text())
+    assert report["results"] == []
+    failures = report["check_failures"]
+    assert failures and all(f.startswith("ngram_ids/") for f in failures)
+    assert len(failures) == len({f.split(" ")[0] for f in failures})
 
 
 def test_cases_filter(tmp_path: Path) -> None:

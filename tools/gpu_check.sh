@@ -1,57 +1,93 @@
 #!/usr/bin/env bash
 # One command for a machine with a GPU: builds the extension against the python3 that holds
 # torch there (no venv, no downloads: the H200 lent to this project reaches no registry), runs
-# the test suite on CPU and GPU, and the benchmark on the GPU, writing everything into OUTDIR.
+# the GPU tests, the same under compute-sanitizer memcheck, the CMake package's C++ consumer on
+# the GPU, and the benchmark on the GPU, writing everything into OUTDIR.
 #   usage: tools/gpu_check.sh OUTDIR
-# Files: build_info.json, build.log, pytest.log, pytest.xml, memcheck.log, cmake.log,
-#        bench-<date>-<device>.json, bench.log (8 with nvidia-smi.txt: the device tool returns 8)
-# MEMCHECK_SECONDS (default 240) bounds the compute-sanitizer run; 0 skips it.
+# Files: nvidia-smi.txt, build.log, build_info.json, pytest.log, pytest.xml, memcheck.log,
+#        cmake.log, bench.log, bench-<date>-<device>.json, summary.txt
+#
+# Every stage has a time limit, so that a lent GPU's minutes go where they were planned and a
+# hang in one stage still leaves the others' results (a stage cut short exits 124):
+#   TESTS          pytest -k expression (default "cuda or gpu": the CPU kernels and the SIMT
+#                  emulator are CI's, on every run); TESTS="" runs the whole suite
+#   TEST_WORKERS   pytest-xdist workers (default 8), TESTS_SECONDS (default 300)
+#   MEMCHECK_TESTS (default: the GPU kernel tests that cover every kernel and layout),
+#   MEMCHECK_SECONDS (default 240; 0 skips), CMAKE_SECONDS (default 240; 0 skips)
+#   BENCH_OPS      ops to bench (default all), BENCH_CASES (--cases regex, default every case),
+#   BENCH_SECONDS  (default 600), BENCH_ARGS (more bench arguments)
 # The bench's "vllm" baselines are vLLM 0.33.0's Triton kernels: from an installed vLLM, else
 # from ./.vllm-source when present (made beforehand where vLLM is installed with
 # `python -m qwen4exp_ext.bench.vllm_triton .vllm-source`, and carried here: git ignores it).
 set -uo pipefail
 out="${1:?usage: tools/gpu_check.sh OUTDIR}"
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 # The SIMT emulator runs on the CPU, and CI tests it on every run: device time is for the GPU.
 export QWEN4EXP_BUILD_SIMT=0
+export QWEN4EXP_BUILD_TARGET=cuda # fail, rather than fall back to a CPU-only build
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+# A toolkit whose nvcc on PATH is a wrapper hides its root from torch (as tools/env.sh says).
+if [ -z "${CUDA_HOME:-}" ] && [ -f /usr/local/cuda/include/cuda_runtime.h ]; then
+  export CUDA_HOME=/usr/local/cuda
+fi
 if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
   # Build for the GPU that is here, plus nothing else: the check is about this machine.
   TORCH_CUDA_ARCH_LIST="$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
   export TORCH_CUDA_ARCH_LIST
 fi
+summary="$out/summary.txt"
+: >"$summary"
+# stage NAME STATUS: one line of the summary (printed again at the end).
+stage() { echo "$1: exit $2" | tee -a "$summary"; }
+start=$SECONDS
 nvidia-smi -L 2>/dev/null | tee "$out/nvidia-smi.txt"
 
-echo "== build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
-start=$SECONDS
+echo "== build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, $MAX_JOBS jobs)"
 if ! "$PY" -m pip install -v --no-deps --no-build-isolation --no-index -e . >"$out/build.log" 2>&1; then
   tail -n 60 "$out/build.log"
-  echo "== build FAILED"
+  stage build 1
   exit 1
 fi
-echo "== built in $((SECONDS - start)) s"
+stage "build ($((SECONDS - start)) s)" 0
 "$PY" -c 'import json, qwen4exp_ext; print(json.dumps(qwen4exp_ext.build_info()))' \
   | tee "$out/build_info.json"
 
-echo "== tests"
-"$PY" -m pytest tests -q -rs --junitxml "$out/pytest.xml" 2>&1 | tee "$out/pytest.log"
-tests_status=${PIPESTATUS[0]}
+# The CMake package check compiles on the CPU while the tests run on the GPU.
+cmake_seconds="${CMAKE_SECONDS:-240}"
+cmake_pid=""
+if [ "$cmake_seconds" != 0 ] && command -v cmake >/dev/null 2>&1; then
+  CUDA_ARCH="${TORCH_CUDA_ARCH_LIST//./}" timeout "$cmake_seconds" tools/check-cmake.sh \
+    >"$out/cmake.log" 2>&1 &
+  cmake_pid=$!
+fi
 
-echo "== compute-sanitizer memcheck over the GPU tests"
-# The GPU cases only (their ids say cuda; tests/test_gpu_debug_checks.py runs the bad-index data
-# that the kernels must survive without debug checks). No caching allocator: memcheck then sees
-# each tensor's own bounds rather than a pooled block's. A timeout ends a slow run early (124).
+echo "== tests (-k '${TESTS-cuda or gpu}', ${TEST_WORKERS:-8} workers)"
+t0=$SECONDS
+timeout "${TESTS_SECONDS:-300}" "$PY" -m pytest tests -q -rs -p no:cacheprovider \
+  -n "${TEST_WORKERS:-8}" -k "${TESTS-cuda or gpu}" --junitxml "$out/pytest.xml" \
+  >"$out/pytest.log" 2>&1
+tests_status=$?
+tail -n 15 "$out/pytest.log"
+stage "tests ($((SECONDS - t0)) s)" $tests_status
+
+echo "== compute-sanitizer memcheck"
+# No caching allocator: memcheck then sees each tensor's own bounds rather than a pooled block's.
+# tests/test_gpu_debug_checks.py runs the bad-index data the kernels must survive without debug
+# checks. 86: a memory error; 124: ran out of time.
 memcheck_seconds="${MEMCHECK_SECONDS:-240}"
+memcheck_tests="${MEMCHECK_TESTS:-cuda and (gpu_debug or matches_reference or decode_window)}"
 memcheck_status=0
 if [ "$memcheck_seconds" != 0 ]; then
+  t0=$SECONDS
   if command -v compute-sanitizer >/dev/null 2>&1; then
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$memcheck_seconds" \
       compute-sanitizer --tool memcheck --error-exitcode 86 --print-limit 20 \
-      "$PY" -m pytest tests -q -x -p no:cacheprovider -k "cuda or gpu_debug_checks" \
+      "$PY" -m pytest tests -q -p no:cacheprovider -n 4 -k "$memcheck_tests" \
       >"$out/memcheck.log" 2>&1
     memcheck_status=$?
     tail -n 5 "$out/memcheck.log"
@@ -59,17 +95,15 @@ if [ "$memcheck_seconds" != 0 ]; then
     echo "compute-sanitizer not found" | tee "$out/memcheck.log"
     memcheck_status=127
   fi
+  stage "memcheck ($((SECONDS - t0)) s)" $memcheck_status
 fi
-echo "== memcheck exit $memcheck_status (86: a memory error; 124: ran out of time)"
 
-echo "== CMake package (tools/check-cmake.sh: its C++ consumer runs on this GPU)"
 cmake_status=0
-if command -v cmake >/dev/null 2>&1; then
-  CUDA_ARCH="${TORCH_CUDA_ARCH_LIST//./}" tools/check-cmake.sh >"$out/cmake.log" 2>&1
+if [ -n "$cmake_pid" ]; then
+  wait "$cmake_pid"
   cmake_status=$?
   tail -n 3 "$out/cmake.log"
-else
-  echo "cmake not found" | tee "$out/cmake.log"
+  stage "cmake package, its consumer on this GPU" $cmake_status
 fi
 
 echo "== benchmark"
@@ -79,10 +113,15 @@ fi
 "$PY" -c 'from qwen4exp_ext.bench import vllm_triton as v; print("vLLM kernels:", v.source_origin())'
 # --threads all: host threads do not change GPU kernel times; "1,all" would double the run.
 device="$("$PY" -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "-"))')"
-"$PY" -m qwen4exp_ext.bench --device cuda --threads all \
-  --json "$out/bench-$(date +%F)-$device.json" 2>&1 | tee "$out/bench.log"
-bench_status=${PIPESTATUS[0]}
-echo "== tests exit $tests_status, memcheck exit $memcheck_status, cmake exit $cmake_status," \
-  "bench exit $bench_status"
+t0=$SECONDS
+# shellcheck disable=SC2086 # BENCH_OPS and BENCH_ARGS are word lists
+timeout "${BENCH_SECONDS:-600}" "$PY" -m qwen4exp_ext.bench ${BENCH_OPS:-} --device cuda \
+  --threads all --cases "${BENCH_CASES:-.}" ${BENCH_ARGS:-} \
+  --json "$out/bench-$(date +%F)-$device.json" >"$out/bench.log" 2>&1
+bench_status=$?
+tail -n 40 "$out/bench.log"
+stage "bench ($((SECONDS - t0)) s)" $bench_status
+echo "== summary ($((SECONDS - start)) s)"
+cat "$summary"
 [ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ] && [ "$cmake_status" -eq 0 ] &&
   { [ "$memcheck_status" -eq 0 ] || [ "$memcheck_status" -eq 124 ]; }
