@@ -48,6 +48,19 @@ start=$SECONDS
 nvidia-smi -L 2>/dev/null | tee "$out/nvidia-smi.txt"
 
 echo "== build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, $MAX_JOBS jobs)"
+# --no-build-isolation builds with the setuptools that is here: pyproject.toml's floor is not
+# enforced then, and an older one fails on its metadata after minutes of nothing.
+if ! "$PY" - <<'PYEOF'
+import sys, setuptools
+major = int(setuptools.__version__.split(".")[0])
+print(f"setuptools {setuptools.__version__}")
+sys.exit(0 if major >= 77 else f"setuptools {setuptools.__version__} < 77 (pyproject.toml): "
+         "carry a newer wheel and put it on PYTHONPATH")
+PYEOF
+then
+  stage build 1
+  exit 1
+fi
 if ! "$PY" -m pip install -v --no-deps --no-build-isolation --no-index -e . >"$out/build.log" 2>&1; then
   tail -n 60 "$out/build.log"
   stage build 1

@@ -20,7 +20,7 @@ export PATH="$VENV/bin:$PATH"
 
 stamp="$VENV/.qwen4exp-deps"
 # clang-format is pinned: another version formats differently (tools/check-format.sh).
-deps="$TORCH_REQ pytest>=8 pytest-xdist hypothesis>=6.100 numpy transformers==5.18.0 safetensors matplotlib ninja setuptools>=69 wheel ruff clang-format==23.1.5"
+deps="$TORCH_REQ pytest>=8 pytest-xdist hypothesis>=6.100 numpy transformers==5.18.0 safetensors matplotlib ninja setuptools>=77 wheel ruff clang-format==23.1.5"
 vllm_reqs="$QWEN4EXP_ROOT/tools/requirements-vllm.txt"
 want="$deps | $(md5sum <"$vllm_reqs")"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then

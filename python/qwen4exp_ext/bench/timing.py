@@ -43,9 +43,12 @@ def time_interleaved(
 ) -> dict[str, Quantiles]:
     """Time every function ``repeat`` times after ``warmup`` untimed rounds, interleaved.
 
-    On CUDA/ROCm each call sits between two events on the current stream, so the figure is device
-    time including any launch gap the host leaves (which is what an eager, many-kernel reference
-    really costs); on CPU it is wall time per call.
+    On CUDA/ROCm each call sits between two events on the current stream, and each round of calls
+    is queued behind a spin kernel that lasts longer than the host takes to queue the round: the
+    figure is the device's time for the call, as in a CUDA graph (how vLLM runs decode), not the
+    host's launch overhead, which would otherwise be most of a decode kernel's few microseconds.
+    A contender that waits on the device from the host (a sync) still pays for its wait. On CPU it
+    is wall time per call.
     """
     names = list(fns)
     for _ in range(warmup):
@@ -82,6 +85,13 @@ def _time_cpu(
     return samples
 
 
+# The spin before a round lasts this many times the host's time to queue the previous round (the
+# first round: a round queued untimed): the host has queued the whole round before the device
+# starts it, with room for a slower round. The spin costs device time between rounds only.
+QUEUE_LEAD = 1.5
+MAX_LEAD_S = 0.05
+
+
 def _time_cuda(
     fns: Mapping[str, Callable[[], object]],
     order: list[list[str]],
@@ -89,22 +99,53 @@ def _time_cuda(
     repeat: int,
 ) -> dict[str, list[float]]:
     events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-    with torch.cuda.device(device):
-        torch.cuda.synchronize()
-        for i in range(repeat):
-            for name in order[i % len(order)]:
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
+
+    def queue_round(row: list[str], timed: bool) -> float:
+        start_s = time.perf_counter()
+        for name in row:
+            if not timed:
                 fns[name]()
-                end.record()
-                events.append((name, start, end))
+                continue
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[name]()
+            end.record()
+            events.append((name, start, end))
+        return time.perf_counter() - start_s
+
+    with torch.cuda.device(device):
+        cycles_per_s = _spin_cycles_per_s(device)
+        torch.cuda.synchronize()
+        host_s = queue_round(order[0], timed=False)
+        for i in range(repeat):
+            torch.cuda._sleep(int(min(QUEUE_LEAD * host_s, MAX_LEAD_S) * cycles_per_s))
+            host_s = queue_round(order[i % len(order)], timed=True)
         # One sync at the end keeps the host from stalling the queue between calls.
         torch.cuda.synchronize()
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for name, start, end in events:
         samples[name].append(start.elapsed_time(end) * 1e3)
     return samples
+
+
+_SPIN_RATES: dict[int, float] = {}
+
+
+def _spin_cycles_per_s(device: torch.device) -> float:
+    """Clock cycles per second of ``torch.cuda._sleep``'s spin on ``device``, measured once."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SPIN_RATES:
+        cycles = 10_000_000
+        torch.cuda._sleep(cycles)  # the first launch loads the kernel
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SPIN_RATES[index] = cycles / (start.elapsed_time(end) * 1e-3)
+    return _SPIN_RATES[index]
 
 
 def roofline_copy(nbytes: int, device: torch.device) -> tuple[Callable[[], torch.Tensor], int]:
