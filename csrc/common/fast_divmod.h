@@ -110,4 +110,34 @@ QWEN4EXP_HD int64_t floor_mod_i64(const FastDivmodU64& f, int64_t x) {
   return static_cast<int64_t>(r < correction ? shifted + f.divisor : shifted);
 }
 
+// The same method for N = 32: the gather kernel's per-piece index arithmetic (piece -> row item,
+// item -> token and head), where a 32-bit division is a ~20-instruction routine on GPUs (neither
+// vendor has an integer divider) and this is a high multiply, a subtraction, an add and two shifts.
+// Exact for every 0 <= n < 2^32 and 1 <= d < 2^32 (the theorem above with N = 32; the additions
+// stay below 2^32 as t1 <= n). Built on the host, once per launch.
+struct FastDivmodU32 {
+  uint32_t divisor;     // d >= 1
+  uint32_t multiplier;  // m' = floor(2^32 · (2^l − d) / d) + 1, below 2^32 since 2^l − d < d
+  uint32_t shift1;      // min(l, 1)
+  uint32_t shift2;      // max(l − 1, 0)
+};
+
+// Precondition: d >= 1.
+QWEN4EXP_HD FastDivmodU32 make_fast_divmod_u32(uint32_t d) {
+  uint32_t l = 0;
+  while (l < 32 && (uint64_t{1} << l) < d) ++l;    // ceil(log2 d)
+  const uint64_t excess = (uint64_t{1} << l) - d;  // < d
+  FastDivmodU32 f;
+  f.divisor = d;
+  f.multiplier = static_cast<uint32_t>((excess << 32) / d + 1);
+  f.shift1 = l < 1 ? l : 1;
+  f.shift2 = l > 1 ? l - 1 : 0;
+  return f;
+}
+
+QWEN4EXP_HD uint32_t fast_div(const FastDivmodU32& f, uint32_t n) {
+  const uint32_t t1 = mul_hi_u32(f.multiplier, n);
+  return (t1 + ((n - t1) >> f.shift1)) >> f.shift2;
+}
+
 }  // namespace qwen4exp

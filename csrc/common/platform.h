@@ -148,6 +148,15 @@ QWEN4EXP_HD uint64_t mul_hi_u64(uint64_t a, uint64_t b) {
 #endif
 }
 
+// High 32 bits of the 64-bit product a·b (one instruction on both GPU vendors).
+QWEN4EXP_HD uint32_t mul_hi_u32(uint32_t a, uint32_t b) {
+#if defined(QWEN4EXP_DEVICE_PASS) && !defined(QWEN4EXP_SIMT)
+  return __umulhi(a, b);
+#else
+  return static_cast<uint32_t>((uint64_t{a} * b) >> 32);
+#endif
+}
+
 #if defined(QWEN4EXP_KERNEL_COMPILE)
 // v from the lane whose index is this lane's xor `mask`, within the wave (CUDA names the lanes
 // taking part; every lane of the wave does here).

@@ -12,16 +12,19 @@
 // two block-scale bytes with its 16 bytes of codes, and each element is nvfp4_value's two
 // multiplications and one rounding, as on the CPU.
 //
-// Ids are data: an id outside [vocab_start, vocab_end) writes a zero row and reads nothing, so no
-// id value can make the kernel read out of bounds. Table offsets are 64-bit (row·stride exceeds
-// 2^31 for the released 51.2-billion-element table). Per-piece index math is 32-bit: a 64-bit
-// integer division is a ~70-instruction software routine on GPUs, and kUnroll pairs of them per
-// thread cost registers (a spill and a quarter of the occupancy on sm_90), so an output of more
-// pieces than 32 bits can index is gathered by several launches of whole tokens.
+// Ids are data: an id outside [vocab_start, vocab_end) writes a zero row (the vector kernel reads
+// the table's first row in its place, an L2 hit after the first, and drops it), so no id value can
+// make the kernel read out of bounds. Table offsets are 64-bit (row·stride exceeds
+// 2^31 for the released 51.2-billion-element table). Per-piece index math is 32-bit, and its two
+// divisions (piece -> row item -> token and head) are multiply-shifts by constants the launcher
+// computes (fast_divmod.h): GPUs have no integer divider, and a 32-bit division is a
+// ~20-instruction routine. An output of more pieces than 32 bits can index is gathered by several
+// launches of whole tokens.
 #include <algorithm>
 #include <cstring>
 
 #include "../common/dispatch.h"
+#include "../common/fast_divmod.h"
 #include "../common/gather_rows.h"
 
 namespace qwen4exp {
@@ -73,11 +76,13 @@ struct DequantTable {
   storage_t<Out> value[256];
 };
 
-// pieces_per_row · num_heads · num_tokens = total_pieces < kMaxPieces.
-template <Dtype In, Dtype Out>
+// pieces_per_row · num_heads · num_tokens = total_pieces < kMaxPieces; the table has a row.
+// IdT: the ids' element type (int32_t or int64_t), fixed per kernel so that no branch separates
+// one piece's loads from the next's.
+template <Dtype In, Dtype Out, typename IdT>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    gather_rows_vec_kernel(GatherRowsParams p, uint32_t pieces_per_row, uint32_t num_heads,
-                           uint32_t total_pieces) {
+    gather_rows_vec_kernel(GatherRowsParams p, FastDivmodU32 pieces_per_row,
+                           FastDivmodU32 num_heads, uint32_t total_pieces) {
   using Index = uint32_t;
   using Traits = PieceTraits<In, Out>;
   using InT = typename Traits::InT;
@@ -99,6 +104,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   }
 
   const char* table = static_cast<const char*>(p.table);
+  const IdT* ids = static_cast<const IdT*>(p.ids);
   const int64_t table_row_bytes = p.table_row_stride * static_cast<int64_t>(sizeof(InT));
   const Index per_block = static_cast<Index>(kThreadsPerBlock * kUnroll);
   for (Index base = static_cast<Index>(blockIdx.x) * per_block + static_cast<Index>(threadIdx.x);
@@ -106,34 +112,45 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     Vec16 data[kUnroll];
     uint32_t scale_bytes[kUnroll];  // NVFP4: the piece's two block scales, first in the low byte
     OutT* dst[kUnroll];
-    bool owned[kUnroll];
-    // Phase 1: all loads first.
+    bool in_range[kUnroll];  // the piece exists (the last pass of the loop may have fewer)
+    bool owned[kUnroll];     // ... and its id is one of this table's rows
+    // Phase 1: every load of the kUnroll pieces, ids then rows, with no branch between them:
+    // AMD's compiler waits for all outstanding loads where control flow joins, which left one
+    // load in flight per thread. A piece past the end reads piece 0's id, an id outside the
+    // table reads row 0 (the launcher sends tables without rows to the scalar kernel); phase 2
+    // writes neither's data.
+    Index piece[kUnroll];
+    int64_t id[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const Index v = base + static_cast<Index>(u * kThreadsPerBlock);
-      dst[u] = nullptr;
-      owned[u] = false;
-      data[u] = Vec16{};
+      in_range[u] = v < total_pieces;
+      const Index at = in_range[u] ? v : 0;
+      const Index item = fast_div(pieces_per_row, at);
+      piece[u] = at - item * pieces_per_row.divisor;
+      const Index t = fast_div(num_heads, item);
+      const Index h = item - t * num_heads.divisor;
+      id[u] = static_cast<int64_t>(ids[static_cast<int64_t>(t) * p.ids_row_stride +
+                                       static_cast<int64_t>(h) * p.ids_col_stride]);
+      // Null past the end. (A piece's pointer kept from here, rather than its index: nvcc then
+      // keeps its stores 16 bytes wide.)
+      dst[u] = in_range[u]
+                   ? static_cast<OutT*>(p.output) + static_cast<int64_t>(t) * p.output_row_stride +
+                         static_cast<int64_t>(h) * p.width + static_cast<int64_t>(piece[u]) * kElems
+                   : nullptr;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t local = p.local_row(id[u]);
+      owned[u] = in_range[u] && local >= 0;
+      const int64_t row = owned[u] ? local : 0;
+      data[u] = *reinterpret_cast<const Vec16*>(table + row * table_row_bytes +
+                                                static_cast<int64_t>(piece[u]) * kVecBytes);
       scale_bytes[u] = 0;
-      if (v < total_pieces) {
-        const Index item = v / pieces_per_row;
-        const Index piece = v - item * pieces_per_row;
-        const Index t = item / num_heads;
-        const Index h = item - t * num_heads;
-        const int64_t row = p.local_row(p.id_at(t, h));
-        dst[u] = static_cast<OutT*>(p.output) + static_cast<int64_t>(t) * p.output_row_stride +
-                 static_cast<int64_t>(h) * p.width + static_cast<int64_t>(piece) * kElems;
-        if (row >= 0) {
-          owned[u] = true;
-          data[u] = *reinterpret_cast<const Vec16*>(table + row * table_row_bytes +
-                                                    static_cast<int64_t>(piece) * kVecBytes);
-          if constexpr (kNvfp4) {
-            const uint8_t* scales =
-                p.block_scales + row * p.block_scales_row_stride + static_cast<int64_t>(piece) * 2;
-            scale_bytes[u] = static_cast<uint32_t>(scales[0]) |
-                             (static_cast<uint32_t>(scales[1]) << 8);
-          }
-        }
+      if constexpr (kNvfp4) {
+        const uint8_t* scales =
+            p.block_scales + row * p.block_scales_row_stride + static_cast<int64_t>(piece[u]) * 2;
+        scale_bytes[u] = static_cast<uint32_t>(scales[0]) | (static_cast<uint32_t>(scales[1]) << 8);
       }
     }
     // Phase 2: convert and store.
@@ -241,10 +258,11 @@ hipError_t launch_typed(const GatherRowsParams& p, hipStream_t stream) {
   const int64_t out_size = static_cast<int64_t>(sizeof(typename Traits::OutT));
   const int64_t out_align = Traits::kOutBytes < kVecBytes ? Traits::kOutBytes : kVecBytes;
   const int64_t row_bytes = p.width * in_size / elems_per_word(In);
-  const bool vectorizable = row_bytes % kVecBytes == 0 && aligned(p.table, kVecBytes) &&
-                            (p.table_row_stride * in_size) % kVecBytes == 0 &&
-                            aligned(p.output, out_align) &&
-                            (p.output_row_stride * out_size) % out_align == 0;
+  // The vector kernel reads row 0 for ids it does not own, so the table must have one.
+  const bool vectorizable =
+      p.rows > 0 && row_bytes % kVecBytes == 0 && aligned(p.table, kVecBytes) &&
+      (p.table_row_stride * in_size) % kVecBytes == 0 && aligned(p.output, out_align) &&
+      (p.output_row_stride * out_size) % out_align == 0;
   if (vectorizable) {
     const int64_t pieces_per_row = row_bytes / kVecBytes;
     const int64_t per_token = p.num_heads * pieces_per_row;
@@ -257,16 +275,21 @@ hipError_t launch_typed(const GatherRowsParams& p, hipStream_t stream) {
         part.ids = static_cast<const char*>(p.ids) + t0 * p.ids_row_stride * ids_bytes;
         part.output = static_cast<char*>(p.output) + t0 * p.output_row_stride * out_size;
         const int64_t total = part.num_tokens * per_token;
-        const hipError_t status = launch_kernel(
-            gather_rows_vec_kernel<In, Out>, grid_for(total, int64_t{kThreadsPerBlock} * kUnroll),
-            kThreadsPerBlock, 0, stream, part, static_cast<uint32_t>(pieces_per_row),
-            static_cast<uint32_t>(p.num_heads), static_cast<uint32_t>(total));
+        const auto launch = [&](auto kernel) {
+          return launch_kernel(kernel, grid_for(total, int64_t{kThreadsPerBlock} * kUnroll),
+                               kThreadsPerBlock, 0, stream, part,
+                               make_fast_divmod_u32(static_cast<uint32_t>(pieces_per_row)),
+                               make_fast_divmod_u32(static_cast<uint32_t>(p.num_heads)),
+                               static_cast<uint32_t>(total));
+        };
+        const hipError_t status = p.ids_int64 ? launch(gather_rows_vec_kernel<In, Out, int64_t>)
+                                              : launch(gather_rows_vec_kernel<In, Out, int32_t>);
         if (status != hipSuccess) return status;
       }
       return hipSuccess;
     }
   }
-  // Unaligned rows, or a single token of more than kMaxPieces pieces.
+  // Unaligned rows, a table without rows, or a single token of more than kMaxPieces pieces.
   const int64_t total = p.num_tokens * p.num_heads * p.width;
   return launch_kernel(gather_rows_scalar_kernel<In, Out>, grid_for(total, kThreadsPerBlock),
                        kThreadsPerBlock, 0, stream, p);

@@ -1,4 +1,5 @@
-// Exhaustive-edge and random check of csrc/common/fast_divmod.h against the hardware division.
+// Exhaustive-edge and random check of csrc/common/fast_divmod.h (64- and 32-bit) against the
+// hardware division.
 // Built and run by tests/test_fast_divmod.py with the host C++ compiler (the header is torch-free
 // and the same code runs on the CPU and GPU paths). Prints "ok <count>" or the first mismatch.
 #include <cinttypes>
@@ -72,6 +73,38 @@ int main() {
                       qwen4exp::floor_mod_i64(f, x));
           return 1;
         }
+      }
+    }
+  }
+  // The 32-bit form (the gather kernel's index arithmetic): every divisor up to 4096, powers of
+  // two and their neighbours, the extremes and random ones, against edge and random numerators.
+  std::vector<uint32_t> divisors32;
+  for (uint32_t d = 1; d <= 4096; ++d) divisors32.push_back(d);
+  for (int k = 1; k < 32; ++k) {
+    const uint32_t p = uint32_t{1} << k;
+    divisors32.insert(divisors32.end(), {p - 1, p, p + 1});
+  }
+  divisors32.insert(divisors32.end(), {0x7FFFFFFFu, 0x80000001u, 0xFFFFFFFEu, 0xFFFFFFFFu});
+  for (int i = 0; i < 2000; ++i) {
+    divisors32.push_back(static_cast<uint32_t>(next_random() >> (32 + next_random() % 32)) | 1);
+  }
+  for (uint32_t d : divisors32) {
+    const qwen4exp::FastDivmodU32 f = qwen4exp::make_fast_divmod_u32(d);
+    std::vector<uint32_t> numerators = {0,           1,           d - 1,      d,
+                                        d + 1,       2 * d - 1,   2 * d,      0xFFFFFFFFu,
+                                        0xFFFFFFFEu, 0x80000000u, 0x7FFFFFFFu};
+    const uint32_t top = 0xFFFFFFFFu / d;
+    numerators.insert(numerators.end(), {top * d, top * d - 1, top * d + (d - 1)});
+    for (int i = 0; i < 200; ++i) numerators.push_back(static_cast<uint32_t>(next_random()));
+    for (int i = 0; i < 50; ++i) {
+      numerators.push_back(static_cast<uint32_t>(next_random() % (uint64_t{d} * 4 + 1)));
+    }
+    for (uint32_t n : numerators) {
+      ++checks;
+      if (qwen4exp::fast_div(f, n) != n / d) {
+        std::printf("32-bit mismatch: n=%" PRIu32 " d=%" PRIu32 " got q=%" PRIu32 "\n", n, d,
+                    qwen4exp::fast_div(f, n));
+        return 1;
       }
     }
   }
