@@ -5,8 +5,11 @@ For every kernel of csrc/hip/*.hip, on AMD gfx90a and gfx940 (Debian's hipcc, --
 NVIDIA sm_90 (nvcc -Xptxas -v, and the PTX): registers, static LDS / shared memory, scratch
 (private segment; NVIDIA stack frame) and spills, occupancy (AMD: waves per SIMD, as the
 compiler computes it for the kernel's launch bounds and LDS; NVIDIA: resident warps per SM,
-from registers, shared memory and the block size), and the widths of its global loads and
-stores (bits: count of instructions in the kernel's code).
+from registers, shared memory and the block size), the widths of its global loads and stores
+(bits: count of instructions in the kernel's code), and on AMD the most global loads a thread
+has in flight (issued and not yet waited for by an s_waitcnt vmcnt, counted in program order):
+where that is 1 or 2, a thread waits for each load before it issues the next, and only the
+other waves hide the memory latency.
 
 Gates (``--check``): no scratch and no spill anywhere, and every kernel at or above the
 occupancy floor stated for its op in FLOORS. Torch-free: it needs hipcc and nvcc only.
@@ -71,6 +74,7 @@ class Kernel:
     block_threads: int
     loads: dict[int, int] = field(default_factory=dict)  # bits -> count
     stores: dict[int, int] = field(default_factory=dict)
+    loads_in_flight: int = 0  # AMD: see the module docstring; 0 on NVIDIA (PTX has no waits)
     problems: list[str] = field(default_factory=list)
 
 
@@ -98,6 +102,7 @@ def kernel_sources() -> list[Path]:
 
 AMD_WIDTH = {"dwordx4": 128, "dwordx3": 96, "dwordx2": 64, "dword": 32}
 AMD_ACCESS = re.compile(r"^\s+(?:global|buffer|flat)_(load|store)_(\w+)")
+AMD_VMCNT = re.compile(r"^\s+s_waitcnt\b.*\bvmcnt\((\d+)\)")
 
 
 def amd_width(suffix: str) -> int:
@@ -147,12 +152,19 @@ def parse_amd(asm: Path, op: str, arch: str) -> list[Kernel]:
             continue
         loads: dict[int, int] = {}
         stores: dict[int, int] = {}
+        pending = in_flight = 0  # loads issued and not yet waited for, and the most of them
         for line in code[name]:
             m = AMD_ACCESS.match(line)
             if m and amd_width(m.group(2)):
                 table = loads if m.group(1) == "load" else stores
                 bits = amd_width(m.group(2))
                 table[bits] = table.get(bits, 0) + 1
+                if m.group(1) == "load":
+                    pending += 1
+                    in_flight = max(in_flight, pending)
+            wait = AMD_VMCNT.match(line)
+            if wait:
+                pending = min(pending, int(wait.group(1)))
         kernels.append(
             Kernel(
                 vendor="amd",
@@ -169,6 +181,7 @@ def parse_amd(asm: Path, op: str, arch: str) -> list[Kernel]:
                 block_threads=int(fields.get("max_flat_workgroup_size", 0)),
                 loads=dict(sorted(loads.items())),
                 stores=dict(sorted(stores.items())),
+                loads_in_flight=in_flight,
             )
         )
     return kernels
@@ -319,14 +332,16 @@ def render(kernels: list[Kernel]) -> str:
         out.append(f"== {arch} ({'hipcc --save-temps' if amd else 'nvcc -Xptxas -v, PTX'})")
         out.append(
             f"{'op':<12} {'regs':>4} {'sgpr':>4} {'shared':>6} {'scratch':>7} {'spill':>5} "
-            f"{'sspill':>6} {occ:>10}  {'loads (bits:n)':<26} {'stores (bits:n)':<14} kernel"
+            f"{'sspill':>6} {occ:>10} {'inflight':>8}  {'loads (bits:n)':<26} "
+            f"{'stores (bits:n)':<14} kernel"
         )
         for k in sorted(rows, key=lambda k: (k.op, names[k.name])):
             flag = "  <-- " + "; ".join(k.problems) if k.problems else ""
             out.append(
                 f"{k.op:<12} {k.registers:>4} {k.scalar_registers or '-':>4} "
                 f"{k.shared_bytes:>6} {k.scratch_bytes:>7} {k.spills:>5} {k.scalar_spills:>6} "
-                f"{k.occupancy:>10}  {widths(k.loads):<26} {widths(k.stores):<14} "
+                f"{k.occupancy:>10} {k.loads_in_flight or '-':>8}  {widths(k.loads):<26} "
+                f"{widths(k.stores):<14} "
                 f"{names[k.name]}{flag}"
             )
         out.append("")
