@@ -12,11 +12,13 @@
 #include <tuple>
 
 #include "common/gather_rows.h"
+#include "common/ngram_gather_rows.h"
 #include "common/ngram_ids.h"
 #include "common/ple_conv.h"
 #include "common/ple_gate.h"
 #include "cpu/threads.h"
 #include "gather_rows_args.h"
+#include "ngram_gather_rows_args.h"
 #include "ngram_ids_args.h"
 #include "ple_conv_args.h"
 #include "ple_gate_args.h"
@@ -85,6 +87,23 @@ void gather_rows_cpu(const at::Tensor& table, const at::Tensor& ids,
   run_gather_rows_cpu(p);
 }
 
+void ngram_gather_rows_cpu(const at::Tensor& input_ids, const at::Tensor& query_start_loc,
+                           const at::Tensor& ngram_context, const at::Tensor& layer_multipliers,
+                           const at::Tensor& ngram_heads_vocab_sizes,
+                           const at::Tensor& ngram_heads_offsets, int64_t eos_token_id,
+                           int64_t heads_per_ngram, const std::optional<at::Tensor>& head_divmod,
+                           const at::Tensor& table, const std::optional<at::Tensor>& scale,
+                           const std::optional<at::Tensor>& block_scales, int64_t vocab_start,
+                           std::optional<int64_t> vocab_end, const at::Tensor& output) {
+  const NgramGatherRowsParams p = check_ngram_gather_rows_args(
+      input_ids, query_start_loc, ngram_context, layer_multipliers, ngram_heads_vocab_sizes,
+      ngram_heads_offsets, eos_token_id, heads_per_ngram, head_divmod, table, scale, block_scales,
+      vocab_start, vocab_end, output);
+  check_on_cpu(kNgramGatherRows, table);
+  check_ngram_ids_values(p.ngram, /*output_int32=*/false, kNgramGatherRows);
+  run_ngram_gather_rows_cpu(p);
+}
+
 std::tuple<at::Tensor, at::Tensor> ple_gate_cpu(const at::Tensor& key, const at::Tensor& value,
                                                 const at::Tensor& hidden,
                                                 const at::Tensor& norm_key_w,
@@ -134,6 +153,7 @@ TORCH_LIBRARY_IMPL(qwen4exp, CPU, m) {
   m.impl("ngram_ids", &qwen4exp::ngram_ids_cpu);
   m.impl("ngram_head_divmod", &qwen4exp::ngram_head_divmod_cpu);
   m.impl("gather_rows", &qwen4exp::gather_rows_cpu);
+  m.impl("ngram_gather_rows", &qwen4exp::ngram_gather_rows_cpu);
   m.impl("ple_gate", &qwen4exp::ple_gate_cpu);
   m.impl("ple_gate_out", &qwen4exp::ple_gate_out_cpu);
   m.impl("ple_conv", &qwen4exp::ple_conv_cpu);

@@ -28,6 +28,13 @@ inline void define_kernel_ops(torch::Library& m) {
   m.def(
       "gather_rows(Tensor table, Tensor ids, Tensor? scale, Tensor? block_scales, "
       "int vocab_start, int? vocab_end, Tensor(a!) output) -> ()");
+  // ngram_ids then gather_rows in one op, the ids never written to a tensor: the arguments of
+  // both (ngram_ids' without its output, gather_rows' without its ids), the gather's output.
+  m.def(
+      "ngram_gather_rows(Tensor input_ids, Tensor query_start_loc, Tensor ngram_context, "
+      "Tensor layer_multipliers, Tensor ngram_heads_vocab_sizes, Tensor ngram_heads_offsets, "
+      "int eos_token_id, int heads_per_ngram, Tensor? head_divmod, Tensor table, Tensor? scale, "
+      "Tensor? block_scales, int vocab_start, int? vocab_end, Tensor(a!) output) -> ()");
   // SPEC §5. Returns (gated, conv_input), [T, C] in hidden's dtype. rounding "vllm" reproduces
   // vLLM 0.33.0's rounding points; "fp32" is the fast single pass (fp32 intermediates).
   m.def(

@@ -24,16 +24,31 @@ HEAD_DIM = 6  # ple_embed_dim / 4 heads
 SHARD_ROWS = -(-ROWS // 7)  # rows of each of the checkpoint's split_ngram_parts shards
 
 
+# ngram_ids' arguments before its output, in order (ngram_gather_rows takes them first too).
+HASHING_ARGS = (
+    "input_ids",
+    "query_start_loc",
+    "ngram_context",
+    "layer_multipliers",
+    "ngram_heads_vocab_sizes",
+    "ngram_heads_offsets",
+    "eos_token_id",
+    "heads_per_ngram",
+)
+
+
 def spy_on_ngram_ids(monkeypatch) -> list:
-    """Records the head_divmod of every ops.ngram_ids call (and still runs it)."""
+    """Records the head_divmod of every call that hashes n-grams, ops.ngram_ids or the fused
+    ops.ngram_gather_rows (and still runs it)."""
     from qwen4exp_ext import ops
 
     seen = []
-    real = ops.ngram_ids
+    for name in ("ngram_ids", "ngram_gather_rows"):
+        real = getattr(ops, name)
 
-    def spy(*args, head_divmod=None, **kwargs):
-        seen.append(head_divmod)
-        return real(*args, head_divmod=head_divmod, **kwargs)
+        def spy(*args, head_divmod=None, _real=real, **kwargs):
+            seen.append(head_divmod)
+            return _real(*args, head_divmod=head_divmod, **kwargs)
 
-    monkeypatch.setattr(ops, "ngram_ids", spy)
+        monkeypatch.setattr(ops, name, spy)
     return seen

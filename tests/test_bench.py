@@ -652,3 +652,33 @@ def test_vllm_kernels_from_a_carried_source(tmp_path: Path) -> None:
 def test_vllm_source_extract_usage() -> None:
     assert vllm_triton.main([]) == 2
     assert vllm_triton.main(["--help"]) == 2
+
+
+def test_ngram_gather_rows_cases_run_checked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The fused op's cases run, each checked against the two ops it replaces and the oracle; a
+    fused kernel off by one row fails the check."""
+    from qwen4exp_ext.bench import ngram_gather_rows
+
+    monkeypatch.setenv("QWEN4EXP_BENCH_GATHER_ROWS", str(GATHER_ROWS))
+    monkeypatch.setattr(ngram_gather_rows, "PREFILL_TOKENS", GATHER_PREFILL)
+    path = tmp_path / "fused.json"
+    argv = ["ngram_gather_rows", "--quick", "--threads", "1", "--json", str(path)]
+    assert main(argv) == 0
+    report = json.loads(path.read_text())
+    expected = {f"decode_T{t}" for t in (1, 8, 64, 256)} | {f"prefill_T{GATHER_PREFILL}_R4"}
+    assert {r["case"] for r in report["results"]} == expected
+    for r in report["results"]:
+        assert r["check"] is True and list(r["baselines"]) == ["two_ops"], r["case"]
+
+    real = ops.ngram_gather_rows
+
+    def shifted(*args: object, **kwargs: object) -> torch.Tensor:
+        out = real(*args, **kwargs)
+        out.copy_(out.roll(1, dims=0))
+        return out
+
+    monkeypatch.setattr(ops, "ngram_gather_rows", shifted)
+    argv = ["ngram_gather_rows", "--quick", "--threads", "1", "--cases", "decode_T8$"]
+    assert main(argv) == 1

@@ -71,6 +71,20 @@ def test_forward_passes_the_layers_constants(monkeypatch):
     assert len(seen) == 1 and seen[0] is m.ngram_heads_divmod
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_forward_with_or_without_the_fused_op(monkeypatch, fused):
+    """forward's two paths (ops.ngram_gather_rows where FUSED_LOOKUP_DEVICES has the table's
+    device type, else ngram_ids then gather_rows) give the reference rows."""
+    from qwen4exp_ext.layers import ngram_embedding
+
+    devices_ = ("cpu",) if fused else ()
+    monkeypatch.setattr(ngram_embedding, "FUSED_LOOKUP_DEVICES", devices_)
+    table = torch.randn(ROWS, HEAD_DIM, generator=torch.Generator().manual_seed(2))
+    m = NGramEmbedding(CONFIG, layer_index=1, placement="cpu", dtype=torch.float32)
+    m.load_weights(checkpoint(table))
+    assert torch.equal(m(*batch()), expected(table, m, out_dtype=torch.float32))
+
+
 def test_constants_follow_sizes_loaded_by_load_weights(monkeypatch):
     m = NGramEmbedding(CONFIG, layer_index=1, placement="cpu", dtype=torch.float32)
     address = m.ngram_heads_divmod.data_ptr()

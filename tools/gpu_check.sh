@@ -93,7 +93,7 @@ echo "== compute-sanitizer memcheck"
 # tests/test_gpu_debug_checks.py runs the bad-index data the kernels must survive without debug
 # checks. 86: a memory error; 124: ran out of time.
 memcheck_seconds="${MEMCHECK_SECONDS:-240}"
-memcheck_tests="${MEMCHECK_TESTS:-cuda and (gpu_debug or matches_reference or decode_window)}"
+memcheck_tests="${MEMCHECK_TESTS:-cuda and (gpu_debug or matches_reference or oracle_composition or decode_window)}"
 memcheck_status=0
 if [ "$memcheck_seconds" != 0 ]; then
   t0=$SECONDS

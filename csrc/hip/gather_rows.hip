@@ -26,6 +26,7 @@
 #include "../common/dispatch.h"
 #include "../common/fast_divmod.h"
 #include "../common/gather_rows.h"
+#include "../common/ngram_gather_rows.h"
 
 namespace qwen4exp {
 namespace {
@@ -76,12 +77,36 @@ struct DequantTable {
   storage_t<Out> value[256];
 };
 
+// Where the vector kernel's ids come from. IdsTensor (gather_rows): an [T, NH] tensor of IdT
+// (int32_t or int64_t), fixed per kernel so that no branch separates one piece's loads from the
+// next's. HashedIds (ngram_gather_rows): the n-gram hash of each (token, head), computed by the
+// block into shared memory, once per row the block gathers, before its pieces load them (the ids
+// are never written to global memory); kMaxContext as in ngram_hash.h's hashed_id (2: the
+// released N = 3, the one order launch_hashed_typed takes).
+template <typename IdT>
+struct IdsTensor {
+  static constexpr bool kHashed = false;
+  const IdT* ids;
+  int64_t row_stride, col_stride;
+};
+template <int kMaxContext>
+struct HashedIds {
+  static constexpr bool kHashed = true;
+  static constexpr int kContext = kMaxContext;
+  NgramIdsParams ngram;  // its output unused
+};
+
+// The rows of one block's pass over pieces [first, first + per_piece_count): at most this many.
+QWEN4EXP_HD uint32_t items_per_pass(uint32_t pieces_per_pass, uint32_t pieces_per_row) {
+  const uint32_t spanned = (pieces_per_pass - 1) / pieces_per_row + 2;
+  return spanned < pieces_per_pass ? spanned : pieces_per_pass;
+}
+
 // pieces_per_row · num_heads · num_tokens = total_pieces < kMaxPieces; the table has a row.
-// IdT: the ids' element type (int32_t or int64_t), fixed per kernel so that no branch separates
-// one piece's loads from the next's.
-template <Dtype In, Dtype Out, typename IdT>
+// HashedIds: dynamic shared memory of FastDivmodU64[NH] then int64_t[items_per_pass(...)].
+template <Dtype In, Dtype Out, typename Ids>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    gather_rows_vec_kernel(GatherRowsParams p, FastDivmodU32 pieces_per_row,
+    gather_rows_vec_kernel(GatherRowsParams p, Ids source, FastDivmodU32 pieces_per_row,
                            FastDivmodU32 num_heads, uint32_t total_pieces) {
   using Index = uint32_t;
   using Traits = PieceTraits<In, Out>;
@@ -102,13 +127,46 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     lut.value[threadIdx.x] = dequantize<In, Out>(static_cast<uint8_t>(threadIdx.x), scale_out);
     __syncthreads();
   }
+  FastDivmodU64* head_mod = nullptr;
+  int64_t* pass_ids = nullptr;
+  if constexpr (Ids::kHashed) {
+    QWEN4EXP_DYNAMIC_SHARED(FastDivmodU64, hashed_shared);
+    head_mod = hashed_shared;
+    pass_ids = reinterpret_cast<int64_t*>(hashed_shared + source.ngram.num_heads);
+    for (int h = threadIdx.x; h < source.ngram.num_heads; h += kThreadsPerBlock) {
+      head_mod[h] = head_constants(source.ngram, h);
+    }
+    __syncthreads();
+  }
 
   const char* table = static_cast<const char*>(p.table);
-  const IdT* ids = static_cast<const IdT*>(p.ids);
   const int64_t table_row_bytes = p.table_row_stride * static_cast<int64_t>(sizeof(InT));
   const Index per_block = static_cast<Index>(kThreadsPerBlock * kUnroll);
-  for (Index base = static_cast<Index>(blockIdx.x) * per_block + static_cast<Index>(threadIdx.x);
-       base < total_pieces; base += static_cast<Index>(gridDim.x) * per_block) {
+  // The whole block takes each pass (HashedIds has barriers in it).
+  for (Index block_base = static_cast<Index>(blockIdx.x) * per_block; block_base < total_pieces;
+       block_base += static_cast<Index>(gridDim.x) * per_block) {
+    const Index base = block_base + static_cast<Index>(threadIdx.x);
+    // A thread with no piece left leaves (no barrier waits for it): kept in the loop to the end
+    // of the pass, the NVFP4 kernels held ~20 more VGPRs (6 waves per SIMD -> 5).
+    if constexpr (!Ids::kHashed) {
+      if (base >= total_pieces) break;
+    }
+    Index first_item = 0;
+    if constexpr (Ids::kHashed) {
+      // The ids of this pass's rows, one thread each.
+      first_item = fast_div(pieces_per_row, block_base);
+      const Index last_piece = total_pieces - block_base > per_block ? block_base + per_block - 1
+                                                                     : total_pieces - 1;
+      const Index items = fast_div(pieces_per_row, last_piece) - first_item + 1;
+      for (Index i = threadIdx.x; i < items; i += kThreadsPerBlock) {
+        const Index item = first_item + i;
+        const Index t = fast_div(num_heads, item);
+        const Index h = item - t * num_heads.divisor;
+        pass_ids[i] =
+            hashed_id<Ids::kContext>(source.ngram, head_mod, t, static_cast<int>(h), INT64_MAX);
+      }
+      __syncthreads();
+    }
     Vec16 data[kUnroll];
     uint32_t scale_bytes[kUnroll];  // NVFP4: the piece's two block scales, first in the low byte
     OutT* dst[kUnroll];
@@ -116,22 +174,26 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     bool owned[kUnroll];     // ... and its id is one of this table's rows
     // Phase 1: every load of the kUnroll pieces, ids then rows, with no branch between them:
     // AMD's compiler waits for all outstanding loads where control flow joins, which left one
-    // load in flight per thread. A piece past the end reads piece 0's id, an id outside the
-    // table reads row 0 (the launcher sends tables without rows to the scalar kernel); phase 2
-    // writes neither's data.
+    // load in flight per thread. A piece past the end reads the id of the pass's first piece, an
+    // id outside the table reads row 0 (the launcher sends tables without rows to the scalar
+    // kernel); phase 2 writes neither's data.
     Index piece[kUnroll];
     int64_t id[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const Index v = base + static_cast<Index>(u * kThreadsPerBlock);
       in_range[u] = v < total_pieces;
-      const Index at = in_range[u] ? v : 0;
+      const Index at = in_range[u] ? v : block_base;
       const Index item = fast_div(pieces_per_row, at);
       piece[u] = at - item * pieces_per_row.divisor;
       const Index t = fast_div(num_heads, item);
       const Index h = item - t * num_heads.divisor;
-      id[u] = static_cast<int64_t>(ids[static_cast<int64_t>(t) * p.ids_row_stride +
-                                       static_cast<int64_t>(h) * p.ids_col_stride]);
+      if constexpr (Ids::kHashed) {
+        id[u] = pass_ids[item - first_item];
+      } else {
+        id[u] = static_cast<int64_t>(source.ids[static_cast<int64_t>(t) * source.row_stride +
+                                                static_cast<int64_t>(h) * source.col_stride]);
+      }
       // Null past the end. (A piece's pointer kept from here, rather than its index: nvcc then
       // keeps its stores 16 bytes wide.)
       dst[u] = in_range[u]
@@ -197,6 +259,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
         store_piece<Traits::kOutBytes>(dst[u], converted);
       }
     }
+    if constexpr (Ids::kHashed) __syncthreads();  // the next pass rewrites pass_ids
   }
 }
 
@@ -251,48 +314,83 @@ unsigned grid_for(int64_t work, int64_t per_block) {
   return static_cast<unsigned>(blocks < (int64_t{1} << 20) ? blocks : (int64_t{1} << 20));
 }
 
+// The vector kernel's pieces per row for p, or 0 where it does not apply (rows or output not in
+// 16-byte pieces, or a table without rows: the vector kernel reads row 0 for ids it does not own).
 template <Dtype In, Dtype Out>
-hipError_t launch_typed(const GatherRowsParams& p, hipStream_t stream) {
+int64_t vector_pieces_per_row(const GatherRowsParams& p) {
   using Traits = PieceTraits<In, Out>;
   const int64_t in_size = static_cast<int64_t>(sizeof(typename Traits::InT));
   const int64_t out_size = static_cast<int64_t>(sizeof(typename Traits::OutT));
   const int64_t out_align = Traits::kOutBytes < kVecBytes ? Traits::kOutBytes : kVecBytes;
   const int64_t row_bytes = p.width * in_size / elems_per_word(In);
-  // The vector kernel reads row 0 for ids it does not own, so the table must have one.
   const bool vectorizable =
       p.rows > 0 && row_bytes % kVecBytes == 0 && aligned(p.table, kVecBytes) &&
       (p.table_row_stride * in_size) % kVecBytes == 0 && aligned(p.output, out_align) &&
       (p.output_row_stride * out_size) % out_align == 0;
-  if (vectorizable) {
-    const int64_t pieces_per_row = row_bytes / kVecBytes;
-    const int64_t per_token = p.num_heads * pieces_per_row;
-    if (per_token < kMaxPieces) {
-      const int64_t tokens_per_launch = (kMaxPieces - 1) / per_token;
-      const int64_t ids_bytes = p.ids_int64 ? 8 : 4;
-      for (int64_t t0 = 0; t0 < p.num_tokens; t0 += tokens_per_launch) {
-        GatherRowsParams part = p;
-        part.num_tokens = std::min(tokens_per_launch, p.num_tokens - t0);
-        part.ids = static_cast<const char*>(p.ids) + t0 * p.ids_row_stride * ids_bytes;
-        part.output = static_cast<char*>(p.output) + t0 * p.output_row_stride * out_size;
-        const int64_t total = part.num_tokens * per_token;
-        const auto launch = [&](auto kernel) {
-          return launch_kernel(kernel, grid_for(total, int64_t{kThreadsPerBlock} * kUnroll),
-                               kThreadsPerBlock, 0, stream, part,
-                               make_fast_divmod_u32(static_cast<uint32_t>(pieces_per_row)),
-                               make_fast_divmod_u32(static_cast<uint32_t>(p.num_heads)),
-                               static_cast<uint32_t>(total));
-        };
-        const hipError_t status = p.ids_int64 ? launch(gather_rows_vec_kernel<In, Out, int64_t>)
-                                              : launch(gather_rows_vec_kernel<In, Out, int32_t>);
-        if (status != hipSuccess) return status;
-      }
-      return hipSuccess;
+  return vectorizable ? row_bytes / kVecBytes : 0;
+}
+
+template <Dtype In, Dtype Out, typename Ids>
+hipError_t launch_vector(const GatherRowsParams& p, const Ids& source, int64_t pieces_per_row,
+                         int64_t total, size_t shared, hipStream_t stream) {
+  return launch_kernel(
+      gather_rows_vec_kernel<In, Out, Ids>, grid_for(total, int64_t{kThreadsPerBlock} * kUnroll),
+      kThreadsPerBlock, shared, stream, p, source,
+      make_fast_divmod_u32(static_cast<uint32_t>(pieces_per_row)),
+      make_fast_divmod_u32(static_cast<uint32_t>(p.num_heads)), static_cast<uint32_t>(total));
+}
+
+template <Dtype In, Dtype Out>
+hipError_t launch_typed(const GatherRowsParams& p, hipStream_t stream) {
+  using OutT = typename PieceTraits<In, Out>::OutT;
+  const int64_t pieces_per_row = vector_pieces_per_row<In, Out>(p);
+  const int64_t per_token = p.num_heads * pieces_per_row;
+  if (pieces_per_row > 0 && per_token < kMaxPieces) {
+    const int64_t tokens_per_launch = (kMaxPieces - 1) / per_token;
+    for (int64_t t0 = 0; t0 < p.num_tokens; t0 += tokens_per_launch) {
+      GatherRowsParams part = p;
+      part.num_tokens = std::min(tokens_per_launch, p.num_tokens - t0);
+      part.output = static_cast<OutT*>(p.output) + t0 * p.output_row_stride;
+      const int64_t total = part.num_tokens * per_token;
+      const auto launch = [&](auto id_type) {
+        using IdT = decltype(id_type);
+        const IdsTensor<IdT> ids{static_cast<const IdT*>(p.ids) + t0 * p.ids_row_stride,
+                                 p.ids_row_stride, p.ids_col_stride};
+        return launch_vector<In, Out>(part, ids, pieces_per_row, total, 0, stream);
+      };
+      const hipError_t status = p.ids_int64 ? launch(int64_t{}) : launch(int32_t{});
+      if (status != hipSuccess) return status;
     }
+    return hipSuccess;
   }
   // Unaligned rows, a table without rows, or a single token of more than kMaxPieces pieces.
   const int64_t total = p.num_tokens * p.num_heads * p.width;
   return launch_kernel(gather_rows_scalar_kernel<In, Out>, grid_for(total, kThreadsPerBlock),
                        kThreadsPerBlock, 0, stream, p);
+}
+
+// ngram_gather_rows in one launch of the vector kernel, its ids hashed by each block, where the
+// vector kernel applies, one launch takes every piece, the n-gram order is the released N = 3 and
+// the table is not NVFP4; else nothing is launched and *launched is false. (The generic-order
+// window and the NVFP4 decode, each next to the hash's live state and both ops' arguments,
+// spilled registers: SGPRs on gfx90a/gfx940, registers to the stack on sm_90.)
+template <Dtype In, Dtype Out>
+hipError_t launch_hashed_typed(const NgramGatherRowsParams& q, hipStream_t stream, bool* launched) {
+  *launched = false;
+  if constexpr (In == Dtype::kNvfp4) {
+    return hipSuccess;
+  } else {
+    const GatherRowsParams& p = q.gather;
+    const int64_t pieces_per_row = vector_pieces_per_row<In, Out>(p);
+    const int64_t total = p.num_tokens * p.num_heads * pieces_per_row;
+    if (q.ngram.context_len != 2 || pieces_per_row == 0 || total >= kMaxPieces) return hipSuccess;
+    *launched = true;
+    const uint32_t per_pass = static_cast<uint32_t>(kThreadsPerBlock * kUnroll);
+    const size_t shared =
+        sizeof(FastDivmodU64) * static_cast<size_t>(q.ngram.num_heads) +
+        sizeof(int64_t) * items_per_pass(per_pass, static_cast<uint32_t>(pieces_per_row));
+    return launch_vector<In, Out>(p, HashedIds<2>{q.ngram}, pieces_per_row, total, shared, stream);
+  }
 }
 
 }  // namespace
@@ -306,6 +404,24 @@ hipError_t launch_gather_rows(const GatherRowsParams& p, hipStream_t stream) {
             kFloatDtypes, p.out_dtype,
             [&](auto out) {
               return launch_typed<decltype(in)::kDtype, decltype(out)::kDtype>(p, stream);
+            },
+            invalid);
+      },
+      invalid);
+}
+
+hipError_t launch_ngram_gather_rows(const NgramGatherRowsParams& p, hipStream_t stream,
+                                    bool* launched) {
+  *launched = false;
+  const auto invalid = [] { return kInvalidValue; };
+  return dispatch_dtype(
+      kTableDtypes, p.gather.table_dtype,
+      [&](auto in) {
+        return dispatch_dtype(
+            kFloatDtypes, p.gather.out_dtype,
+            [&](auto out) {
+              return launch_hashed_typed<decltype(in)::kDtype, decltype(out)::kDtype>(p, stream,
+                                                                                      launched);
             },
             invalid);
       },

@@ -20,62 +20,15 @@ namespace {
 
 constexpr int kThreadsPerBlock = 256;
 
-// Half of one head's FastDivmodU64: the unit of the 16-byte loads of precomputed constants.
-struct alignas(16) DivmodHalf {
-  uint64_t word[2];
-};
-static_assert(sizeof(FastDivmodU64) == 2 * sizeof(DivmodHalf), "two 16-byte loads per head");
-
-// Head h's constants: the precomputed ones when there are some for this very size, else built
-// here. A non-positive size cannot come from a valid layout (the CPU path rejects it); its ids
-// become -1 in ngram_id, which every gather treats as out of range (a zero row), and its
-// constants are those of 1, never read. A stored divisor other than the size (constants built for
-// another layout, or from before the sizes were reloaded) is rebuilt, so stale constants cost
-// time, never wrong ids.
-QWEN4EXP_DEVICE FastDivmodU64 head_constants(const NgramIdsParams& p, int h) {
-  const int64_t size = p.sizes[h];
-  if (p.head_divmod != nullptr && size > 0) {
-    const DivmodHalf* stored = reinterpret_cast<const DivmodHalf*>(p.head_divmod) + 2 * h;
-    const DivmodHalf low = stored[0];
-    const DivmodHalf high = stored[1];
-    FastDivmodU64 f;
-    memcpy(&f, &low, sizeof(low));
-    memcpy(reinterpret_cast<char*>(&f) + sizeof(low), &high, sizeof(high));
-    if (f.divisor == static_cast<uint64_t>(size)) return f;
-  }
-  return make_fast_divmod(size > 0 ? static_cast<uint64_t>(size) : 1);
-}
-
 // The id of one (token, head) element of the output.
 template <typename OutT, int kMaxContext>
 QWEN4EXP_DEVICE void ngram_id(const NgramIdsParams& p, const FastDivmodU64* head_mod,
                               int64_t element) {
   const int64_t t = element / p.num_heads;
   const int h = static_cast<int>(element - t * p.num_heads);
-  const int order = h / p.heads_per_ngram + 2;
-
-  const int64_t r = p.num_requests > 0 ? find_request(p.query_start_loc, p.num_requests, t) : -1;
-  int64_t window[kMaxContext + 1];
-  load_window<kMaxContext>(p, t, r, order - 1, window);
-  const int64_t mix = mix_window<kMaxContext + 1>(window, p.multipliers, order);
-
-  // Offsets that no valid layout has (the CPU path rejects them): an id that would be negative,
-  // overflow int64 or not fit an int32 output is -1 too, never a wrapped id that gathers some
-  // other head's row.
-  constexpr int64_t kMaxId = std::numeric_limits<OutT>::max();
-  int64_t id = -1;
-  const int64_t size = p.sizes[h];
-  if (size > 0) {
-    // In [0, size) unless the caller's constants were corrupted (their divisor matches, their
-    // multiplier does not): such a residue gives -1 too, never an overflow.
-    const int64_t residue = floor_mod_i64(head_mod[h], mix);
-    const int64_t offset = p.offsets[h];
-    if (residue >= 0 && residue < size && offset <= kMaxId - residue && residue + offset >= 0) {
-      id = residue + offset;
-    }
-  }
   static_cast<OutT*>(p.output)[t * p.output_row_stride + h * p.output_col_stride] =
-      static_cast<OutT>(id);
+      static_cast<OutT>(
+          hashed_id<kMaxContext>(p, head_mod, t, h, std::numeric_limits<OutT>::max()));
 }
 
 // kMaxContext: N-1 for the common orders (the window then stays in registers), or the largest

@@ -75,6 +75,7 @@ class KernelOps:
         self._ngram_ids_op = library.ngram_ids.default
         self._gather_rows_op = library.gather_rows.default
         self._gather_rows_handle = _dispatcher_handle(self._gather_rows_op)
+        self._ngram_gather_rows_op = library.ngram_gather_rows.default
         self._ple_gate_op = library.ple_gate.default
         self._ple_gate_out_op = library.ple_gate_out.default
         self._ple_conv_op = library.ple_conv.default
@@ -252,6 +253,68 @@ class KernelOps:
         )
         return output
 
+    def ngram_gather_rows(
+        self,
+        input_ids: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        ngram_context: torch.Tensor,
+        layer_multipliers: torch.Tensor,
+        ngram_heads_vocab_sizes: torch.Tensor,
+        ngram_heads_offsets: torch.Tensor,
+        eos_token_id: int,
+        heads_per_ngram: int,
+        table: torch.Tensor,
+        *,
+        head_divmod: torch.Tensor | None = None,
+        scale: torch.Tensor | float | None = None,
+        block_scales: torch.Tensor | None = None,
+        vocab_start: int = 0,
+        vocab_end: int | None = None,
+        out_dtype: torch.dtype | None = None,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`ngram_ids` then :meth:`gather_rows` of its ids, in one op: the same [T, NH·d]
+        rows, the ids never written to a tensor (the GPU kernel hashes each row's id in the block
+        that gathers it; the CPU kernel keeps them in a per-thread buffer). The arguments are
+        those of the two, less ngram_ids' output and gather_rows' ids; ``input_ids`` of any
+        shape is flattened."""
+        if input_ids.dim() != 1:
+            input_ids = input_ids.reshape(-1)
+        nvfp4 = table.dtype == _NVFP4_TABLE_DTYPE
+        out_shape = (
+            input_ids.shape[0],
+            ngram_context.shape[-1] * heads_per_ngram * table.shape[-1] * (2 if nvfp4 else 1),
+        )
+        if output is None:
+            if out_dtype is None:
+                quantized = table.dtype in FP8_DTYPES or nvfp4
+                out_dtype = torch.bfloat16 if quantized else table.dtype
+            output = torch.empty(out_shape, dtype=out_dtype, device=table.device)
+        elif out_dtype is not None and output.dtype != out_dtype:
+            raise ValueError(
+                f"ngram_gather_rows: output is {output.dtype} but out_dtype is {out_dtype}"
+            )
+        if scale is not None and not isinstance(scale, torch.Tensor):
+            scale = torch.tensor([float(scale)], dtype=torch.float32, device=table.device)
+        self._ngram_gather_rows_op(
+            input_ids,
+            query_start_loc,
+            ngram_context,
+            layer_multipliers,
+            ngram_heads_vocab_sizes,
+            ngram_heads_offsets,
+            int(eos_token_id),
+            int(heads_per_ngram),
+            head_divmod,
+            table,
+            scale,
+            block_scales,
+            int(vocab_start),
+            None if vocab_end is None else int(vocab_end),
+            output,
+        )
+        return output
+
     def ple_gate(
         self,
         key: torch.Tensor,
@@ -403,6 +466,57 @@ def _ngram_head_divmod_fake(head_sizes: torch.Tensor) -> torch.Tensor:
     return head_sizes.new_empty((head_sizes.shape[0], 4))
 
 
+def _check_gather_table_fake(
+    op: str,
+    table: torch.Tensor,
+    scale: torch.Tensor | None,
+    block_scales: torch.Tensor | None,
+    vocab_start: int,
+    vocab_end: int | None,
+    output: torch.Tensor,
+    num_tokens: int,
+    num_heads: int,
+) -> None:
+    """gather_rows' and ngram_gather_rows' checks of the table, its scales, the shard and the
+    output, for T = num_tokens tokens of NH = num_heads heads."""
+    nvfp4 = table.dtype == _NVFP4_TABLE_DTYPE
+    torch._check(table.dim() == 2, lambda: f"{op}: table must be 2-D [rows, d]")
+    width = table.shape[1] * (2 if nvfp4 else 1)
+    torch._check(
+        output.shape == (num_tokens, num_heads * width),
+        lambda: f"{op}: output must be [T, NH·d]",
+    )
+    torch._check(
+        output.dtype in _GATHER_OUT_DTYPES,
+        lambda: f"{op}: output must be float32, bfloat16 or float16",
+    )
+    torch._check(
+        (scale is not None) == (table.dtype in FP8_DTYPES or nvfp4),
+        lambda: f"{op}: fp8 and NVFP4 tables need a scale, other tables take none",
+    )
+    torch._check(
+        (block_scales is not None) == nvfp4
+        and (
+            not nvfp4
+            or (
+                width % 16 == 0
+                and block_scales.dtype == torch.float8_e4m3fn
+                and block_scales.shape == (table.shape[0], width // 16)
+            )
+        ),
+        lambda: (
+            f"{op}: an NVFP4 (uint8) table needs float8_e4m3fn block_scales "
+            "[rows, d/16], other tables take none"
+        ),
+    )
+    if vocab_end is None:
+        vocab_end = vocab_start + table.shape[0]
+    torch._check(
+        0 <= vocab_start <= vocab_end and vocab_end - vocab_start <= table.shape[0],
+        lambda: f"{op}: shard [vocab_start, vocab_end) does not fit the table",
+    )
+
+
 def _gather_rows_fake(
     table: torch.Tensor,
     ids: torch.Tensor,
@@ -418,45 +532,79 @@ def _gather_rows_fake(
     if block_scales is not None:
         tensors["block_scales"] = block_scales
     _check_same_device("gather_rows", **tensors)
-    nvfp4 = table.dtype == _NVFP4_TABLE_DTYPE
-    width = table.shape[1] * (2 if nvfp4 else 1)
-    torch._check(table.dim() == 2, lambda: "gather_rows: table must be 2-D [rows, d]")
     torch._check(ids.dim() == 2, lambda: "gather_rows: ids must be 2-D [T, NH]")
     torch._check(
         ids.dtype in (torch.int32, torch.int64), lambda: "gather_rows: ids must be int32 or int64"
     )
-    torch._check(
-        output.shape == (ids.shape[0], ids.shape[1] * width),
-        lambda: "gather_rows: output must be [T, NH·d]",
+    _check_gather_table_fake(
+        "gather_rows",
+        table,
+        scale,
+        block_scales,
+        vocab_start,
+        vocab_end,
+        output,
+        ids.shape[0],
+        ids.shape[1],
     )
-    torch._check(
-        output.dtype in _GATHER_OUT_DTYPES,
-        lambda: "gather_rows: output must be float32, bfloat16 or float16",
+    return None
+
+
+def _ngram_gather_rows_fake(
+    input_ids: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    ngram_context: torch.Tensor,
+    layer_multipliers: torch.Tensor,
+    ngram_heads_vocab_sizes: torch.Tensor,
+    ngram_heads_offsets: torch.Tensor,
+    eos_token_id: int,
+    heads_per_ngram: int,
+    head_divmod: torch.Tensor | None,
+    table: torch.Tensor,
+    scale: torch.Tensor | None,
+    block_scales: torch.Tensor | None,
+    vocab_start: int,
+    vocab_end: int | None,
+    output: torch.Tensor,
+) -> None:
+    optional = {
+        name: t
+        for name, t in (
+            ("head_divmod", head_divmod),
+            ("scale", scale),
+            ("block_scales", block_scales),
+        )
+        if t is not None
+    }
+    _check_same_device(
+        "ngram_gather_rows",
+        input_ids=input_ids,
+        query_start_loc=query_start_loc,
+        ngram_context=ngram_context,
+        layer_multipliers=layer_multipliers,
+        ngram_heads_vocab_sizes=ngram_heads_vocab_sizes,
+        ngram_heads_offsets=ngram_heads_offsets,
+        table=table,
+        output=output,
+        **optional,
     )
-    torch._check(
-        (scale is not None) == (table.dtype in FP8_DTYPES or nvfp4),
-        lambda: "gather_rows: fp8 and NVFP4 tables need a scale, other tables take none",
-    )
-    torch._check(
-        (block_scales is not None) == nvfp4
-        and (
-            not nvfp4
-            or (
-                width % 16 == 0
-                and block_scales.dtype == torch.float8_e4m3fn
-                and block_scales.shape == (table.shape[0], width // 16)
-            )
-        ),
-        lambda: (
-            "gather_rows: an NVFP4 (uint8) table needs float8_e4m3fn block_scales "
-            "[rows, d/16], other tables take none"
-        ),
-    )
-    if vocab_end is None:
-        vocab_end = vocab_start + table.shape[0]
-    torch._check(
-        0 <= vocab_start <= vocab_end and vocab_end - vocab_start <= table.shape[0],
-        lambda: "gather_rows: shard [vocab_start, vocab_end) does not fit the table",
+    torch._check(input_ids.dim() == 1, lambda: "ngram_gather_rows: input_ids must be 1-D")
+    num_heads = ngram_context.shape[1] * heads_per_ngram
+    if head_divmod is not None:
+        torch._check(
+            head_divmod.dtype == torch.int64 and head_divmod.shape == (num_heads, 4),
+            lambda: "ngram_gather_rows: head_divmod must be int64 [NH, 4]",
+        )
+    _check_gather_table_fake(
+        "ngram_gather_rows",
+        table,
+        scale,
+        block_scales,
+        vocab_start,
+        vocab_end,
+        output,
+        input_ids.shape[0],
+        num_heads,
     )
     return None
 
@@ -570,6 +718,7 @@ def _ple_conv_fake(
 _FAKES = {
     "ngram_ids": _ngram_ids_fake,
     "gather_rows": _gather_rows_fake,
+    "ngram_gather_rows": _ngram_gather_rows_fake,
     "ple_gate": _ple_gate_fake,
     "ple_gate_out": _ple_gate_out_fake,
     "ple_conv": _ple_conv_fake,
@@ -589,6 +738,7 @@ def _register_fakes(namespace: str) -> None:
 _kernels = KernelOps("qwen4exp")
 ngram_ids = _kernels.ngram_ids
 gather_rows = _kernels.gather_rows
+ngram_gather_rows = _kernels.ngram_gather_rows
 ple_gate = _kernels.ple_gate
 ple_conv = _kernels.ple_conv
 torch.library.register_fake("qwen4exp::ngram_head_divmod", _ngram_head_divmod_fake)

@@ -18,6 +18,7 @@ import torch
 OP_MODULES: dict[str, str] = {
     "ngram_ids": "qwen4exp_ext.bench.ngram_ids",
     "gather_rows": "qwen4exp_ext.bench.gather_rows",
+    "ngram_gather_rows": "qwen4exp_ext.bench.ngram_gather_rows",
     "ple_gate": "qwen4exp_ext.bench.ple_gate",
     "ple_conv": "qwen4exp_ext.bench.ple_conv",
 }

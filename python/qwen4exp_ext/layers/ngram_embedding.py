@@ -1,5 +1,6 @@
 """The hashed n-gram embedding of one PLE layer (SPEC §2-§4; vLLM's
-``Qwen4ExpNGramEmbedding``), on our kernels: ``ngram_ids`` then ``gather_rows``.
+``Qwen4ExpNGramEmbedding``), on our kernels: ``ngram_ids`` then ``gather_rows``, or both in one
+(``ngram_gather_rows``) where that is measured faster (FUSED_LOOKUP_DEVICES).
 
 The table ([R_pad, d], R_pad = 320,001,536 rows for the released layer) can be placed
 
@@ -34,6 +35,11 @@ from qwen4exp_ext.reference import FP8_DTYPES, NVFP4_BLOCK
 __all__ = ["NGramEmbedding"]
 
 Placement = Literal["device", "pinned", "cpu"]
+# Where forward hashes and gathers in one op (ops.ngram_gather_rows) rather than ngram_ids then
+# gather_rows: the table's device types where the bench measured the fused op faster than the
+# two (qwen4exp-bench ngram_gather_rows; results/README.md). On the CPU it was 1.85x at decode
+# T = 1, 1.45x at T = 8 and never slower; no GPU has run the fused kernel yet.
+FUSED_LOOKUP_DEVICES = ("cpu",)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The table format as vLLM's config field ``ple_embedding_dtype`` spells it.
 NVFP4 = "nvfp4"
@@ -244,39 +250,62 @@ class NGramEmbedding(nn.Module):
             return self._device_block_scales
         return self.weight_scale if self.nvfp4 else None
 
-    def lookup(self, ngram_ids: torch.Tensor, *, reduce: bool = True) -> torch.Tensor:
-        """Rows of precomputed ids [T, NH] → [T, D_e] (this rank's partial sum if not reduced)."""
-        self._check_complete()
+    def _dequant(self) -> dict[str, Any]:
+        """The gather's scale arguments for this table's format."""
         if self.nvfp4:
-            dequant = {"scale": self.weight_scale_2, "block_scales": self.block_scales}
-        else:  # no block_scales argument: the door predates NVFP4
-            dequant = {"scale": self.weight_scale}
-        out = ops.gather_rows(
-            self.table,
-            ngram_ids,
-            **dequant,
-            vocab_start=self.vocab_start,
-            vocab_end=self.vocab_end,
-            out_dtype=self.out_dtype,
-        )
+            return {"scale": self.weight_scale_2, "block_scales": self.block_scales}
+        return {"scale": self.weight_scale}  # no block_scales argument: the door predates NVFP4
+
+    def _reduced(self, out: torch.Tensor, reduce: bool) -> torch.Tensor:
         if not reduce or self.world_size == 1:
             return out
         if self.reduce == "reduce_scatter":
             return sharding.reduce_scatter_embeddings(out, self.process_group)
         return sharding.all_reduce_embeddings(out, self.process_group)
 
+    def lookup(self, ngram_ids: torch.Tensor, *, reduce: bool = True) -> torch.Tensor:
+        """Rows of precomputed ids [T, NH] → [T, D_e] (this rank's partial sum if not reduced)."""
+        self._check_complete()
+        out = ops.gather_rows(
+            self.table,
+            ngram_ids,
+            **self._dequant(),
+            vocab_start=self.vocab_start,
+            vocab_end=self.vocab_end,
+            out_dtype=self.out_dtype,
+        )
+        return self._reduced(out, reduce)
+
     def forward(
         self, input_ids: torch.Tensor, query_start_loc: torch.Tensor, ngram_context: torch.Tensor
     ) -> torch.Tensor:
-        ids = ops.ngram_ids(
-            input_ids.reshape(-1),
-            query_start_loc,
-            ngram_context,
+        hashing = (
             self.layer_multipliers,
             self.ngram_heads_vocab_sizes,
             self.ngram_heads_offsets,
             self.eos_token_id,
             self.heads_per_ngram,
+        )
+        if self.table.device.type in FUSED_LOOKUP_DEVICES:
+            self._check_complete()
+            out = ops.ngram_gather_rows(
+                input_ids.reshape(-1),
+                query_start_loc,
+                ngram_context,
+                *hashing,
+                self.table,
+                head_divmod=self.ngram_heads_divmod,
+                **self._dequant(),
+                vocab_start=self.vocab_start,
+                vocab_end=self.vocab_end,
+                out_dtype=self.out_dtype,
+            )
+            return self._reduced(out, reduce=True)
+        ids = ops.ngram_ids(
+            input_ids.reshape(-1),
+            query_start_loc,
+            ngram_context,
+            *hashing,
             head_divmod=self.ngram_heads_divmod,
         )
         return self.lookup(ids)

@@ -1,0 +1,71 @@
+// Host glue for ngram_gather_rows on the GPU: checks -> params -> device guard -> current stream ->
+// the fused kernel (csrc/hip/gather_rows.hip: each block hashes the ids of the rows it gathers);
+// where that kernel does not apply (an order other than N = 3, an NVFP4 table, rows or output not
+// in 16-byte pieces, a table without rows), ngram_ids' and gather_rows' kernels through an ids
+// buffer.
+#include <ATen/ops/empty.h>
+
+#include "glue.h"
+
+#include "../common/ngram_gather_rows.h"
+#include "../common/ngram_ids.h"
+#include "../debug_checks.h"
+#include "../ngram_gather_rows_args.h"
+
+namespace qwen4exp {
+namespace {
+
+void ngram_gather_rows_gpu(const at::Tensor& input_ids, const at::Tensor& query_start_loc,
+                           const at::Tensor& ngram_context, const at::Tensor& layer_multipliers,
+                           const at::Tensor& ngram_heads_vocab_sizes,
+                           const at::Tensor& ngram_heads_offsets, int64_t eos_token_id,
+                           int64_t heads_per_ngram, const std::optional<at::Tensor>& head_divmod,
+                           const at::Tensor& table, const std::optional<at::Tensor>& scale,
+                           const std::optional<at::Tensor>& block_scales, int64_t vocab_start,
+                           std::optional<int64_t> vocab_end, const at::Tensor& output) {
+  const NgramGatherRowsParams p = check_ngram_gather_rows_args(
+      input_ids, query_start_loc, ngram_context, layer_multipliers, ngram_heads_vocab_sizes,
+      ngram_heads_offsets, eos_token_id, heads_per_ngram, head_divmod, table, scale, block_scales,
+      vocab_start, vocab_end, output);
+  TORCH_CHECK(glue::on_kernel_device(table), kNgramGatherRows, ": GPU kernel called with ",
+              table.device(), " tensors");
+  if (debug_checks_enabled()) {
+    NgramIdsParams host = p.ngram;
+    HostIndexCopies copies;
+    int64_t stride = 0;
+    host.query_start_loc.data = copies.add(query_start_loc, &stride);
+    host.query_start_loc.stride = stride;
+    host.sizes = static_cast<const int64_t*>(copies.add(ngram_heads_vocab_sizes, &stride));
+    host.offsets = static_cast<const int64_t*>(copies.add(ngram_heads_offsets, &stride));
+    check_ngram_ids_values(host, /*output_int32=*/false, kNgramGatherRows);
+  }
+  if (p.gather.num_tokens == 0 || p.gather.num_heads == 0 || p.gather.width == 0) return;
+  const glue::DeviceGuard device_guard(table.device());
+  const hipStream_t stream = glue::current_stream();
+  bool launched = false;
+  hipError_t status = launch_ngram_gather_rows(p, stream, &launched);
+  if (status == hipSuccess && !launched) {
+    const at::Tensor ids =
+        at::empty({p.gather.num_tokens, p.gather.num_heads}, input_ids.options().dtype(at::kLong));
+    NgramIdsParams hash = p.ngram;
+    hash.output = ids.data_ptr();
+    hash.output_row_stride = p.gather.num_heads;
+    hash.output_col_stride = 1;
+    GatherRowsParams gather = p.gather;
+    gather.ids = ids.data_ptr();
+    gather.ids_row_stride = p.gather.num_heads;
+    gather.ids_col_stride = 1;
+    gather.ids_int64 = true;
+    status = launch_ngram_ids(hash, /*output_int64=*/true, stream);
+    if (status == hipSuccess) status = launch_gather_rows(gather, stream);
+  }
+  TORCH_CHECK(status == hipSuccess, kNgramGatherRows,
+              ": kernel launch failed: ", hipGetErrorString(status));
+}
+
+}  // namespace
+}  // namespace qwen4exp
+
+QWEN4EXP_GLUE_IMPL(m) {
+  m.impl("ngram_gather_rows", &qwen4exp::ngram_gather_rows_gpu);
+}

@@ -1,0 +1,175 @@
+"""ngram_gather_rows: ngram_ids then gather_rows in one op. On every backend it must equal the
+oracle's composition (reference.ngram_ids, then reference.gather_rows of those ids) bit for bit,
+for every table format and output dtype, n-gram orders that take the GPU kernel's unrolled window
+and its generic one, vocabulary shards, requests with EOS inside and empty ones, strided inputs
+and outputs, NVFP4 tables and tables whose rows are not 16-byte pieces (these, and orders other
+than N = 3, take the GPU glue's other path: the two kernels through an ids buffer); plus opcheck
+and the errors of its own arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import backends
+from gather_support import make_table
+from ngram_support import HASHING_ARGS
+from qwen4exp_ext import layout, ops, reference
+from qwen4exp_ext.testing import assert_exact
+
+BACKENDS = backends()
+VOCAB, EOS, SEED = 97, 5, 7
+
+
+def make_batch(ngram_size: int, heads_per_ngram: int, lengths: list[int], gen, device):
+    """The n-gram arguments of one batch: requests of `lengths` tokens (EOS inside), their
+    contexts, the layer's constants; and the table rows the layout spans."""
+    num_heads = (ngram_size - 1) * heads_per_ngram
+    heads = layout.head_vocab_layout(60, num_heads, 1, 8)
+    input_ids = torch.randint(0, VOCAB, (sum(lengths),), generator=gen)
+    input_ids[torch.rand(input_ids.shape, generator=gen) < 0.1] = EOS
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    context = torch.randint(0, VOCAB, (len(lengths), ngram_size - 1), generator=gen)
+    args = dict(
+        input_ids=input_ids,
+        query_start_loc=starts,
+        ngram_context=context,
+        layer_multipliers=torch.tensor(layout.layer_multipliers(VOCAB, ngram_size, SEED, 1)),
+        ngram_heads_vocab_sizes=torch.tensor(heads.sizes),
+        ngram_heads_offsets=torch.tensor(heads.offsets),
+        eos_token_id=EOS,
+        heads_per_ngram=heads_per_ngram,
+    )
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}, (
+        heads.padded_rows
+    )
+
+
+def expected(args: dict, table, **gather) -> torch.Tensor:
+    """The oracle's composition, on the CPU."""
+    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    ids = reference.ngram_ids(**cpu)
+    gather = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in gather.items()}
+    return reference.gather_rows(table.cpu(), ids, **gather)
+
+
+def call(backend, args: dict, table, **gather) -> torch.Tensor:
+    a = dict(args)
+    positional = [a.pop(k) for k in HASHING_ARGS]
+    return backend.ops.ngram_gather_rows(*positional, table, **a, **gather)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("ngram_size", [2, 3, 5])  # context 1, 2 (unrolled on the GPU), 4
+@pytest.mark.parametrize(
+    "table_dtype",
+    [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e4m3fnuz],
+)
+@pytest.mark.parametrize("width", [8, 32, 5])  # 5, and fp8 at 8: rows not 16-byte pieces
+def test_matches_the_oracle_composition(backend, ngram_size, table_dtype, width) -> None:
+    gen = torch.Generator().manual_seed(ngram_size * 131 + width)
+    args, rows = make_batch(ngram_size, 2, [7, 0, 300, 1, 40], gen, backend.device)
+    table = make_table(rows, width, table_dtype, gen=gen).to(backend.device)
+    gather = {}
+    if table_dtype in reference.FP8_DTYPES:
+        gather["scale"] = torch.tensor([0.375], device=backend.device)
+    for out_dtype in (None, torch.float32, torch.float16):
+        got = call(backend, args, table, out_dtype=out_dtype, **gather)
+        want = expected(args, table, out_dtype=out_dtype, **gather)
+        assert_exact(got, want, f"{table_dtype} -> {out_dtype}", bitwise=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("head_divmod", [False, True])
+def test_shards_strides_and_head_constants(backend, head_divmod) -> None:
+    """Vocabulary shards (ids outside a rank's rows are zero rows), a strided input_ids view, an
+    output whose rows are a strided view, and the layer's precomputed head constants."""
+    gen = torch.Generator().manual_seed(3)
+    args, rows = make_batch(3, 3, [50, 13, 2], gen, backend.device)
+    args["input_ids"] = torch.stack([args["input_ids"], args["input_ids"]], 1)[:, 0]  # stride 2
+    if head_divmod:
+        args["head_divmod"] = ops.ngram_head_divmod(args["ngram_heads_vocab_sizes"])
+    table = make_table(rows, 16, torch.bfloat16, gen=gen).to(backend.device)
+    tokens, width = args["input_ids"].numel(), 6 * 16
+    for start, end in ((0, None), (rows // 3, 2 * rows // 3), (rows - 5, rows), (7, 7)):
+        shard = table[start : end if end is not None else rows]
+        gather = dict(vocab_start=start, vocab_end=end)
+        out = torch.full((tokens, width + 8), 7.0, dtype=torch.bfloat16, device=backend.device)
+        got = call(backend, args, shard, output=out[:, :width], **gather)
+        assert_exact(got, expected(args, shard, **gather), f"shard [{start}, {end})", bitwise=True)
+        assert (out[:, width:] == 7.0).all(), "wrote past its rows"
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_nvfp4_table(backend) -> None:
+    gen = torch.Generator().manual_seed(4)
+    args, rows = make_batch(3, 2, [33, 90], gen, backend.device)
+    table = torch.randint(0, 256, (rows, 16), dtype=torch.uint8, generator=gen)  # d = 32
+    block_scales = torch.rand(rows, 2, generator=gen).to(torch.float8_e4m3fn)
+    gather = dict(
+        scale=torch.tensor([0.75]).to(backend.device), block_scales=block_scales.to(backend.device)
+    )
+    got = call(backend, args, table.to(backend.device), **gather)
+    assert_exact(got, expected(args, table, **gather), "nvfp4", bitwise=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_empty_batch_and_no_requests(backend) -> None:
+    gen = torch.Generator().manual_seed(5)
+    args, rows = make_batch(3, 2, [4], gen, backend.device)
+    table = make_table(rows, 8, torch.bfloat16, gen=gen).to(backend.device)
+    empty = dict(args, input_ids=args["input_ids"][:0])
+    empty["query_start_loc"] = torch.zeros(2, dtype=torch.int32, device=backend.device)
+    assert call(backend, empty, table).shape == (0, 4 * 8)
+    # R = 0: every predecessor is EOS.
+    none = dict(args, query_start_loc=args["query_start_loc"][:1])
+    none["ngram_context"] = args["ngram_context"][:0]
+    got = call(backend, none, table)
+    assert_exact(got, expected(none, table), "no requests", bitwise=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_opcheck(backend) -> None:
+    gen = torch.Generator().manual_seed(6)
+    args, rows = make_batch(3, 2, [9, 4], gen, backend.device)
+    table = make_table(rows, 8, torch.bfloat16, gen=gen).to(backend.device)
+    output = torch.empty(13, 32, dtype=torch.float32, device=backend.device)
+    op = backend.library.ngram_gather_rows.default
+    torch.library.opcheck(
+        op,
+        (
+            args["input_ids"],
+            args["query_start_loc"],
+            args["ngram_context"],
+            args["layer_multipliers"],
+            args["ngram_heads_vocab_sizes"],
+            args["ngram_heads_offsets"],
+            EOS,
+            2,
+            None,
+            table,
+            None,
+            None,
+            0,
+            None,
+            output,
+        ),
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_bad_arguments_name_the_op(backend) -> None:
+    """Its arguments are checked as ngram_ids' and gather_rows' are, under its own name."""
+    gen = torch.Generator().manual_seed(8)
+    args, rows = make_batch(3, 2, [9], gen, backend.device)
+    table = make_table(rows, 8, torch.bfloat16, gen=gen).to(backend.device)
+    with pytest.raises(RuntimeError, match="ngram_gather_rows: ngram_heads_offsets must be"):
+        call(backend, dict(args, ngram_heads_offsets=args["ngram_heads_offsets"][:2]), table)
+    with pytest.raises(RuntimeError, match=r"ngram_gather_rows: output must be \[T, NH·d\]"):
+        call(backend, args, table, output=torch.empty(9, 31, device=backend.device))
+    with pytest.raises(RuntimeError, match="ngram_gather_rows: an fp8 table needs"):
+        call(backend, args, table.view(torch.float8_e4m3fn))
+    bad_starts = torch.tensor([0, 12], dtype=torch.int32, device=backend.device)  # past T = 9
+    if backend.name == "cpu":
+        with pytest.raises(RuntimeError, match=r"ngram_gather_rows: query_start_loc\[R\] = 12"):
+            call(backend, dict(args, query_start_loc=bad_starts), table)
