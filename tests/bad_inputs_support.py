@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ngram_support import HEADS
+from ngram_support import HASHING_ARGS, HEADS
 from qwen4exp_ext import layout, ops
 
 INT64_MIN = -(2**63)
@@ -178,11 +178,12 @@ def noncontig(t: torch.Tensor) -> torch.Tensor:
 
 
 def set_(name, fn):
-    """An override: args[name] = fn(args[name])."""
+    """An override: args[name] = fn(args[name]); `arg` names the argument it changes."""
 
     def apply(a):
         a[name] = fn(a[name])
 
+    apply.arg = name
     return apply
 
 
@@ -190,6 +191,7 @@ def put(name, value):
     def apply(a):
         a[name] = value() if callable(value) else value
 
+    apply.arg = name
     return apply
 
 
@@ -661,6 +663,32 @@ CASES = [
         "has_initial_states",
     ),
     p("ple_conv_prefill", "meta-qsl", set_("query_start_loc", meta), "query_start_loc"),
+]
+
+
+def fused_baseline() -> dict:
+    """ngram_gather_rows on the n-gram baseline, into a table that holds every id it hashes."""
+    a = ngram_baseline()
+    a.pop("output")
+    a["table"] = torch.randn(NGRAM_HEADS.padded_rows, 6, generator=torch.Generator().manual_seed(5))
+    a["output"] = sentinel((9, 4 * 6), torch.float32)
+    return a
+
+
+def run_fused(a, kernels=ops):
+    hashing = [a.pop(k) for k in HASHING_ARGS]
+    kernels.ngram_gather_rows(*hashing, a.pop("table"), **a)
+
+
+OPS["ngram_gather_rows"] = (fused_baseline, run_fused, ("output",))
+# ngram_gather_rows checks its n-gram arguments with ngram_ids' own checks: every ngram_ids case
+# but those of ngram_ids' output (the one override without a named argument among them is one)
+# applies to it as it is (its table and output checks are gather_rows', tested in
+# tests/test_ngram_gather_rows.py).
+CASES += [
+    p("ngram_gather_rows", case.id.split("-", 1)[1], *case.values[1:])
+    for case in list(CASES)
+    if case.values[0] == "ngram_ids" and getattr(case.values[1], "arg", "output") != "output"
 ]
 
 
