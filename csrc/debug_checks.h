@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "gpu/glue.h"
+#include "ngram_ids_args.h"
 #include "switches.h"
 
 namespace qwen4exp {
@@ -37,5 +38,19 @@ class HostIndexCopies {
  private:
   std::vector<at::Tensor> copies_;
 };
+
+// The value checks of ngram_ids' index data (check_ngram_ids_values), on host copies of the
+// tensors p points into: ngram_ids' and ngram_gather_rows' glue.
+inline void debug_check_ngram_values(NgramIdsParams p, const at::Tensor& query_start_loc,
+                                     const at::Tensor& head_sizes, const at::Tensor& head_offsets,
+                                     bool output_int32, const char* op) {
+  HostIndexCopies copies;
+  int64_t stride = 0;
+  p.query_start_loc.data = copies.add(query_start_loc, &stride);
+  p.query_start_loc.stride = stride;
+  p.sizes = static_cast<const int64_t*>(copies.add(head_sizes, &stride));
+  p.offsets = static_cast<const int64_t*>(copies.add(head_offsets, &stride));
+  check_ngram_ids_values(p, output_int32, op);
+}
 
 }  // namespace qwen4exp

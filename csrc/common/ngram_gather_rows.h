@@ -15,6 +15,24 @@ struct NgramGatherRowsParams {
   GatherRowsParams gather;
 };
 
+// The two ops' params to run them through an ids buffer (int64 [T, NH], rows contiguous): what
+// the CPU kernel does, and the GPU glue where the fused kernel does not apply.
+struct ThroughIds {
+  NgramIdsParams hash;
+  GatherRowsParams gather;
+};
+inline ThroughIds through_ids(const NgramGatherRowsParams& p, int64_t* ids) {
+  ThroughIds two{p.ngram, p.gather};
+  two.hash.output = ids;
+  two.hash.output_row_stride = p.gather.num_heads;
+  two.hash.output_col_stride = 1;
+  two.gather.ids = ids;
+  two.gather.ids_row_stride = p.gather.num_heads;
+  two.gather.ids_col_stride = 1;
+  two.gather.ids_int64 = true;
+  return two;
+}
+
 // The CPU kernel: the ids of the batch into a per-thread buffer (ngram_ids' CPU kernel), then the
 // gather from it; returns when done. Expects what run_ngram_ids_cpu and run_gather_rows_cpu
 // expect.

@@ -14,17 +14,9 @@ void run_ngram_gather_rows_cpu(const NgramGatherRowsParams& p) {
   if (count == 0) return;
   thread_local std::vector<int64_t> ids;
   ids.resize(static_cast<size_t>(count));
-  NgramIdsParams hash = p.ngram;
-  hash.output = ids.data();
-  hash.output_row_stride = p.gather.num_heads;
-  hash.output_col_stride = 1;
-  run_ngram_ids_cpu(hash, /*output_int64=*/true);
-  GatherRowsParams gather = p.gather;
-  gather.ids = ids.data();
-  gather.ids_row_stride = p.gather.num_heads;
-  gather.ids_col_stride = 1;
-  gather.ids_int64 = true;
-  run_gather_rows_cpu(gather);
+  const ThroughIds two = through_ids(p, ids.data());
+  run_ngram_ids_cpu(two.hash, /*output_int64=*/true);
+  run_gather_rows_cpu(two.gather);
 }
 
 }  // namespace qwen4exp

@@ -30,14 +30,8 @@ void ngram_gather_rows_gpu(const at::Tensor& input_ids, const at::Tensor& query_
   TORCH_CHECK(glue::on_kernel_device(table), kNgramGatherRows, ": GPU kernel called with ",
               table.device(), " tensors");
   if (debug_checks_enabled()) {
-    NgramIdsParams host = p.ngram;
-    HostIndexCopies copies;
-    int64_t stride = 0;
-    host.query_start_loc.data = copies.add(query_start_loc, &stride);
-    host.query_start_loc.stride = stride;
-    host.sizes = static_cast<const int64_t*>(copies.add(ngram_heads_vocab_sizes, &stride));
-    host.offsets = static_cast<const int64_t*>(copies.add(ngram_heads_offsets, &stride));
-    check_ngram_ids_values(host, /*output_int32=*/false, kNgramGatherRows);
+    debug_check_ngram_values(p.ngram, query_start_loc, ngram_heads_vocab_sizes, ngram_heads_offsets,
+                             /*output_int32=*/false, kNgramGatherRows);
   }
   if (p.gather.num_tokens == 0 || p.gather.num_heads == 0 || p.gather.width == 0) return;
   const glue::DeviceGuard device_guard(table.device());
@@ -47,17 +41,9 @@ void ngram_gather_rows_gpu(const at::Tensor& input_ids, const at::Tensor& query_
   if (status == hipSuccess && !launched) {
     const at::Tensor ids =
         at::empty({p.gather.num_tokens, p.gather.num_heads}, input_ids.options().dtype(at::kLong));
-    NgramIdsParams hash = p.ngram;
-    hash.output = ids.data_ptr();
-    hash.output_row_stride = p.gather.num_heads;
-    hash.output_col_stride = 1;
-    GatherRowsParams gather = p.gather;
-    gather.ids = ids.data_ptr();
-    gather.ids_row_stride = p.gather.num_heads;
-    gather.ids_col_stride = 1;
-    gather.ids_int64 = true;
-    status = launch_ngram_ids(hash, /*output_int64=*/true, stream);
-    if (status == hipSuccess) status = launch_gather_rows(gather, stream);
+    const ThroughIds two = through_ids(p, ids.data_ptr<int64_t>());
+    status = launch_ngram_ids(two.hash, /*output_int64=*/true, stream);
+    if (status == hipSuccess) status = launch_gather_rows(two.gather, stream);
   }
   TORCH_CHECK(status == hipSuccess, kNgramGatherRows,
               ": kernel launch failed: ", hipGetErrorString(status));

@@ -22,14 +22,8 @@ void ngram_ids_gpu(const at::Tensor& input_ids, const at::Tensor& query_start_lo
   TORCH_CHECK(glue::on_kernel_device(input_ids), "ngram_ids: GPU kernel called with ",
               input_ids.device(), " tensors");
   if (debug_checks_enabled()) {
-    NgramIdsParams host = p;
-    HostIndexCopies copies;
-    int64_t stride = 0;
-    host.query_start_loc.data = copies.add(query_start_loc, &stride);
-    host.query_start_loc.stride = stride;
-    host.sizes = static_cast<const int64_t*>(copies.add(ngram_heads_vocab_sizes, &stride));
-    host.offsets = static_cast<const int64_t*>(copies.add(ngram_heads_offsets, &stride));
-    check_ngram_ids_values(host, output.scalar_type() == at::kInt);
+    debug_check_ngram_values(p, query_start_loc, ngram_heads_vocab_sizes, ngram_heads_offsets,
+                             output.scalar_type() == at::kInt, "ngram_ids");
   }
   if (p.num_tokens == 0) return;
   const glue::DeviceGuard device_guard(input_ids.device());
