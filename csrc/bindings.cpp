@@ -46,6 +46,12 @@ TORCH_LIBRARY(qwen4exp, m) {
   // Sets that size (-1: the default, from the cache sizes) and returns the setting it replaces.
   m.def("set_cpu_gather_stream_bytes(int bytes) -> int",
         &checked_setting<qwen4exp::set_cpu_gather_stream_bytes>);
+  // How the CPU gather converts fp8 rows (csrc/common/gather_rows.h): 0 scalar, 1 AVX2, 2
+  // AVX-512; by default the widest this CPU has. The setter takes -1 (that default) or a lookup
+  // and returns the setting it replaces.
+  m.def("cpu_gather_fp8_lookup() -> int", &qwen4exp::cpu_gather_fp8_lookup);
+  m.def("set_cpu_gather_fp8_lookup(int lookup) -> int",
+        &checked_setting<qwen4exp::set_cpu_gather_fp8_lookup>);
   // How the 16-bit CPU conv looks its SiLU up (csrc/cpu/ple_conv.cpp): 0 a loop, 1 AVX-512
   // gathers; by default timed on first use. The setter takes -1 (timed), 0 or 1 and returns the
   // setting it replaces.

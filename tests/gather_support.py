@@ -1,5 +1,6 @@
 """What the gather_rows tests share (tests/test_gather_rows.py, tests/test_fuzz.py): the switch
-between the CPU kernel's two paths, and tables that hold every finite bit pattern."""
+between the CPU kernel's two paths and the one of its fp8 conversions, and tables that hold every
+finite bit pattern."""
 
 from __future__ import annotations
 
@@ -31,6 +32,33 @@ def _cpu_paths() -> list[str]:
 
 
 CPU_PATHS = _cpu_paths()  # the CPU gather paths this CPU has
+
+
+@contextlib.contextmanager
+def cpu_fp8_lookup(lookup: str):
+    """Within the block the CPU gather converts fp8 rows with ``lookup`` (one of
+    CPU_FP8_LOOKUPS)."""
+    previous = ops.set_cpu_gather_fp8_lookup(lookup)
+    try:
+        yield
+    finally:
+        ops.set_cpu_gather_fp8_lookup(previous)
+
+
+def _cpu_fp8_lookups() -> list[str]:
+    found = []
+    for lookup in ("scalar", "avx2", "avx512"):
+        try:
+            with cpu_fp8_lookup(lookup):
+                found.append(lookup)
+        except ValueError:
+            pass
+    return found
+
+
+# The CPU gather's fp8 conversions this CPU has: by default it runs only the widest, so each is
+# pinned in turn to test them all on one machine.
+CPU_FP8_LOOKUPS = _cpu_fp8_lookups()
 
 
 def make_table(rows: int, width: int, dtype: torch.dtype, *, gen=None) -> torch.Tensor:

@@ -78,6 +78,7 @@ def test_quick_run_writes_complete_json(ngram_run: dict) -> None:
         needs = {"AVX2": "avx2", "AVX512": "avx512f"}.get(torch.backends.cpu.get_cpu_capability())
         assert needs is None or needs in cpu["flags"]
     assert report["cpu_conv_silu_lookup"] in ("loop", "gather")
+    assert report["cpu_gather_fp8_lookup"] == ops.cpu_gather_fp8_lookup()
     source = report["source"]
     assert source is None or re.fullmatch(r"[0-9a-f]{40}(-dirty)?", source)
     assert report["torch"] == torch.__version__

@@ -19,7 +19,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import backends
-from gather_support import CPU_PATHS, FP8_NAN_BYTES, cpu_gather_path, make_table
+from gather_support import (
+    CPU_FP8_LOOKUPS,
+    CPU_PATHS,
+    FP8_NAN_BYTES,
+    cpu_fp8_lookup,
+    cpu_gather_path,
+    make_table,
+)
 from qwen4exp_ext import ops, reference
 from qwen4exp_ext.bench import vllm_triton
 from qwen4exp_ext.testing import assert_exact, bit_patterns
@@ -145,6 +152,61 @@ def test_fp8_every_code_in_long_rows(backend, table_dtype, scale):
             table.to(device), ids.to(device), scale=s.to(device), out_dtype=out_dtype
         )
         assert_exact(got, expected, f"{out_dtype}", bitwise=True, equal_nan=True)
+
+
+@pytest.mark.parametrize("lookup", CPU_FP8_LOOKUPS)
+@pytest.mark.parametrize("table_dtype", FP8, ids=str)
+@pytest.mark.parametrize("scale", [0.0123, -0.5, 3.0e-38, 1.0e30, math.nan])
+def test_cpu_fp8_lookups(lookup, table_dtype, scale):
+    """Each fp8 conversion this CPU has, pinned (the kernel runs only the widest by default), on
+    both CPU paths: every byte at every position of long rows in every output dtype, and rows of
+    the released width into outputs at every alignment the streaming path tells apart (64-byte
+    aligned rows are streamed straight from the AVX-512 lookup, 32-byte aligned ones from the
+    AVX2 one; others go through a stage)."""
+    width = 256 + 37
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    long_rows = torch.stack([codes.roll(k).repeat(2)[:width] for k in range(0, 256, 5)])
+    long_rows = long_rows.view(table_dtype)
+    gen = torch.Generator().manual_seed(3)
+    released = make_table(5000, 160, table_dtype, gen=gen)
+    released_ids = torch.randint(0, 5000, (40, 16), generator=gen)
+    s = torch.tensor([scale])
+    with cpu_fp8_lookup(lookup):
+        assert ops.cpu_gather_fp8_lookup() == lookup
+        for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            ids = torch.arange(long_rows.shape[0]).reshape(-1, 4)
+            expected = reference.gather_rows(long_rows, ids, scale=s, out_dtype=out_dtype)
+            got = ops.gather_rows(long_rows, ids, scale=s, out_dtype=out_dtype)
+            assert_exact(got, expected, f"{out_dtype}", bitwise=True, equal_nan=True)
+            expected = reference.gather_rows(released, released_ids, scale=s, out_dtype=out_dtype)
+            for offset in (0, 64 // expected.element_size() // 2, 1):  # 64-, 32-, 2-byte aligned
+                buffer = torch.full((40, 16 * 160 + 64), 5.0, dtype=out_dtype)
+                out = buffer[:, offset : offset + 16 * 160]
+                ops.gather_rows(released, released_ids, scale=s, output=out)
+                assert_exact(
+                    out, expected, f"{out_dtype} at +{offset}", bitwise=True, equal_nan=True
+                )
+
+
+def test_cpu_fp8_lookup_switch():
+    """The default is the widest this CPU has; a bad setting is a clear error."""
+    previous = ops.set_cpu_gather_fp8_lookup(None)
+    try:
+        assert ops.cpu_gather_fp8_lookup() == CPU_FP8_LOOKUPS[-1]
+        assert ops.set_cpu_gather_fp8_lookup("scalar") is None
+        assert ops.cpu_gather_fp8_lookup() == "scalar"
+        assert ops.set_cpu_gather_fp8_lookup(None) == "scalar"
+        for bad in ("sse2", 0, True):
+            with pytest.raises(
+                ValueError, match="lookup must be 'scalar', 'avx2', 'avx512' or None"
+            ):
+                ops.set_cpu_gather_fp8_lookup(bad)
+        for missing in {"avx2", "avx512"} - set(CPU_FP8_LOOKUPS):
+            with pytest.raises(ValueError, match=f"the {missing} lookup needs"):
+                ops.set_cpu_gather_fp8_lookup(missing)
+        assert ops.cpu_gather_fp8_lookup() == CPU_FP8_LOOKUPS[-1]
+    finally:
+        ops.set_cpu_gather_fp8_lookup(previous)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)

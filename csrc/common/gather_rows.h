@@ -65,6 +65,19 @@ QWEN4EXP_API int64_t cpu_gather_stream_bytes();
 // Sets that size (bytes >= 0, or -1 for the default) and returns the setting it replaces.
 QWEN4EXP_API int64_t set_cpu_gather_stream_bytes(int64_t bytes);
 
+// How the CPU kernel converts fp8 rows: kFp8LookupScalar (a 256-entry table, an element at a
+// time), kFp8LookupAvx2 (byte shuffles, for 16-bit outputs whose table factors; scalar
+// otherwise) or kFp8LookupAvx512 (AVX-512BW permutes). By default the widest this CPU has;
+// set_cpu_gather_fp8_lookup pins one (kFp8LookupBest: the default again), so that a test can run
+// every one this CPU has. It throws std::invalid_argument on an unknown value, and on a lookup
+// this CPU or build lacks.
+constexpr int64_t kFp8LookupBest = -1;
+constexpr int64_t kFp8LookupScalar = 0;
+constexpr int64_t kFp8LookupAvx2 = 1;
+constexpr int64_t kFp8LookupAvx512 = 2;
+QWEN4EXP_API int64_t cpu_gather_fp8_lookup();
+QWEN4EXP_API int64_t set_cpu_gather_fp8_lookup(int64_t lookup);
+
 #if defined(QWEN4EXP_HAS_LAUNCHERS)  // a CPU-only build sees only the params
 // Enqueues the gather on `stream`; returns the launch status. Expects T·NH·d > 0.
 hipError_t launch_gather_rows(const GatherRowsParams& p, hipStream_t stream);

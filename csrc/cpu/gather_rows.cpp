@@ -163,7 +163,9 @@ void fp8_rows_scalar(const uint8_t* __restrict src, OutT* __restrict dst, int64_
 
 #if QWEN4EXP_X86_AVX512  // x86-64 (the macro names where the intrinsics can be compiled)
 // A factored table (Fp8Outputs), 32 codes per step; the rest through the scalar lookup.
-template <typename OutT>
+// kStream: the steps' 32-byte halves go out as streaming stores (the streaming path, `dst`
+// 32-byte aligned).
+template <bool kStream, typename OutT>
 __attribute__((target("avx2"))) void fp8_rows_avx2(const uint8_t* __restrict src,
                                                    OutT* __restrict dst, int64_t n,
                                                    const Fp8Outputs<OutT>& t) {
@@ -201,9 +203,15 @@ __attribute__((target("avx2"))) void fp8_rows_avx2(const uint8_t* __restrict src
     // unpacklo/hi work within 128-bit lanes: codes [0, 8) and [16, 24), then [8, 16), [24, 32).
     const __m256i a = finish(_mm256_unpacklo_epi8(x, zero), _mm256_unpacklo_epi8(low, high));
     const __m256i b = finish(_mm256_unpackhi_epi8(x, zero), _mm256_unpackhi_epi8(low, high));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_permute2x128_si256(a, b, 0x20));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i + 16),
-                        _mm256_permute2x128_si256(a, b, 0x31));
+    const __m256i first = _mm256_permute2x128_si256(a, b, 0x20);
+    const __m256i second = _mm256_permute2x128_si256(a, b, 0x31);
+    if constexpr (kStream) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), first);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 16), second);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), first);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i + 16), second);
+    }
   }
   if (i < n) fp8_rows_scalar(src + i, dst + i, n - i, t);
 }
@@ -400,9 +408,11 @@ struct RowConverter {
   // fp8 only: the outputs of every code (fp8_outputs), and the lookup over them.
   const Fp8Outputs<OutT>* fp8 = nullptr;
   void (*fp8_rows)(const uint8_t*, OutT*, int64_t, const Fp8Outputs<OutT>&) = nullptr;
-  // fp8 with AVX-512BW only (else null): the same lookup, written with 64-byte streaming stores
-  // to a 64-byte aligned `dst`: the streaming path's rows need no stage to be streamed from.
+  // fp8 with a vector lookup only (else null): the same lookup, written with streaming stores to
+  // a `dst` aligned to fp8_stream_align bytes: the streaming path's rows need no stage to be
+  // streamed from.
   void (*fp8_rows_stream)(const uint8_t*, OutT*, int64_t, const Fp8Outputs<OutT>&) = nullptr;
+  uintptr_t fp8_stream_align = 0;
   float global_scale = 0.0f;            // NVFP4 only
   const float* scale_values = nullptr;  // NVFP4 only: e4m3fn_values()
 
@@ -415,15 +425,21 @@ struct RowConverter {
       fp8 = &fp8_outputs<In, Out>(round_scale<Out>(*p.scale));
       fp8_rows = &fp8_rows_scalar<OutT>;
 #if QWEN4EXP_X86_AVX512
-      if (simd::cpu_has_avx512bw_vl()) {
+      const int64_t lookup = cpu_gather_fp8_lookup();
+      if (lookup == kFp8LookupAvx512) {
         fp8_rows = [](const uint8_t* src, OutT* dst, int64_t n, const Fp8Outputs<OutT>& t) {
           lut_rows_avx512<false>(src, dst, n, t.value.data());
         };
         fp8_rows_stream = [](const uint8_t* src, OutT* dst, int64_t n, const Fp8Outputs<OutT>& t) {
           lut_rows_avx512<true>(src, dst, n, t.value.data());
         };
+        fp8_stream_align = 64;
       } else if constexpr (sizeof(OutT) == 2) {
-        if (fp8->factored && simd::cpu_has_avx2()) fp8_rows = &fp8_rows_avx2<OutT>;
+        if (fp8->factored && lookup == kFp8LookupAvx2) {
+          fp8_rows = &fp8_rows_avx2<false, OutT>;
+          fp8_rows_stream = &fp8_rows_avx2<true, OutT>;
+          fp8_stream_align = 32;
+        }
       }
 #endif
     }
@@ -764,14 +780,14 @@ void stream_block(const StreamJob<In, Out>& job, int64_t block) {
     const auto prefetch = [&](int64_t j)
                               __attribute__((always_inline)) { prefetch_row(row_of[order[j]]); };
     // Converted through an L1-resident stage, then written with the path's stores; fp8 rows
-    // with AVX-512 straight into streaming stores instead: the stage's extra write, read and
-    // call per row made an fp8 prefill take 1.3x the time of a bf16 one at 2 threads (Zen 4).
+    // with a vector lookup straight into streaming stores instead: the stage's extra write, read
+    // and call per row made an fp8 prefill take 1.3x the time of a bf16 one at 2 threads (Zen 4).
     const auto emit = [&](int64_t j, const char* staged,
                           const uint8_t* scales) __attribute__((always_inline)) {
       char* dst = item_output(begin + order[j]);
       if constexpr (is_fp8(In)) {
-        if (job.convert->fp8_rows_stream != nullptr && stores == RowStores::kStream64 &&
-            reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+        if (job.convert->fp8_rows_stream != nullptr && stores != RowStores::kPlain &&
+            reinterpret_cast<uintptr_t>(dst) % job.convert->fp8_stream_align == 0) {
           job.convert->fp8_rows_stream(reinterpret_cast<const uint8_t*>(staged),
                                        reinterpret_cast<OutT*>(dst), width, *job.convert->fp8);
           return;
@@ -846,6 +862,46 @@ int64_t set_cpu_gather_stream_bytes(int64_t bytes) {
         std::to_string(bytes));
   }
   return stream_bytes_setting.exchange(bytes);
+}
+
+namespace {
+
+// set_cpu_gather_fp8_lookup's setting; kFp8LookupBest: the widest this CPU has.
+std::atomic<int64_t> fp8_lookup_setting{kFp8LookupBest};
+
+bool has_fp8_lookup(int64_t lookup) {
+  if (lookup == kFp8LookupScalar) return true;
+#if QWEN4EXP_X86_AVX512
+  if (lookup == kFp8LookupAvx2) return simd::cpu_has_avx2();
+  if (lookup == kFp8LookupAvx512) return simd::cpu_has_avx512bw_vl();
+#endif
+  return false;
+}
+
+}  // namespace
+
+int64_t cpu_gather_fp8_lookup() {
+  const int64_t set = fp8_lookup_setting.load(std::memory_order_relaxed);
+  if (set != kFp8LookupBest) return set;
+  if (has_fp8_lookup(kFp8LookupAvx512)) return kFp8LookupAvx512;
+  if (has_fp8_lookup(kFp8LookupAvx2)) return kFp8LookupAvx2;
+  return kFp8LookupScalar;
+}
+
+int64_t set_cpu_gather_fp8_lookup(int64_t lookup) {
+  if (lookup < kFp8LookupBest || lookup > kFp8LookupAvx512) {
+    throw std::invalid_argument(
+        "set_cpu_gather_fp8_lookup: lookup must be -1 (the widest), 0 (scalar), 1 (avx2) or 2 "
+        "(avx512), got " +
+        std::to_string(lookup));
+  }
+  if (lookup != kFp8LookupBest && !has_fp8_lookup(lookup)) {
+    throw std::invalid_argument(
+        std::string("set_cpu_gather_fp8_lookup: the ") +
+        (lookup == kFp8LookupAvx2 ? "avx2 lookup needs AVX2" : "avx512 lookup needs AVX-512BW") +
+        ", which this CPU or build lacks");
+  }
+  return fp8_lookup_setting.exchange(lookup);
 }
 
 namespace {

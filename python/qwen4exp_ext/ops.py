@@ -21,6 +21,7 @@ from .reference import CONV_MODES, FP8_DTYPES
 __all__ = [
     "KernelOps",
     "cpu_conv_silu_lookup",
+    "cpu_gather_fp8_lookup",
     "cpu_gather_stream_bytes",
     "gather_rows",
     "ngram_head_divmod",
@@ -28,6 +29,7 @@ __all__ = [
     "ple_conv",
     "ple_gate",
     "set_cpu_conv_silu_lookup",
+    "set_cpu_gather_fp8_lookup",
     "set_cpu_gather_stream_bytes",
 ]
 
@@ -782,6 +784,32 @@ def set_cpu_gather_stream_bytes(stream_bytes: int | None) -> int | None:
         -1 if stream_bytes is None else stream_bytes
     )
     return None if previous < 0 else int(previous)
+
+
+_GATHER_FP8_LOOKUPS = ("scalar", "avx2", "avx512")  # the kernel's codes 0, 1 and 2
+
+
+def cpu_gather_fp8_lookup() -> str:
+    """How the CPU ``gather_rows`` converts fp8 rows: ``"avx512"`` (AVX-512BW permutes over the
+    256 outputs), ``"avx2"`` (byte shuffles, for 16-bit outputs whose outputs factor, see
+    csrc/cpu/gather_rows.cpp; an element at a time otherwise) or ``"scalar"`` (an element at a
+    time). By default the widest this CPU has; :func:`set_cpu_gather_fp8_lookup` pins one, so
+    that each can be tested on one machine. Same values either way."""
+    return _GATHER_FP8_LOOKUPS[torch.ops.qwen4exp.cpu_gather_fp8_lookup()]
+
+
+def set_cpu_gather_fp8_lookup(lookup: str | None) -> str | None:
+    """Pins the CPU gather's fp8 conversion to ``"scalar"``, ``"avx2"`` or ``"avx512"`` (None:
+    the widest this CPU has) for the whole process; returns the setting it replaces. A lookup
+    this CPU or build lacks raises ValueError."""
+    if lookup is not None and lookup not in _GATHER_FP8_LOOKUPS:
+        raise ValueError(
+            "set_cpu_gather_fp8_lookup: lookup must be 'scalar', 'avx2', 'avx512' or None, got "
+            f"{lookup!r}"
+        )
+    code = -1 if lookup is None else _GATHER_FP8_LOOKUPS.index(lookup)
+    previous = torch.ops.qwen4exp.set_cpu_gather_fp8_lookup(code)
+    return None if previous < 0 else _GATHER_FP8_LOOKUPS[previous]
 
 
 _CONV_SILU_LOOKUPS = ("loop", "gather")  # the kernel's codes 0 and 1

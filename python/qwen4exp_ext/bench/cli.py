@@ -437,6 +437,8 @@ def _environment(device: torch.device) -> dict[str, Any]:
         "build_info": build_info() if callable(build_info) else None,
         # Outputs of at least this many bytes take the CPU gather's streaming path (-1: none).
         "cpu_gather_stream_bytes": ops.cpu_gather_stream_bytes(),
+        # How the CPU gather converted fp8 rows ("avx512", "avx2" or "scalar").
+        "cpu_gather_fp8_lookup": ops.cpu_gather_fp8_lookup(),
         # How the CPU conv looked its SiLU up ("loop" or "gather": timed on this CPU).
         "cpu_conv_silu_lookup": ops.cpu_conv_silu_lookup(),
         # The source of the "vllm" baselines (GPU only; None: no vLLM source here).
