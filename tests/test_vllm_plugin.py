@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ngram_support import HASHING_ARGS
 from qwen4exp_ext import ops, reference
 from qwen4exp_ext.testing import assert_exact
 from vllm_support import recorded_ops, require_vllm, run_python
@@ -126,22 +127,7 @@ def test_ple_ngram_ids_runs_ours_and_equals_the_reference(vllm_plugged, where, i
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     # vLLM's keyword call, into a preallocated int64 output (as the AMD op does)
     out = torch.full_like(expected, -1)
-    kwargs = dict(
-        zip(
-            [
-                "input_ids",
-                "query_start_loc",
-                "ngram_context",
-                "layer_multipliers",
-                "ngram_heads_vocab_sizes",
-                "ngram_heads_offsets",
-                "eos_token_id",
-                "heads_per_ngram",
-            ],
-            args,
-            strict=True,
-        )
-    )
+    kwargs = dict(zip(HASHING_ARGS, args, strict=True))
     assert module.ple_ngram_ids(**kwargs, output=out) is out
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
