@@ -61,6 +61,13 @@ def _cpu_fp8_lookups() -> list[str]:
 CPU_FP8_LOOKUPS = _cpu_fp8_lookups()
 
 
+def every_fp8_code_rows(dtype: torch.dtype, width: int = 256 + 37) -> torch.Tensor:
+    """fp8 rows holding every byte, the NaNs included, at every position: long enough for the
+    CPU's vector lookups (32 codes a step) and their tails."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    return torch.stack([codes.roll(k).repeat(2)[:width] for k in range(0, 256, 5)]).view(dtype)
+
+
 def make_table(rows: int, width: int, dtype: torch.dtype, *, gen=None) -> torch.Tensor:
     """Every finite bit pattern is fair game: random bytes for fp8, wide-range values otherwise
     (fp16 tables overflow to inf in a bf16 → fp16 conversion, and subnormals occur)."""

@@ -25,6 +25,7 @@ from gather_support import (
     FP8_NAN_BYTES,
     cpu_fp8_lookup,
     cpu_gather_path,
+    every_fp8_code_rows,
     make_table,
 )
 from qwen4exp_ext import ops, reference
@@ -140,10 +141,7 @@ def test_fp8_every_code_in_long_rows(backend, table_dtype, scale):
     vector lookups (32 codes a step) and their tails: each output as the scalar dequantisation
     gives it, bit for bit (any NaN for a NaN)."""
     ops, device = backend.ops, backend.device
-    width = 256 + 37
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    table = torch.stack([codes.roll(k).repeat(2)[:width] for k in range(0, 256, 5)])
-    table = table.view(table_dtype)
+    table = every_fp8_code_rows(table_dtype)
     ids = torch.arange(table.shape[0]).reshape(-1, 4)
     s = torch.tensor([scale])
     for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -163,10 +161,7 @@ def test_cpu_fp8_lookups(lookup, table_dtype, scale):
     the released width into outputs at every alignment the streaming path tells apart (64-byte
     aligned rows are streamed straight from the AVX-512 lookup, 32-byte aligned ones from the
     AVX2 one; others go through a stage)."""
-    width = 256 + 37
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    long_rows = torch.stack([codes.roll(k).repeat(2)[:width] for k in range(0, 256, 5)])
-    long_rows = long_rows.view(table_dtype)
+    long_rows = every_fp8_code_rows(table_dtype)
     gen = torch.Generator().manual_seed(3)
     released = make_table(5000, 160, table_dtype, gen=gen)
     released_ids = torch.randint(0, 5000, (40, 16), generator=gen)
