@@ -445,12 +445,13 @@ struct RowConverter {
     }
   }
 
+  // Same-dtype rows are copied, never converted (copy_block, and write_row on the streaming
+  // path).
   void operator()(const InT* __restrict src, [[maybe_unused]] const uint8_t* __restrict scales,
                   OutT* __restrict dst, int64_t width) const {
+    static_assert(In != Out, "same-dtype rows are copied, not converted");
     if constexpr (In == Dtype::kNvfp4) {
       nvfp4_rows<Out>(src, scales, dst, width, global_scale, scale_values);
-    } else if constexpr (In == Out) {
-      std::memcpy(dst, src, static_cast<size_t>(width) * sizeof(InT));
     } else if constexpr (is_fp8(In)) {
       fp8_rows(src, dst, width, *fp8);
     } else {
@@ -1010,28 +1011,28 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
       }
       if (++h == nh) h = 0, ++t;
     }
-    const auto prefetch_item = [&](int64_t i) __attribute__((always_inline)) {
-      if (rows[i] == nullptr) return;
-      prefetch_bytes(rows[i], row_bytes);
-      if constexpr (kNvfp4)
-        prefetch_bytes(reinterpret_cast<const char*>(scale_rows[i]), scale_row_bytes);
-    };
     t = begin / nh;
     h = begin - t * nh;
-    const auto write_out = [&](const char* row,
-                               const uint8_t* scales) __attribute__((always_inline)) {
-      OutT* dst = output + t * out_row_stride + h * width;
-      if (row != nullptr) {
-        convert(reinterpret_cast<const InT*>(row), scales, dst, width);
-      } else {
-        std::memset(static_cast<void*>(dst), 0, static_cast<size_t>(width) * sizeof(OutT));
-      }
-      if (++h == nh) h = 0, ++t;
-    };
     if constexpr (In == Out) {
       copy_block({rows, count, row_bytes, reinterpret_cast<char*>(output),
                   out_row_stride * static_cast<int64_t>(sizeof(OutT)), nh, t, h});
     } else {
+      const auto prefetch_item = [&](int64_t i) __attribute__((always_inline)) {
+        if (rows[i] == nullptr) return;
+        prefetch_bytes(rows[i], row_bytes);
+        if constexpr (kNvfp4)
+          prefetch_bytes(reinterpret_cast<const char*>(scale_rows[i]), scale_row_bytes);
+      };
+      const auto write_out = [&](const char* row,
+                                 const uint8_t* scales) __attribute__((always_inline)) {
+        OutT* dst = output + t * out_row_stride + h * width;
+        if (row != nullptr) {
+          convert(reinterpret_cast<const InT*>(row), scales, dst, width);
+        } else {
+          std::memset(static_cast<void*>(dst), 0, static_cast<size_t>(width) * sizeof(OutT));
+        }
+        if (++h == nh) h = 0, ++t;
+      };
       for (int64_t i = 0; i < std::min(count, kPrefetchDistance); ++i) prefetch_item(i);
       const auto source = [&](int64_t i) __attribute__((always_inline)) {
         return std::pair<const char*, const uint8_t*>(rows[i], kNvfp4 ? scale_rows[i] : nullptr);
