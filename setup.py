@@ -129,6 +129,15 @@ def shims(sources: list[str], folder: str, suffix: str) -> list[str]:
 SIMT_WAVE_SIZES = (32, 64)
 
 
+# Every module links the shared libstdc++ (the one torch uses), named explicitly: a compiler set
+# up to link it statically (a wrapper or specs with -static-libstdc++, as on one GPU image seen
+# here) otherwise puts a second copy inside the module, whose streams then run on the process's
+# locale data and crash formatting a number (every TORCH_CHECK message with an integer in it).
+# Named before the driver's own -lstdc++, the shared library provides every symbol, so no member
+# of a static archive is pulled in. tests/test_linking.py checks the result.
+SHARED_LIBSTDCXX = ["-Wl,-Bdynamic", "-lstdc++"] if sys.platform.startswith("linux") else []
+
+
 def build_simt() -> bool:
     value = os.environ.get("QWEN4EXP_BUILD_SIMT", "0").strip()
     if value not in ("0", "1"):
@@ -164,7 +173,7 @@ def simt_extensions(
                 shims(hip_sources + simt_sources, f"simt_shims/wave{wave}", ".cpp"),
                 include_dirs=[CSRC],
                 extra_compile_args={"cxx": flags},
-                extra_link_args=link,
+                extra_link_args=[*link, *SHARED_LIBSTDCXX],
                 py_limited_api=True,
             )
         )
@@ -261,7 +270,7 @@ def build_extension():
         sources,
         include_dirs=[CSRC],
         extra_compile_args=extra,
-        extra_link_args=["-fopenmp", *sanitize_flags],
+        extra_link_args=["-fopenmp", *sanitize_flags, *SHARED_LIBSTDCXX],
         py_limited_api=True,
     )
     extensions = [ext]
