@@ -5,17 +5,19 @@
 # the GPU, and the benchmark on the GPU, writing everything into OUTDIR.
 #   usage: tools/gpu_check.sh OUTDIR
 # Files: nvidia-smi.txt, build.log, build_info.json, pytest.log, pytest.xml, memcheck.log,
-#        cmake.log, bench.log, bench-<date>-<device>.json, summary.txt
+#        cmake.log, bench-<op>.log, bench-<date>-<device>-<op>.json, summary.txt
 #
 # Every stage has a time limit, so that a lent GPU's minutes go where they were planned and a
 # hang in one stage still leaves the others' results (a stage cut short exits 124):
-#   TESTS          pytest -k expression (default "cuda or gpu": the CPU kernels and the SIMT
+#   TESTS          pytest -k expression (default "cuda or gpu or linking": the GPU tests and how
+#                  this machine's compiler linked the modules; the CPU kernels and the SIMT
 #                  emulator are CI's, on every run); TESTS="" runs the whole suite
 #   TEST_WORKERS   pytest-xdist workers (default 8), TESTS_SECONDS (default 300)
 #   MEMCHECK_TESTS (default: the GPU kernel tests that cover every kernel and layout),
 #   MEMCHECK_SECONDS (default 240; 0 skips), CMAKE_SECONDS (default 240; 0 skips)
 #   BENCH_OPS      ops to bench (default all), BENCH_CASES (--cases regex, default every case),
-#   BENCH_SECONDS  (default 600), BENCH_ARGS (more bench arguments)
+#   BENCH_SECONDS  (default 600, all ops together), BENCH_REPEAT (timed calls per contender,
+#                  default 100: the H200 took 5-8 s a case at that), BENCH_ARGS (more arguments)
 # The bench's "vllm" baselines are vLLM 0.33.0's Triton kernels: from an installed vLLM, else
 # from ./.vllm-source when present (made beforehand where vLLM is installed with
 # `python -m qwen4exp_ext.bench.vllm_triton .vllm-source`, and carried here: git ignores it).
@@ -79,10 +81,10 @@ if [ "$cmake_seconds" != 0 ] && command -v cmake >/dev/null 2>&1; then
   cmake_pid=$!
 fi
 
-echo "== tests (-k '${TESTS-cuda or gpu}', ${TEST_WORKERS:-8} workers)"
+echo "== tests (-k '${TESTS-cuda or gpu or linking}', ${TEST_WORKERS:-8} workers)"
 t0=$SECONDS
 timeout "${TESTS_SECONDS:-300}" "$PY" -m pytest tests -q -rs -p no:cacheprovider \
-  -n "${TEST_WORKERS:-8}" -k "${TESTS-cuda or gpu}" --junitxml "$out/pytest.xml" \
+  -n "${TEST_WORKERS:-8}" -k "${TESTS-cuda or gpu or linking}" --junitxml "$out/pytest.xml" \
   >"$out/pytest.log" 2>&1
 tests_status=$?
 tail -n 15 "$out/pytest.log"
@@ -127,13 +129,26 @@ fi
 # --threads all: host threads do not change GPU kernel times; "1,all" would double the run.
 device="$("$PY" -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "-"))')"
 t0=$SECONDS
+bench_seconds="${BENCH_SECONDS:-600}"
+bench_status=0
+# One process and one JSON per op, each given the time the others left: an op that crashes or
+# runs out of time costs its own figures, not every op's (the JSON is written at the end of a run).
 # shellcheck disable=SC2086 # BENCH_OPS and BENCH_ARGS are word lists
-timeout "${BENCH_SECONDS:-600}" "$PY" -m qwen4exp_ext.bench ${BENCH_OPS:-} --device cuda \
-  --threads all --cases "${BENCH_CASES:-.}" ${BENCH_ARGS:-} \
-  --json "$out/bench-$(date +%F)-$device.json" >"$out/bench.log" 2>&1
-bench_status=$?
-tail -n 40 "$out/bench.log"
-stage "bench ($((SECONDS - t0)) s)" $bench_status
+for op in ${BENCH_OPS:-ngram_ids gather_rows ngram_gather_rows ple_gate ple_conv}; do
+  left=$((bench_seconds - (SECONDS - t0)))
+  if [ "$left" -le 0 ]; then
+    stage "bench $op (no time left)" 124
+    bench_status=124
+    continue
+  fi
+  timeout "$left" "$PY" -m qwen4exp_ext.bench "$op" --device cuda --threads all \
+    --cases "${BENCH_CASES:-.}" --repeat "${BENCH_REPEAT:-100}" ${BENCH_ARGS:-} \
+    --json "$out/bench-$(date +%F)-$device-$op.json" >"$out/bench-$op.log" 2>&1
+  op_status=$?
+  tail -n 25 "$out/bench-$op.log"
+  stage "bench $op ($((SECONDS - t0)) s)" $op_status
+  [ "$op_status" -eq 0 ] || bench_status=$op_status
+done
 echo "== summary ($((SECONDS - start)) s)"
 cat "$summary"
 [ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ] && [ "$cmake_status" -eq 0 ] &&
