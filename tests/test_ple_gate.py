@@ -46,12 +46,12 @@ def make_inputs(
     hidden [T, C] (or a column slice of a wider buffer), weights [C] near zero (Gemma's 1+w)."""
     g = torch.Generator().manual_seed(seed)
     channels = width * streams
-    kv = torch.randn(tokens, channels + width, generator=g).to(dtype)
-    hidden_full = (torch.randn(tokens, channels + 3, generator=g) * scale).to(dtype)
+    kv = torch.randn(tokens, channels + width, generator=g).to(dtype).to(device)
+    hidden_full = (torch.randn(tokens, channels + 3, generator=g) * scale).to(dtype).to(device)
+    # Sliced on the device: .to(device) of a column slice would be a contiguous copy.
     hidden = hidden_full[:, 3:] if hidden_strided else hidden_full[:, :channels].contiguous()
     wdt = weight_dtype or dtype
     weights = [(torch.randn(channels, generator=g) * 0.2).to(wdt) for _ in range(3)]
-    kv, hidden = kv.to(device), hidden.to(device)
     weights = [w.to(device) for w in weights]
     return kv[:, :channels], kv[:, channels:], hidden, weights
 
