@@ -488,7 +488,7 @@ def test_gather_pinned_bytes_per_layer(gather_report: tuple[dict, str]) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="measured pinned bytes need a GPU")
-def test_gather_pinned_bytes_measured(gather_report: tuple[dict, str]) -> None:
+def test_gather_pinned_bytes_measured_on_the_gpu(gather_report: tuple[dict, str]) -> None:
     report, _ = gather_report
     (section,) = [s for s in report["sections"] if s["name"] == "pinned_bytes_measured"]
     for r in section["rows"]:
