@@ -43,10 +43,10 @@ def time_interleaved(
 ) -> dict[str, Quantiles]:
     """Time every function ``repeat`` times after ``warmup`` untimed rounds, interleaved.
 
-    On CUDA/ROCm each call sits between two events on the current stream, and each round of calls
-    is queued behind a spin kernel that lasts longer than the host takes to queue the round: the
-    figure is the device's time for the call, as in a CUDA graph (how vLLM runs decode), not the
-    host's launch overhead, which would otherwise be most of a decode kernel's few microseconds.
+    On CUDA/ROCm each call sits between two events on the current stream, queued behind a spin
+    kernel that lasts longer than the host takes to queue the call: the figure is the device's
+    time for the call, as in a CUDA graph (how vLLM runs decode), not the host's launch overhead,
+    which would otherwise be most of a decode kernel's few microseconds.
     A contender that waits on the device from the host (a sync) still pays for its wait. On CPU it
     is wall time per call.
     """
@@ -85,10 +85,16 @@ def _time_cpu(
     return samples
 
 
-# The spin before a round lasts this many times the host's time to queue the previous round (the
-# first round: a round queued untimed): the host has queued the whole round before the device
-# starts it, with room for a slower round. The spin costs device time between rounds only.
+# Each timed call waits behind a spin lasting this many times the host's time to queue that call
+# (measured once, untimed, with the device idle), plus MIN_LEAD_S for the spin and the two event
+# records: the host has queued the call before the device reaches it, so the events time the
+# device's work, not the host's. One spin per call, not per round: a contender that syncs (the
+# conv oracle's .tolist(), eager code with data-dependent shapes) drains the queue, and the calls
+# queued after it in a round-wide lead then timed the host's launch overhead instead (first GPU
+# run, 2026-12-04: ngram_ids at 27 us for T = 64 and 32 us for T = 8192). The spins cost device
+# time between calls only.
 QUEUE_LEAD = 1.5
+MIN_LEAD_S = 50e-6
 MAX_LEAD_S = 0.05
 
 
@@ -99,28 +105,26 @@ def _time_cuda(
     repeat: int,
 ) -> dict[str, list[float]]:
     events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-
-    def queue_round(row: list[str], timed: bool) -> float:
-        start_s = time.perf_counter()
-        for name in row:
-            if not timed:
-                fns[name]()
-                continue
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fns[name]()
-            end.record()
-            events.append((name, start, end))
-        return time.perf_counter() - start_s
-
     with torch.cuda.device(device):
         cycles_per_s = _spin_cycles_per_s(device)
+        lead_cycles: dict[str, int] = {}
+        for name in order[0]:
+            torch.cuda.synchronize()
+            start_s = time.perf_counter()
+            fns[name]()
+            host_s = time.perf_counter() - start_s
+            lead_s = min(QUEUE_LEAD * host_s + MIN_LEAD_S, MAX_LEAD_S)
+            lead_cycles[name] = int(lead_s * cycles_per_s)
         torch.cuda.synchronize()
-        host_s = queue_round(order[0], timed=False)
         for i in range(repeat):
-            torch.cuda._sleep(int(min(QUEUE_LEAD * host_s, MAX_LEAD_S) * cycles_per_s))
-            host_s = queue_round(order[i % len(order)], timed=True)
+            for name in order[i % len(order)]:
+                torch.cuda._sleep(lead_cycles[name])
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fns[name]()
+                end.record()
+                events.append((name, start, end))
         # One sync at the end keeps the host from stalling the queue between calls.
         torch.cuda.synchronize()
     samples: dict[str, list[float]] = {name: [] for name in fns}
