@@ -30,7 +30,7 @@ from gather_support import (
 )
 from qwen4exp_ext import ops, reference
 from qwen4exp_ext.bench import vllm_triton
-from qwen4exp_ext.testing import assert_exact, bit_patterns
+from qwen4exp_ext.testing import assert_exact, bit_patterns, same_layout
 
 BACKENDS = backends()
 FP8 = reference.FP8_DTYPES
@@ -529,11 +529,13 @@ def test_nvfp4_strided_views(backend):
     scale = torch.tensor([2.5])
     buffer = torch.full((20, 6 * 64 + 10), 7.0, dtype=torch.float16, device=device)
     out = buffer[:, 3 : 3 + 6 * 64]
+    on_device = [same_layout(t, device) for t in (table, strided_ids, block_scales)]
+    assert not any(t.is_contiguous() for t in on_device)
     ops.gather_rows(
-        table.to(device),
-        strided_ids.to(device),
+        on_device[0],
+        on_device[1],
         scale=scale.to(device),
-        block_scales=block_scales.to(device),
+        block_scales=on_device[2],
         output=out,
     )
     expected = reference.gather_rows(

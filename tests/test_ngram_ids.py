@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import backends
 from qwen4exp_ext import layout, ops, reference
+from qwen4exp_ext.testing import same_layout
 
 BACKENDS = backends()
 
@@ -178,13 +179,9 @@ def test_strided_views(backend):
             input_ids.numel(), 2 * expected.shape[1], dtype=torch.int64, device=device
         )
         out = wide[:, 1::2]
-        ops.ngram_ids(
-            strided_ids.to(device),
-            qsl.to(device),
-            strided_ctx.to(device),
-            *dev_lay.args(),
-            output=out,
-        )
+        dev_ids, dev_ctx = same_layout(strided_ids, device), same_layout(strided_ctx, device)
+        assert dev_ids.stride() == strided_ids.stride() and dev_ctx.stride() == strided_ctx.stride()
+        ops.ngram_ids(dev_ids, qsl.to(device), dev_ctx, *dev_lay.args(), output=out)
         assert torch.equal(out.cpu(), expected)
         assert torch.all(wide[:, 0::2] == 0)
 

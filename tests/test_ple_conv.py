@@ -24,6 +24,7 @@ from qwen4exp_ext.testing import (
     assert_exact,
     assert_untouched,
     assert_within,
+    same_layout,
     snapshot,
     tolerance,
 )
@@ -47,18 +48,16 @@ class Batch:
 
     def run(self, fn, device="cpu"):
         """Calls fn (ours, the reference or vLLM's) on copies; returns (residual, conv_state)."""
-        residual = self.residual.clone().to(device)
-        state = (
-            clone_layout(self.conv_state).to(device)
-            if device == "cpu"
-            else clone_layout(self.conv_state.to(device))
-        )
+        # Copies in the batch's layouts (strided rows, the state's window order) on any device.
+        residual = same_layout(self.residual, device)
+        state = same_layout(self.conv_state, device)
         kwargs = {
             k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.kwargs.items()
         }
-        outer = self.outer_residual.to(device) if self.outer_residual is not None else None
+        outer = self.outer_residual
+        outer = same_layout(outer, device) if outer is not None else None
         fn(
-            self.inputs.to(device),
+            same_layout(self.inputs, device),
             residual,
             state,
             self.conv_weights.to(device),
@@ -67,13 +66,6 @@ class Batch:
             **kwargs,
         )
         return residual.cpu(), state.cpu()
-
-
-def clone_layout(state: torch.Tensor) -> torch.Tensor:
-    """A copy with the same strides (window-first stays window-first)."""
-    return torch.empty_strided(
-        state.shape, state.stride(), dtype=state.dtype, device=state.device
-    ).copy_(state)
 
 
 def make_state(slots, channels, width, dtype, window_first, gen):
@@ -553,7 +545,7 @@ def single_request_step(
 
 def fresh_state(channels, width, dtype, device, gen, window_first=True):
     state = make_state(2, channels, width, dtype, window_first, gen)
-    return state.to(device) if device == "cpu" else clone_layout(state.to(device))
+    return same_layout(state, device)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
@@ -569,7 +561,7 @@ def test_property_chunk_split_invariance(backend, length, data, init, window_fir
     start = fresh_state(channels, state_len, torch.bfloat16, device, gen, window_first)
 
     def run(cuts, mode):
-        state = clone_layout(start)
+        state = same_layout(start)
         outs, a = [], 0
         for i, b in enumerate([*cuts, length]):
             if b > a:
@@ -655,7 +647,7 @@ def test_property_spec_equals_replaying_accepted_tokens(backend, query_len, data
     accepted = data.draw(st.integers(1, query_len))
     next_len = data.draw(st.integers(0, query_len))
 
-    spec_state = clone_layout(start)
+    spec_state = same_layout(start)
     single_request_step(
         backend, "spec", drafts, spec_state, weights, accepted=1, query_len=query_len
     )
@@ -669,7 +661,7 @@ def test_property_spec_equals_replaying_accepted_tokens(backend, query_len, data
         query_len=query_len,
     )
 
-    replay_state = clone_layout(start)
+    replay_state = same_layout(start)
     single_request_step(backend, "prefill", drafts[:accepted], replay_state, weights)
     replay_y = single_request_step(
         backend,
@@ -780,7 +772,7 @@ def test_torch_compile_smoke(backend):
     args = [
         batch.inputs,
         batch.residual.clone(),
-        clone_layout(batch.conv_state),
+        same_layout(batch.conv_state),
         batch.conv_weights,
         batch.state_indices,
         batch.outer_residual,
@@ -799,7 +791,7 @@ def conv_call(batch: Batch, **overrides):
     args = dict(
         inputs=batch.inputs,
         residual=batch.residual.clone(),
-        conv_state=clone_layout(batch.conv_state),
+        conv_state=same_layout(batch.conv_state),
         conv_weights=batch.conv_weights,
         state_indices=batch.state_indices,
         outer_residual=batch.outer_residual,
@@ -941,7 +933,7 @@ def test_bad_arguments_raise_clear_errors(batch, overrides, message):
 
 def test_bad_values_leave_state_and_residual_untouched():
     residual = PREFILL.residual.clone()
-    state = clone_layout(PREFILL.conv_state)
+    state = same_layout(PREFILL.conv_state)
     before = snapshot({"residual": residual, "conv_state": state})
     with pytest.raises(RuntimeError, match="outside"):
         ops.ple_conv(

@@ -23,7 +23,7 @@ import qwen4exp_ext
 from conftest import backends
 from qwen4exp_ext import ops, reference
 from qwen4exp_ext.bench import vllm_triton
-from qwen4exp_ext.testing import assert_within, tolerance
+from qwen4exp_ext.testing import assert_within, same_layout, tolerance
 
 BACKENDS = backends()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -136,7 +136,7 @@ def test_matches_vllm_triton_kernel(backend, dtype, tokens, width, streams):
     expected = _VLLM_RESULTS[case]
     device = backend.device
     got = backend.ops.ple_gate(
-        key.to(device), value.to(device), hidden.to(device), *(w.to(device) for w in weights), EPS
+        *(same_layout(t, device) for t in (key, value, hidden, *weights)), EPS
     )
     for g, e, name in zip(got, expected, ("gated", "conv_input"), strict=True):
         if backend.name != "cpu":
@@ -315,7 +315,7 @@ def test_nans_spread_as_in_the_reference(backend, dtype, rounding, where):
         weights[1][2 * width + 7] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
     args = (key, value, hidden, *weights, EPS)
     got = ops.ple_gate(
-        *(a.to(device) if torch.is_tensor(a) else a for a in args), rounding=rounding
+        *(same_layout(a, device) if torch.is_tensor(a) else a for a in args), rounding=rounding
     )
     expected = reference.ple_gate(*args, rounding=rounding)
     for g, e, name in zip(got, expected, ("gated", "conv_input"), strict=True):

@@ -9,6 +9,7 @@
   :func:`assert_within` raise that line as an :class:`AssertionError` (what the tests call).
 - :func:`snapshot` and :func:`assert_untouched`: that a call (one that raised, say) left the
   tensors it must not write bit for bit as they were.
+- :func:`same_layout`: a copy that keeps a view's strides, on any device.
 
 Nothing here needs more than torch: no pytest, no numpy.
 """
@@ -32,6 +33,7 @@ __all__ = [
     "bit_patterns",
     "close_mismatch",
     "exact_mismatch",
+    "same_layout",
     "snapshot",
     "tolerance",
 ]
@@ -251,6 +253,16 @@ def _prefix(what: str) -> str:
 
 
 # --- tensors a call must leave as they were --------------------------------------------------
+
+
+def same_layout(t: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """A copy of ``t`` on ``device`` (default: its own) with ``t``'s shape and strides.
+
+    ``t.to(device)`` and ``t.clone()`` give a column slice or a stride-2 view contiguous storage
+    (only dense layouts keep their strides), so a strided input built on the CPU and moved would
+    reach a GPU kernel contiguous. Not for overlapping views (stride 0)."""
+    target = t.device if device is None else device
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=target).copy_(t)
 
 
 def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
