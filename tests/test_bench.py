@@ -83,6 +83,8 @@ def test_quick_run_writes_complete_json(ngram_run: dict) -> None:
     assert source is None or re.fullmatch(r"[0-9a-f]{40}(-dirty)?", source)
     assert report["torch"] == torch.__version__
     assert report["thread_counts"] == THREADS
+    assert report["complete"] is True
+    assert not ngram_run["paths"]["json"].with_name("bench.json.partial").exists()
     results = report["results"]
     assert {r["case"] for r in results} == NGRAM_IDS_CASES
     # Every case once per thread count, the counts of one case side by side.
@@ -253,6 +255,28 @@ def test_wrong_kernel_fails_the_check(monkeypatch: pytest.MonkeyPatch, tmp_path:
     failures = report["check_failures"]
     assert failures and all(f.startswith("ngram_ids/") for f in failures)
     assert len(failures) == len({f.split(" ")[0] for f in failures})
+
+
+def test_a_run_cut_short_keeps_its_json(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The JSON is rewritten after every case: a run stopped in its third case (a time limit,
+    Ctrl-C, a crash) leaves the first two, marked incomplete."""
+    real, calls = cli._run_case, []
+
+    def stopped_in_the_third(*args: object, **kwargs: object) -> dict:
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "_run_case", stopped_in_the_third)
+    path = tmp_path / "bench.json"
+    argv = ["ngram_ids", "--quick", "--threads", "1", "--json", str(path)]
+    with pytest.raises(KeyboardInterrupt), contextlib.redirect_stdout(io.StringIO()):
+        main(argv)
+    report = json.loads(path.read_text())
+    assert report["complete"] is False
+    assert [r["case"] for r in report["results"]] == ["decode_T1", "decode_T8"]
+    assert report["device"] and report["thread_counts"] == [1]
 
 
 def test_cases_filter(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ import csv
 import functools
 import json
 import math
+import os
 import platform
 import re
 import subprocess
@@ -101,6 +102,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     failures: list[str] = []
     sections: list[dict[str, Any]] = []
+    run_info = {
+        "thread_counts": thread_counts,
+        "repeat": shown,
+        "warmup": warmup,
+        "cases": args.cases.pattern,
+        "check_failures": failures,
+    }
+    environment = _environment(device)
+
+    def save_json(complete: bool) -> None:
+        """The JSON report of what has run so far: rewritten after every case, so that a run cut
+        short (a time limit, a crash, Ctrl-C) keeps its figures, with "complete": false."""
+        if args.json is not None:
+            report = {**environment, **run_info, "complete": complete}
+            _write_json(args.json, report | {"results": results, "sections": sections})
+
     for op in args.ops or list(OP_MODULES):
         progress.show(f"[{op}] building cases...")
         cases = [c for c in load_cases(op, device) if args.cases.search(c.name)]
@@ -122,11 +139,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     failure = f"{case.op}/{case.name} ({_threads_text(threads)}): {err}"
                     print(f"CHECK FAILED {failure}", file=sys.stderr)
                     failures.append(failure)
+                    save_json(complete=False)
                     continue
                 result["threads"] = threads
                 results.append(result)
                 progress.clear()
                 print(_row(_table_values(result)), flush=True)
+                save_json(complete=False)
         del cases
         for section in load_sections(op, device):
             progress.clear()
@@ -135,19 +154,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 {k: getattr(section, k) for k in ("op", "name", "note")}
                 | {"rows": [dict(r) for r in section.rows]}
             )
+        save_json(complete=False)
     progress.clear()
     if not results and not failures:
         print(f"no case matches --cases {args.cases.pattern!r}", file=sys.stderr)
         return 2
 
-    run_info = {
-        "thread_counts": thread_counts,
-        "repeat": shown,
-        "warmup": warmup,
-        "cases": args.cases.pattern,
-        "check_failures": failures,
-    }
-    _write_reports(args, device, run_info, results, sections)
+    save_json(complete=True)
+    if args.json is not None:
+        print(f"wrote {args.json}")
+    _write_tables(args, device, results)
     if failures:
         print(f"{len(failures)} case(s) failed their check and were not timed", file=sys.stderr)
         return 1
@@ -185,19 +201,18 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[in
     return args, thread_counts
 
 
-def _write_reports(
-    args: argparse.Namespace,
-    device: torch.device,
-    run_info: dict[str, Any],
-    results: list[dict[str, Any]],
-    sections: list[dict[str, Any]],
+def _write_json(path: Path, report: dict[str, Any]) -> None:
+    """``report`` as ``path``, replaced whole (a run killed while writing leaves the last one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    os.replace(partial, path)
+
+
+def _write_tables(
+    args: argparse.Namespace, device: torch.device, results: list[dict[str, Any]]
 ) -> None:
-    """The --json, --csv and --plot files that were asked for."""
-    if args.json is not None:
-        report = {**_environment(device), **run_info, "results": results, "sections": sections}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        print(f"wrote {args.json}")
+    """The --csv and --plot files that were asked for, at the end of a run."""
     if args.csv is not None:
         _write_csv(results, args.csv)
         print(f"wrote {args.csv}")
@@ -223,7 +238,13 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto = cuda (CUDA or ROCm) if available, else cpu",
     )
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write results as JSON")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        metavar="PATH",
+        help='also write results as JSON, rewritten after each case ("complete": false until the '
+        "run ends, so a run cut short keeps what it measured)",
+    )
     parser.add_argument(
         "--csv",
         type=Path,
