@@ -132,7 +132,7 @@ t0=$SECONDS
 bench_seconds="${BENCH_SECONDS:-600}"
 bench_status=0
 # One process and one JSON per op, each given the time the others left: an op that crashes or
-# runs out of time costs its own figures, not every op's (the JSON is written at the end of a run).
+# hangs costs the rest of its own cases, not the other ops' (each JSON keeps the cases run).
 # shellcheck disable=SC2086 # BENCH_OPS and BENCH_ARGS are word lists
 for op in ${BENCH_OPS:-ngram_ids gather_rows ngram_gather_rows ple_gate ple_conv}; do
   left=$((bench_seconds - (SECONDS - t0)))
