@@ -8,15 +8,18 @@
 #        cmake.log, bench-<op>.log, bench-<date>-<device>-<op>.json, summary.txt
 #
 # Every stage has a time limit, so that a lent GPU's minutes go where they were planned and a
-# hang in one stage still leaves the others' results (a stage cut short exits 124):
+# hang in one stage still leaves the others' results (a stage cut short exits 124). The defaults
+# fit one call of at most nine minutes on an H200 (build 40 s, tests 90 s there on 2026-12-04),
+# leaving a lease of 15 minutes room for the machine's start and a second, shorter call:
 #   TESTS          pytest -k expression (default "cuda or gpu or linking": the GPU tests and how
 #                  this machine's compiler linked the modules; the CPU kernels and the SIMT
 #                  emulator are CI's, on every run); TESTS="" runs the whole suite
-#   TEST_WORKERS   pytest-xdist workers (default 8), TESTS_SECONDS (default 300)
+#   TEST_WORKERS   pytest-xdist workers (default 8), TESTS_SECONDS (default 150)
 #   MEMCHECK_TESTS (default: the GPU kernel tests that cover every kernel and layout),
-#   MEMCHECK_SECONDS (default 240; 0 skips), CMAKE_SECONDS (default 240; 0 skips)
-#   BENCH_OPS      ops to bench (default all), BENCH_CASES (--cases regex, default every case),
-#   BENCH_SECONDS  (default 600, all ops together), BENCH_REPEAT (timed calls per contender,
+#   MEMCHECK_SECONDS (default 150; 0 skips), CMAKE_SECONDS (default 200, beside the tests; 0 skips)
+#   BENCH_OPS      ops to bench (default all), BENCH_CASES (--cases regex; default the headline
+#                  shapes, prefill T = 8192 and decode T = 64 / R = 64; "." for every case),
+#   BENCH_SECONDS  (default 200, all ops together), BENCH_REPEAT (timed calls per contender,
 #                  default 100: the H200 took 5-8 s a case at that), BENCH_ARGS (more arguments)
 # The bench's "vllm" baselines are vLLM 0.33.0's Triton kernels: from an installed vLLM, else
 # from ./.vllm-source when present (made beforehand where vLLM is installed with
@@ -73,7 +76,7 @@ stage "build ($((SECONDS - start)) s)" 0
   | tee "$out/build_info.json"
 
 # The CMake package check compiles on the CPU while the tests run on the GPU.
-cmake_seconds="${CMAKE_SECONDS:-240}"
+cmake_seconds="${CMAKE_SECONDS:-200}"
 cmake_pid=""
 if [ "$cmake_seconds" != 0 ] && command -v cmake >/dev/null 2>&1; then
   CUDA_ARCH="${TORCH_CUDA_ARCH_LIST//./}" timeout "$cmake_seconds" tools/check-cmake.sh \
@@ -83,7 +86,7 @@ fi
 
 echo "== tests (-k '${TESTS-cuda or gpu or linking}', ${TEST_WORKERS:-8} workers)"
 t0=$SECONDS
-timeout "${TESTS_SECONDS:-300}" "$PY" -m pytest tests -q -rs -p no:cacheprovider \
+timeout "${TESTS_SECONDS:-150}" "$PY" -m pytest tests -q -rs -p no:cacheprovider \
   -n "${TEST_WORKERS:-8}" -k "${TESTS-cuda or gpu or linking}" --junitxml "$out/pytest.xml" \
   >"$out/pytest.log" 2>&1
 tests_status=$?
@@ -94,7 +97,7 @@ echo "== compute-sanitizer memcheck"
 # No caching allocator: memcheck then sees each tensor's own bounds rather than a pooled block's.
 # tests/test_gpu_debug_checks.py runs the bad-index data the kernels must survive without debug
 # checks. 86: a memory error; 124: ran out of time.
-memcheck_seconds="${MEMCHECK_SECONDS:-240}"
+memcheck_seconds="${MEMCHECK_SECONDS:-150}"
 memcheck_tests="${MEMCHECK_TESTS:-cuda and (gpu_debug or matches_reference or oracle_composition or decode_window)}"
 memcheck_status=0
 if [ "$memcheck_seconds" != 0 ]; then
@@ -129,7 +132,8 @@ fi
 # --threads all: host threads do not change GPU kernel times; "1,all" would double the run.
 device="$("$PY" -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "-"))')"
 t0=$SECONDS
-bench_seconds="${BENCH_SECONDS:-600}"
+headline_cases='prefill_T8192|decode_T64|decode_R64'
+bench_seconds="${BENCH_SECONDS:-200}"
 bench_status=0
 # One process and one JSON per op, each given the time the others left: an op that crashes or
 # hangs costs the rest of its own cases, not the other ops' (each JSON keeps the cases run).
@@ -142,7 +146,7 @@ for op in ${BENCH_OPS:-ngram_ids gather_rows ngram_gather_rows ple_gate ple_conv
     continue
   fi
   timeout "$left" "$PY" -m qwen4exp_ext.bench "$op" --device cuda --threads all \
-    --cases "${BENCH_CASES:-.}" --repeat "${BENCH_REPEAT:-100}" ${BENCH_ARGS:-} \
+    --cases "${BENCH_CASES:-$headline_cases}" --repeat "${BENCH_REPEAT:-100}" ${BENCH_ARGS:-} \
     --json "$out/bench-$(date +%F)-$device-$op.json" >"$out/bench-$op.log" 2>&1
   op_status=$?
   tail -n 25 "$out/bench-$op.log"
