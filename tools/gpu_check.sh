@@ -137,8 +137,9 @@ bench_seconds="${BENCH_SECONDS:-200}"
 bench_status=0
 # One process and one JSON per op, each given the time the others left: an op that crashes or
 # hangs costs the rest of its own cases, not the other ops' (each JSON keeps the cases run).
+all_ops="$("$PY" -c 'from qwen4exp_ext.bench.registry import OP_MODULES; print(*OP_MODULES)')"
 # shellcheck disable=SC2086 # BENCH_OPS and BENCH_ARGS are word lists
-for op in ${BENCH_OPS:-ngram_ids gather_rows ngram_gather_rows ple_gate ple_conv}; do
+for op in ${BENCH_OPS:-$all_ops}; do
   left=$((bench_seconds - (SECONDS - t0)))
   if [ "$left" -le 0 ]; then
     stage "bench $op (no time left)" 124
