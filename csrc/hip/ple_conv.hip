@@ -16,7 +16,9 @@
 // compiled with constant K and δ, the window in registers; other shapes run the taps in a loop
 // and move the window through registers a chunk at a time. Prefill and spec compute their
 // outputs from the old state in one kernel and write the state back in a second, after every
-// token has read it, one block row per request.
+// token has read it, one block row per request. In prefill with K = 4 and the weights as vLLM
+// stores them, a token past its request's first S issues its four input rows' loads and its
+// weights' at once, instead of one tap's round trip after another.
 //
 // The host cannot see the data, so every index taken from it is checked here: a token whose
 // token_indices entry is out of range is skipped (its residual row is not written); a slot id
@@ -320,11 +322,35 @@ __global__ void __launch_bounds__(kThreads) ple_conv_decode_kernel(PleConvParams
   }
 }
 
-// Prefill and spec outputs, logical row t = first + blockIdx.x, from the old state.
-template <typename T, typename W, int VEC, ConvMode kMode>
+// The released model's kernel size: the prefill outputs kernel is also compiled with it constant
+// (kK), for weights in the activations' dtype stored [C, K] (what vLLM passes), where a thread's
+// VEC channels' weights are one run of VEC·K values: 64 bytes, four 128-bit loads
+// (weights_packed).
+constexpr int kReleasedKernel = 4;
+
+// Tap k's weight of channel c0 + v from a thread's packed run of VEC·kK weights (as 32-bit
+// words: channel-major, tap-minor).
+template <typename T, int VEC, int kK>
+QWEN4EXP_DEVICE float packed_weight(const uint32_t (&words)[VEC * kK * sizeof(T) / 4], int v,
+                                    int k) {
+  const int e = v * kK + k;
+  if constexpr (sizeof(T) == 4) {
+    return bits_to_float(words[e]);
+  } else {
+    return to_float(T{static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2)))});
+  }
+}
+
+// Prefill and spec outputs, logical row t = first + blockIdx.x, from the old state. kK = 0: any
+// kernel size and weight layout, the taps one at a time. kK > 0 (prefill, weights_packed): a
+// token whose taps are all rows of its request's chunk (j >= S: every token but a request's
+// first S) loads the kK rows and its weights at once, then sums them. (Spec chunks are shorter
+// than S.)
+template <typename T, typename W, int VEC, ConvMode kMode, int kK>
 __global__ void __launch_bounds__(kThreads)
     ple_conv_outputs_kernel(PleConvParams p, int64_t first) {
   static_assert(kMode != ConvMode::kDecode, "decode has its own kernel");
+  static_assert(kK == 0 || (std::is_same_v<T, W> && VEC > 1), "kK > 0 reads packed weights");
   const unsigned c0 = first_channel<VEC>();
   if (c0 >= p.channels) return;
   const int64_t t = first + blockIdx.x;
@@ -353,9 +379,44 @@ __global__ void __launch_bounds__(kThreads)
   float acc[VEC];
 #pragma unroll
   for (int v = 0; v < VEC; ++v) acc[v] = 0.f;
-  if (produce) {
-    const int64_t j = t - start;
-    const int S = p.state_len;
+  const int64_t j = t - start;
+  const int S = p.state_len;
+  bool summed = false;
+  if constexpr (kK > 0) {
+    if (produce && j >= S) {
+      constexpr int kWeightWords = VEC * kK * sizeof(T) / 4;
+      Packed<T, VEC> rows[kK];
+#pragma unroll
+      for (int k = 0; k < kK; ++k) {
+        const int64_t logical = start + j + static_cast<int64_t>(k) * p.dilation - S;
+        const int64_t src = (logical >= 0 && logical < p.num_rows) ? conv_physical_row(p, logical)
+                                                                   : int64_t{-1};
+        rows[k] = src >= 0 ? load_packed<T, VEC>(static_cast<const T*>(p.inputs) +
+                                                 src * p.inputs_row_stride + c0)
+                           : zero_packed<T, VEC>();
+      }
+      uint32_t words[kWeightWords];
+      const uint4* weights =
+          reinterpret_cast<const uint4*>(static_cast<const T*>(p.weights) + c0 * kK);
+#pragma unroll
+      for (int i = 0; i < kWeightWords / 4; ++i) {
+        const uint4 w = weights[i];
+        words[4 * i] = w.x;
+        words[4 * i + 1] = w.y;
+        words[4 * i + 2] = w.z;
+        words[4 * i + 3] = w.w;
+      }
+#pragma unroll
+      for (int k = 0; k < kK; ++k) {
+        float tap[VEC];
+        unpack_floats<T, VEC>(rows[k], tap);
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[v] += packed_weight<T, VEC, kK>(words, v, k) * tap[v];
+      }
+      summed = true;
+    }
+  }
+  if (produce && !summed) {
     const W* weights =
         static_cast<const W*>(p.weights) + static_cast<int64_t>(c0) * p.weight_channel_stride;
     // This thread's first channel of the slot's window, from the read offset.
@@ -496,6 +557,15 @@ int64_t channel_blocks(const PleConvParams& p) {
 // True when an address or byte stride is a multiple of `bytes` (8 or 16).
 bool aligned_to(uint64_t value, uint64_t bytes) { return value % bytes == 0; }
 
+// Whether kReleasedKernel's outputs kernel can read the weights (see kReleasedKernel).
+template <typename T, int VEC>
+bool weights_packed(const PleConvParams& p) {
+  static_assert(VEC * kReleasedKernel * sizeof(T) % 16 == 0, "whole 128-bit loads");
+  return p.kernel_size == kReleasedKernel && p.weight_dtype == p.dtype &&
+         p.weight_tap_stride == 1 && p.weight_channel_stride == kReleasedKernel &&
+         aligned_to(reinterpret_cast<uint64_t>(p.weights), 16);
+}
+
 // The rows (inputs, residual, outer_residual) as VEC-channel words of VEC·sizeof(T) bytes.
 template <typename T, int VEC>
 bool rows_packed(const PleConvParams& p) {
@@ -534,8 +604,17 @@ template <typename T, typename W, int VEC, ConvMode kMode>
 hipError_t launch_chunks(const PleConvParams& p, hipStream_t stream) {
   const int64_t blocks = channel_blocks<VEC>(p), write_back_blocks = channel_blocks<1>(p);
   if (blocks < 0 || write_back_blocks < 0) return hipErrorInvalidValue;
-  const hipError_t status =
-      launch_rows(ple_conv_outputs_kernel<T, W, VEC, kMode>, p.num_rows, blocks, p, stream);
+  hipError_t status;
+  if constexpr (VEC > 1 && std::is_same_v<T, W> && kMode == ConvMode::kPrefill) {
+    status = weights_packed<T, VEC>(p)
+                 ? launch_rows(ple_conv_outputs_kernel<T, W, VEC, kMode, kReleasedKernel>,
+                               p.num_rows, blocks, p, stream)
+                 : launch_rows(ple_conv_outputs_kernel<T, W, VEC, kMode, 0>, p.num_rows, blocks, p,
+                               stream);
+  } else {
+    status =
+        launch_rows(ple_conv_outputs_kernel<T, W, VEC, kMode, 0>, p.num_rows, blocks, p, stream);
+  }
   if (status != hipSuccess) return status;
   return launch_rows(ple_conv_write_back_kernel<T, kMode>, p.num_requests, write_back_blocks, p,
                      stream);
