@@ -48,11 +48,11 @@ struct NgramIdsParams {
   const FastDivmodU64* head_divmod;
 };
 
-// Fills window[s] (s = 1..depth) with the s-th predecessor of token t under the EOS barrier:
-// walking back from t, the first EOS met is kept and every older position reads EOS. window[0]
-// is the token itself and never masked. r < 0 means "no request" (R = 0): all predecessors EOS.
-// kMaxDepth bounds depth at compile time so the loop unrolls and, on the GPU, the window stays in
-// registers (a dynamically indexed array would live in scratch memory).
+// Fills window[s] (s = 1..depth, of kMaxDepth + 1 entries) with the s-th predecessor of token t
+// under the EOS barrier: walking back from t, the first EOS met is kept and every older position
+// reads EOS. window[0] is the token itself and never masked. r < 0 means "no request" (R = 0): all
+// predecessors EOS. kMaxDepth bounds depth at compile time so the loop unrolls and, on the GPU, the
+// window stays in registers (a dynamically indexed array would live in scratch memory).
 template <int kMaxDepth>
 QWEN4EXP_HD void load_window(const NgramIdsParams& p, int64_t t, int64_t r, int depth,
                              int64_t* window) {
@@ -63,8 +63,11 @@ QWEN4EXP_HD void load_window(const NgramIdsParams& p, int64_t t, int64_t r, int 
   bool crossed = false;
   QWEN4EXP_UNROLL
   for (int s = 1; s <= kMaxDepth; ++s) {  // fixed trip count (no break): fully unrollable
+    // Past depth: 0, never read (mix_window stops at the order), but written, so that the
+    // compiler sees every entry defined (GCC warned of each as maybe uninitialised).
+    int64_t token = 0;
     if (s <= depth) {
-      int64_t token = eos;
+      token = eos;
       if (!crossed && r >= 0) {
         if (pos >= s) {
           const int64_t src = t - s;
@@ -77,8 +80,8 @@ QWEN4EXP_HD void load_window(const NgramIdsParams& p, int64_t t, int64_t r, int 
         }
       }
       crossed = crossed || token == eos;
-      window[s] = token;
     }
+    window[s] = token;
   }
 }
 
