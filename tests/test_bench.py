@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -217,41 +216,6 @@ def test_orders_balance_predecessors() -> None:
         pairs = Counter((row[j], row[j + 1]) for row in rows for j in range(n - 1))
         assert len(pairs) == n * (n - 1), n
         assert len(set(pairs.values())) <= 1, (n, pairs)
-
-
-def test_rounds_give_each_contender_its_calls() -> None:
-    """Per-name call counts: every name gets exactly its calls, rounds run all of them until the
-    fewest are done, and each stretch of rounds with one set of names is balanced on its own."""
-    from collections import Counter
-
-    from qwen4exp_ext.bench.timing import interleaved_rounds
-
-    counts = {"ours": 12, "baseline": 5, "oracle": 5, "copy": 20}
-    rounds = interleaved_rounds(counts)
-    assert Counter(name for round_ in rounds for name in round_) == counts
-    assert all(sorted(r) == sorted(counts) for r in rounds[:5])
-    assert all(sorted(r) == ["copy", "ours"] for r in rounds[5:12])
-    assert all(r == ["copy"] for r in rounds[12:])
-    # The two-name stretch alternates its two orders, starting from the first.
-    assert [r[0] for r in rounds[5:9]] == ["ours", "copy", "ours", "copy"]
-    # One count for all: the balanced orders in turn, as --repeat N gives.
-    assert interleaved_rounds({"a": 3, "b": 3}) == [["a", "b"], ["b", "a"], ["a", "b"]]
-
-
-def test_slow_contenders_get_fewer_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without --repeat each contender gets the calls that fit its share of the case's budget:
-    a slow oracle its minimum, the fast kernel and copy many more (and all are timed)."""
-    from qwen4exp_ext.bench import timing
-
-    monkeypatch.setattr(cli, "CASE_BUDGET_S", 0.4)
-    fns = {"ours": lambda: None, "oracle": lambda: time.sleep(0.05), "copy": lambda: None}
-    calls = cli._auto_repeat(fns, torch.device("cpu"), warmup=1)
-    assert calls["oracle"] == cli.MIN_REPEAT
-    assert calls["ours"] == calls["copy"] == cli.DEFAULT_REPEAT
-    times = timing.time_interleaved(fns, torch.device("cpu"), 0, calls)
-    assert {name: q.n for name, q in times.items()} == calls
-    with pytest.raises(ValueError, match="every contender at least one call"):
-        timing.time_interleaved(fns, torch.device("cpu"), 0, {"ours": 1, "copy": 1})
 
 
 def test_percent_of_the_datasheet_peak(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,11 +45,9 @@ from qwen4exp_ext.testing import exact_mismatch
 
 DEFAULT_REPEAT = 500
 QUICK_REPEAT = 10
-# Without --repeat, each contender of a case gets as many calls as fit an equal share of this
-# many seconds (MIN_REPEAT to DEFAULT_REPEAT): the eager baselines and the oracle of the big
-# shapes take seconds per call on a CPU, the kernels and the copy milliseconds or microseconds. A
-# fixed count would make the default run take hours, and one count for all (what fits the slowest)
-# left the kernel and its copy five calls each at prefill, where a noisy host's copy swung 2x.
+# Without --repeat, each case gets as many rounds as fit this many seconds (MIN_REPEAT to
+# DEFAULT_REPEAT): the eager baselines of the big shapes take seconds per call on a CPU, the
+# kernels microseconds, and a fixed count would make the default run take hours.
 CASE_BUDGET_S = 4.0
 MIN_REPEAT = 5
 DEFAULT_THREADS = "1,all"
@@ -284,8 +282,8 @@ def _parser() -> argparse.ArgumentParser:
         "--repeat",
         type=int,
         metavar="N",
-        help=f"timed calls per contender (default: as many as fit an equal share of "
-        f"{CASE_BUDGET_S:g} s per case, {MIN_REPEAT} to {DEFAULT_REPEAT} per contender)",
+        help=f"timed calls per contender (default: as many as fit {CASE_BUDGET_S:g} s per case, "
+        f"{MIN_REPEAT} to {DEFAULT_REPEAT})",
     )
     parser.add_argument(
         "--check",
@@ -354,25 +352,18 @@ class _Progress:
             self.shown = False
 
 
-def _auto_repeat(
-    fns: dict[str, Callable[[], object]], device: torch.device, warmup: int
-) -> dict[str, int]:
-    """Runs the warm-up rounds and returns, per contender, how many calls fit its equal share of
-    CASE_BUDGET_S (each call's fastest warm-up round: one slow call of a noisy host would
-    otherwise cut a contender's calls), clamped to [MIN_REPEAT, DEFAULT_REPEAT]."""
-    call_s = dict.fromkeys(fns, float("inf"))
+def _auto_repeat(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int) -> int:
+    """Runs the warm-up rounds and returns how many rounds fit CASE_BUDGET_S (timed on the last
+    warm-up round), clamped to [MIN_REPEAT, DEFAULT_REPEAT]."""
+    round_s = 0.0
     for _ in range(warmup):
-        for name, fn in fns.items():
-            start = time.perf_counter()
+        start = time.perf_counter()
+        for fn in fns.values():
             fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            call_s[name] = min(call_s[name], time.perf_counter() - start)
-    share_s = CASE_BUDGET_S / len(fns)
-    return {
-        name: max(MIN_REPEAT, min(DEFAULT_REPEAT, int(share_s / max(s, 1e-9))))
-        for name, s in call_s.items()
-    }
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        round_s = time.perf_counter() - start
+    return max(MIN_REPEAT, min(DEFAULT_REPEAT, int(CASE_BUDGET_S / max(round_s, 1e-9))))
 
 
 def _run_case(
@@ -387,13 +378,10 @@ def _run_case(
         "oracle": case.oracle,
         "copy": copy,
     }
-    calls: int | dict[str, int]
     if repeat is None:
-        calls = _auto_repeat(fns, device, warmup)
+        repeat = _auto_repeat(fns, device, warmup)
         warmup = 0  # done
-    else:
-        calls = repeat
-    times = time_interleaved(fns, device, warmup, calls)
+    times = time_interleaved(fns, device, warmup, repeat)
     ours, oracle, copy_t = times["ours"], times["oracle"], times["copy"]
     baselines = {name: times[name] for name in case.baselines}
     headline = baselines[case.baseline]

@@ -7,17 +7,12 @@ the caches and TLBs depends on the call before it (a copy evicts them; a gather 
 table leaves its page-table entries cached), and with a fixed predecessor one contender would
 always time the cold case and another the warm one. (A plain rotation keeps the cyclic order,
 hence the predecessors, fixed; a Williams design balances them.)
-
-Contenders may take different numbers of calls: a case's plain-PyTorch oracle can take seconds
-per call where the kernel and the copy take milliseconds, and the ratio of the two fast ones (the
-% of copy) needs more samples than the slow one can afford. The rounds then run every contender
-until the slowest has its calls, and after that only those with calls left.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -44,13 +39,9 @@ class Quantiles:
 
 
 def time_interleaved(
-    fns: Mapping[str, Callable[[], object]],
-    device: torch.device,
-    warmup: int,
-    repeat: int | Mapping[str, int],
+    fns: Mapping[str, Callable[[], object]], device: torch.device, warmup: int, repeat: int
 ) -> dict[str, Quantiles]:
-    """Time every function ``repeat`` times (one count for all, or a count per name) after
-    ``warmup`` untimed rounds, interleaved (see ``interleaved_rounds``).
+    """Time every function ``repeat`` times after ``warmup`` untimed rounds, interleaved.
 
     On CUDA/ROCm each call sits between two events on the current stream, queued behind a spin
     kernel that lasts longer than the host takes to queue the call: the figure is the device's
@@ -60,34 +51,15 @@ def time_interleaved(
     is wall time per call.
     """
     names = list(fns)
-    counts = dict.fromkeys(names, repeat) if isinstance(repeat, int) else dict(repeat)
-    if sorted(counts) != sorted(names) or min(counts.values(), default=1) < 1:
-        raise ValueError(f"repeat must give every contender at least one call, got {repeat!r}")
     for _ in range(warmup):
         for name in names:
             fns[name]()
-    rounds = interleaved_rounds(counts)
+    order = [[names[i] for i in row] for row in balanced_orders(len(names))]
     if device.type == "cuda":
-        samples = _time_cuda(fns, rounds, device)
+        samples = _time_cuda(fns, order, device, repeat)
     else:
-        samples = _time_cpu(fns, rounds)
+        samples = _time_cpu(fns, order, repeat)
     return {name: Quantiles.of(samples[name]) for name in names}
-
-
-def interleaved_rounds(counts: Mapping[str, int]) -> list[list[str]]:
-    """The calls of ``counts`` (name -> calls) as rounds: round i calls, once each, the names
-    with more than i calls, in a balanced order of that set; each stretch of rounds with the same
-    set walks through that set's balanced orders from the first."""
-    names = list(counts)
-    rounds: list[list[str]] = []
-    stretch_start, stretch_names = 0, names
-    for i in range(max(counts.values(), default=0)):
-        active = [name for name in names if counts[name] > i]
-        if active != stretch_names:
-            stretch_start, stretch_names = i, active
-        orders = balanced_orders(len(active))
-        rounds.append([active[j] for j in orders[(i - stretch_start) % len(orders)]])
-    return rounds
 
 
 def balanced_orders(n: int) -> list[list[int]]:
@@ -101,11 +73,11 @@ def balanced_orders(n: int) -> list[list[int]]:
 
 
 def _time_cpu(
-    fns: Mapping[str, Callable[[], object]], rounds: Sequence[Sequence[str]]
+    fns: Mapping[str, Callable[[], object]], order: list[list[str]], repeat: int
 ) -> dict[str, list[float]]:
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for round_ in rounds:
-        for name in round_:
+    for i in range(repeat):
+        for name in order[i % len(order)]:
             fn = fns[name]
             start = time.perf_counter_ns()
             fn()
@@ -128,14 +100,15 @@ MAX_LEAD_S = 0.05
 
 def _time_cuda(
     fns: Mapping[str, Callable[[], object]],
-    rounds: Sequence[Sequence[str]],
+    order: list[list[str]],
     device: torch.device,
+    repeat: int,
 ) -> dict[str, list[float]]:
     events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
     with torch.cuda.device(device):
         cycles_per_s = _spin_cycles_per_s(device)
         lead_cycles: dict[str, int] = {}
-        for name in fns:
+        for name in order[0]:
             torch.cuda.synchronize()
             start_s = time.perf_counter()
             fns[name]()
@@ -143,8 +116,8 @@ def _time_cuda(
             lead_s = min(QUEUE_LEAD * host_s + MIN_LEAD_S, MAX_LEAD_S)
             lead_cycles[name] = int(lead_s * cycles_per_s)
         torch.cuda.synchronize()
-        for round_ in rounds:
-            for name in round_:
+        for i in range(repeat):
+            for name in order[i % len(order)]:
                 torch.cuda._sleep(lead_cycles[name])
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
