@@ -322,11 +322,19 @@ __global__ void __launch_bounds__(kThreads) ple_conv_decode_kernel(PleConvParams
   }
 }
 
-// The released model's kernel size: the prefill outputs kernel is also compiled with it constant
-// (kK), for weights in the activations' dtype stored [C, K] (what vLLM passes), where a thread's
-// VEC channels' weights are one run of VEC·K values: 64 bytes, four 128-bit loads
-// (weights_packed).
-constexpr int kReleasedKernel = 4;
+// The physical input row at history position h >= S of the request whose chunk starts at logical
+// row `start`, or -1 where that row is outside the batch (its tap reads 0).
+QWEN4EXP_DEVICE int64_t chunk_input_row(const PleConvParams& p, int64_t start, int64_t h, int S) {
+  const int64_t logical = start + h - S;
+  return logical >= 0 && logical < p.num_rows ? conv_physical_row(p, logical) : int64_t{-1};
+}
+
+// The released model's kernel size and dilation. Decode gets kernels of their own for the pair;
+// the prefill outputs kernel is also compiled with the kernel size constant (kK), for weights in
+// the activations' dtype stored [C, K] (what vLLM passes), where a thread's VEC channels' weights
+// are one run of VEC·K values: 64 bytes, four 128-bit loads (weights_packed).
+constexpr int kModelKernel = 4;
+constexpr int kModelDilation = 3;
 
 // Tap k's weight of channel c0 + v from a thread's packed run of VEC·kK weights (as 32-bit
 // words: channel-major, tap-minor).
@@ -388,9 +396,7 @@ __global__ void __launch_bounds__(kThreads)
       Packed<T, VEC> rows[kK];
 #pragma unroll
       for (int k = 0; k < kK; ++k) {
-        const int64_t logical = start + j + static_cast<int64_t>(k) * p.dilation - S;
-        const int64_t src = (logical >= 0 && logical < p.num_rows) ? conv_physical_row(p, logical)
-                                                                   : int64_t{-1};
+        const int64_t src = chunk_input_row(p, start, j + static_cast<int64_t>(k) * p.dilation, S);
         rows[k] = src >= 0 ? load_packed<T, VEC>(static_cast<const T*>(p.inputs) +
                                                  src * p.inputs_row_stride + c0)
                            : zero_packed<T, VEC>();
@@ -442,9 +448,7 @@ __global__ void __launch_bounds__(kThreads)
           for (int v = 0; v < VEC; ++v) tap[v] = to_float(stored[v]);
         }
       } else {
-        const int64_t logical = start + h - S;
-        const int64_t src = (logical >= 0 && logical < p.num_rows) ? conv_physical_row(p, logical)
-                                                                   : int64_t{-1};
+        const int64_t src = chunk_input_row(p, start, h, S);
         if (src >= 0) {
           load_floats_at<T, VEC>(static_cast<const T*>(p.inputs) + src * p.inputs_row_stride + c0,
                                  tap);
@@ -557,12 +561,12 @@ int64_t channel_blocks(const PleConvParams& p) {
 // True when an address or byte stride is a multiple of `bytes` (8 or 16).
 bool aligned_to(uint64_t value, uint64_t bytes) { return value % bytes == 0; }
 
-// Whether kReleasedKernel's outputs kernel can read the weights (see kReleasedKernel).
+// Whether the prefill outputs kernel compiled for kModelKernel can read the weights (see there).
 template <typename T, int VEC>
 bool weights_packed(const PleConvParams& p) {
-  static_assert(VEC * kReleasedKernel * sizeof(T) % 16 == 0, "whole 128-bit loads");
-  return p.kernel_size == kReleasedKernel && p.weight_dtype == p.dtype &&
-         p.weight_tap_stride == 1 && p.weight_channel_stride == kReleasedKernel &&
+  static_assert(VEC * kModelKernel * sizeof(T) % 16 == 0, "whole 128-bit loads");
+  return p.kernel_size == kModelKernel && p.weight_dtype == p.dtype && p.weight_tap_stride == 1 &&
+         p.weight_channel_stride == kModelKernel &&
          aligned_to(reinterpret_cast<uint64_t>(p.weights), 16);
 }
 
@@ -577,10 +581,6 @@ bool rows_packed(const PleConvParams& p) {
          aligned_to(p.residual_row_stride * sizeof(T), kBytes) &&
          aligned_to(p.outer_row_stride * sizeof(T), kBytes);
 }
-
-// The released model's kernel size and dilation, which get decode kernels of their own.
-constexpr int kModelKernel = 4;
-constexpr int kModelDilation = 3;
 
 template <typename T, typename W, int VEC>
 hipError_t launch_decode(const PleConvParams& p, hipStream_t stream) {
@@ -604,17 +604,12 @@ template <typename T, typename W, int VEC, ConvMode kMode>
 hipError_t launch_chunks(const PleConvParams& p, hipStream_t stream) {
   const int64_t blocks = channel_blocks<VEC>(p), write_back_blocks = channel_blocks<1>(p);
   if (blocks < 0 || write_back_blocks < 0) return hipErrorInvalidValue;
-  hipError_t status;
+  auto outputs = ple_conv_outputs_kernel<T, W, VEC, kMode, 0>;
   if constexpr (VEC > 1 && std::is_same_v<T, W> && kMode == ConvMode::kPrefill) {
-    status = weights_packed<T, VEC>(p)
-                 ? launch_rows(ple_conv_outputs_kernel<T, W, VEC, kMode, kReleasedKernel>,
-                               p.num_rows, blocks, p, stream)
-                 : launch_rows(ple_conv_outputs_kernel<T, W, VEC, kMode, 0>, p.num_rows, blocks, p,
-                               stream);
-  } else {
-    status =
-        launch_rows(ple_conv_outputs_kernel<T, W, VEC, kMode, 0>, p.num_rows, blocks, p, stream);
+    if (weights_packed<T, VEC>(p))
+      outputs = ple_conv_outputs_kernel<T, W, VEC, kMode, kModelKernel>;
   }
+  const hipError_t status = launch_rows(outputs, p.num_rows, blocks, p, stream);
   if (status != hipSuccess) return status;
   return launch_rows(ple_conv_write_back_kernel<T, kMode>, p.num_requests, write_back_blocks, p,
                      stream);
