@@ -5,12 +5,14 @@ from __future__ import annotations
 from .hyper_connection import GatedResidual, HyperConnection, HyperConnectionConfig
 from .ngram_embedding import NGramEmbedding
 from .ple_layer import PLELayer
+from .prefetch import LookupPipeline
 from .state import PLEBatch, PLEState, get_ple_mamba_state_dtype, get_ple_mamba_state_shape
 
 __all__ = [
     "GatedResidual",
     "HyperConnection",
     "HyperConnectionConfig",
+    "LookupPipeline",
     "NGramEmbedding",
     "PLEBatch",
     "PLELayer",

@@ -32,6 +32,8 @@ from qwen4exp_ext import layout, ops, sharding
 from qwen4exp_ext.host_table import device_view, empty_host_table, pinned_host_table
 from qwen4exp_ext.reference import FP8_DTYPES, NVFP4_BLOCK
 
+from . import prefetch
+
 __all__ = ["NGramEmbedding"]
 
 Placement = Literal["device", "pinned", "cpu"]
@@ -67,6 +69,10 @@ class NGramEmbedding(nn.Module):
     head dim d must be a multiple of 16). A dtype's name ("float8_e4m3fn", as vLLM's
     ``ple_embedding_dtype`` spells it) is accepted too. ``out_dtype`` is that of the embeddings
     (default: the table's, bf16 for fp8 and NVFP4).
+
+    ``max_tokens`` (the most tokens of a step) gives the layer the fixed buffers of
+    :meth:`start_prefetch` / :meth:`finalize_prefetch`, the lookup started ahead of the layer
+    (:mod:`qwen4exp_ext.layers.prefetch`).
     """
 
     def __init__(
@@ -81,6 +87,7 @@ class NGramEmbedding(nn.Module):
         shard: tuple[int, int] | None = None,
         process_group: Any = None,
         reduce: Literal["all_reduce", "reduce_scatter"] = "all_reduce",
+        max_tokens: int | None = None,
     ) -> None:
         super().__init__()
         self._read_geometry(config)
@@ -129,6 +136,22 @@ class NGramEmbedding(nn.Module):
         self._allocate_table(compute_device)
         # Set when a streamed load failed after writing rows (see load_weights).
         self._incomplete_load: str | None = None
+        self.prefetch_slot = self._allocate_prefetch_slot(max_tokens, compute_device)
+
+    def _allocate_prefetch_slot(
+        self, max_tokens: int | None, device: torch.device
+    ) -> prefetch.PrefetchSlot | None:
+        """The fixed buffers of :meth:`start_prefetch` (none without ``max_tokens``)."""
+        if max_tokens is None:
+            return None
+        max_tokens = int(max_tokens)
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        return prefetch.PrefetchSlot(
+            ids=torch.zeros(max_tokens, self.ngram_heads, dtype=torch.int64, device=device),
+            rows=torch.zeros(max_tokens, self.embedding_dim, dtype=self.out_dtype, device=device),
+            event=torch.cuda.Event() if device.type == "cuda" else None,
+        )
 
     def _read_geometry(self, config: Any) -> None:
         """The n-gram heads, their width and the checkpoint split, from ``config``, checked."""
@@ -279,6 +302,22 @@ class NGramEmbedding(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, query_start_loc: torch.Tensor, ngram_context: torch.Tensor
     ) -> torch.Tensor:
+        return self._reduced(self._lookup_local(input_ids, query_start_loc, ngram_context), True)
+
+    def _lookup_local(
+        self,
+        input_ids: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        ngram_context: torch.Tensor,
+        *,
+        output: torch.Tensor | None = None,
+        ids_output: torch.Tensor | None = None,
+        max_blocks: int = 0,
+    ) -> torch.Tensor:
+        """This rank's rows [T, D_e] of the tokens, not yet reduced over vocabulary shards:
+        into ``output`` (and the ids into ``ids_output``) when given; each gather on a GPU
+        launches at most ``max_blocks`` blocks (0: no cap)."""
+        self._check_complete()
         hashing = (
             self.layer_multipliers,
             self.ngram_heads_vocab_sizes,
@@ -286,29 +325,56 @@ class NGramEmbedding(nn.Module):
             self.eos_token_id,
             self.heads_per_ngram,
         )
+        lookup = {
+            **self._dequant(),
+            "vocab_start": self.vocab_start,
+            "vocab_end": self.vocab_end,
+            "out_dtype": self.out_dtype,
+            "output": output,
+        }
+        if max_blocks:
+            lookup["max_blocks"] = max_blocks
         if self.table.device.type in FUSED_LOOKUP_DEVICES:
-            self._check_complete()
-            out = ops.ngram_gather_rows(
+            return ops.ngram_gather_rows(
                 input_ids.reshape(-1),
                 query_start_loc,
                 ngram_context,
                 *hashing,
                 self.table,
                 head_divmod=self.ngram_heads_divmod,
-                **self._dequant(),
-                vocab_start=self.vocab_start,
-                vocab_end=self.vocab_end,
-                out_dtype=self.out_dtype,
+                **lookup,
             )
-            return self._reduced(out, reduce=True)
         ids = ops.ngram_ids(
             input_ids.reshape(-1),
             query_start_loc,
             ngram_context,
             *hashing,
             head_divmod=self.ngram_heads_divmod,
+            output=ids_output,
         )
-        return self.lookup(ids)
+        return ops.gather_rows(self.table, ids, **lookup)
+
+    # --- lookups started ahead (layers/prefetch.py) ----------------------------------------------
+
+    def start_prefetch(
+        self, input_ids: torch.Tensor, query_start_loc: torch.Tensor, ngram_context: torch.Tensor
+    ) -> None:
+        """Hashes the tokens and launches their lookup into this layer's fixed buffers (needs
+        ``max_tokens``): on a GPU on the side stream (:mod:`.prefetch`), on a CPU right now.
+        :meth:`finalize_prefetch` returns the rows. Several layers of one step start together
+        through a :class:`~.prefetch.LookupPipeline`."""
+        prefetch.start([self], input_ids, query_start_loc, ngram_context)
+
+    def finalize_prefetch(self) -> torch.Tensor:
+        """What :meth:`forward` would have returned for the tokens of the last
+        :meth:`start_prefetch`, waiting only on this layer's lookup. A view of the fixed
+        buffer: valid until this layer's next lookup starts."""
+        return prefetch.finalize(self, "NGramEmbedding.finalize_prefetch")
+
+    @property
+    def prefetch_pending(self) -> bool:
+        """Whether a started lookup's rows have not been handed out yet."""
+        return self.prefetch_slot is not None and self.prefetch_slot.state == "started"
 
     # --- checkpoint loading (vLLM's ``Qwen4ExpNGramEmbedding.load_weights``) ---------------------
 

@@ -85,6 +85,7 @@ class PLELayer(nn.Module):
         rounding: str = "vllm",
         shard: tuple[int, int] | None = None,
         process_group: Any = None,
+        max_tokens: int | None = None,
     ) -> None:
         super().__init__()
         config = _text_config(config)
@@ -110,6 +111,7 @@ class PLELayer(nn.Module):
             out_dtype=dtype,
             shard=shard,
             process_group=process_group,
+            max_tokens=max_tokens,
         )
         self.kv_proj = nn.Linear(
             self.embed_dim,
@@ -126,6 +128,22 @@ class PLELayer(nn.Module):
         self.conv1d = _Weight(
             torch.zeros(self.hc_hidden_size, 1, self.conv_kernel_size, dtype=dtype, device=dev)
         )
+        self.max_tokens = None if max_tokens is None else int(max_tokens)
+        self._workspace = self._allocate_workspace(dev)
+
+    def _allocate_workspace(self, device: torch.device) -> dict[str, torch.Tensor] | None:
+        """With ``max_tokens``: the buffers every large intermediate and the output are written
+        into, made once (fixed addresses, as CUDA/HIP graphs need; and on a CPU a fresh [T, C]
+        output faults in its pages on every call, which costs more than the gate itself at
+        prefill)."""
+        if self.max_tokens is None:
+            return None
+        rows, c = self.max_tokens, self.hc_hidden_size
+        return {
+            "kv": torch.empty(rows, c + self.hidden_size, dtype=self.dtype, device=device),
+            "gated": torch.empty(rows, c, dtype=self.dtype, device=device),
+            "conv_input": torch.empty(rows, c, dtype=self.dtype, device=device),
+        }
 
     @classmethod
     def from_config(cls, config: Any, layer_index: int = 0, **kwargs: Any) -> PLELayer:
@@ -168,10 +186,23 @@ class PLELayer(nn.Module):
         else:
             qsl, context = batch.query_start_loc, batch.ngram_context
 
-        embeddings = self.ple_embedding(input_ids, qsl, context)
+        num_tokens = hidden.shape[0]
+        workspace = self._workspace
+        if workspace is not None and num_tokens > self.max_tokens:
+            raise ValueError(
+                f"PLELayer: {num_tokens} tokens, but the layer was built for max_tokens = "
+                f"{self.max_tokens}"
+            )
+        embeddings = self._embeddings(input_ids, qsl, context)
         if embeddings.dtype != hidden.dtype:
             embeddings = embeddings.to(hidden.dtype)
-        kv = F.linear(embeddings, self.kv_proj.weight.to(hidden.dtype))
+        kv_weight = self.kv_proj.weight.to(hidden.dtype)
+        if workspace is not None and hidden.dtype == self.dtype:
+            kv = torch.mm(embeddings, kv_weight.t(), out=workspace["kv"][:num_tokens])
+            out = (workspace["gated"][:num_tokens], workspace["conv_input"][:num_tokens])
+        else:
+            kv = F.linear(embeddings, kv_weight)
+            out = None
         key, value = kv.split([self.hc_hidden_size, self.hidden_size], dim=-1)
         gated, conv_input = ops.ple_gate(
             key,
@@ -182,12 +213,62 @@ class PLELayer(nn.Module):
             self.norm_conv.weight,
             self.eps,
             rounding=self.rounding,
+            out=out,
         )
         if batch is None:
             self._conv_one_sequence(conv_input, gated, hidden, qsl)
         else:
             self._conv_batch(conv_input, gated, hidden, batch)
         return gated
+
+    def _embeddings(
+        self, input_ids: torch.Tensor, query_start_loc: torch.Tensor, ngram_context: torch.Tensor
+    ) -> torch.Tensor:
+        """The n-gram rows of the tokens: those of a lookup started ahead for these very
+        tokens (:meth:`start_prefetch`), else looked up now (into the embedding's fixed buffers
+        when the layer has them)."""
+        emb = self.ple_embedding
+        slot = emb.prefetch_slot
+        if slot is None:
+            return emb(input_ids, query_start_loc, ngram_context)
+        if slot.state == "started":
+            if slot.source != (input_ids.data_ptr(), input_ids.numel()):
+                raise ValueError(
+                    "PLELayer: a lookup was started (start_prefetch) for other input_ids than "
+                    "this forward's; start it with the same input_ids tensor the layer gets"
+                )
+            return emb.finalize_prefetch()
+        num_tokens = input_ids.numel()
+        rows = emb._lookup_local(
+            input_ids,
+            query_start_loc,
+            ngram_context,
+            output=slot.rows[:num_tokens],
+            ids_output=slot.ids[:num_tokens],
+        )
+        return emb._reduced(rows, reduce=True)
+
+    # --- lookups started ahead (layers/prefetch.py) ----------------------------------------------
+
+    def start_prefetch(
+        self,
+        input_ids: torch.Tensor,
+        query_start_loc: torch.Tensor | None = None,
+        ngram_context: torch.Tensor | None = None,
+    ) -> None:
+        """Starts this layer's n-gram lookup ahead of :meth:`forward` (needs ``max_tokens``):
+        the next forward with the same ``input_ids`` tensor uses its rows. Without
+        ``query_start_loc`` and ``ngram_context`` the tokens are one fresh sequence, as in a
+        forward without a batch. Several layers start together through a
+        :class:`~.prefetch.LookupPipeline`."""
+        if query_start_loc is None or ngram_context is None:
+            query_start_loc, ngram_context = self._one_sequence(input_ids.numel(), input_ids.device)
+        self.ple_embedding.start_prefetch(input_ids, query_start_loc, ngram_context)
+
+    def finalize_prefetch(self) -> torch.Tensor:
+        """The n-gram embeddings [T, D_e] of the started lookup (what ``ple_embedding``'s
+        forward returns), waiting only on this layer's lookup."""
+        return self.ple_embedding.finalize_prefetch()
 
     def _one_sequence(
         self, num_tokens: int, device: torch.device
