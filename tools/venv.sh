@@ -19,8 +19,12 @@ PY="$VENV/bin/python"
 export PATH="$VENV/bin:$PATH"
 
 stamp="$VENV/.qwen4exp-deps"
+# vLLM's AMD Qwen4Exp model module imports torchvision (the plugin swaps its entry:
+# tests/test_vllm_prefetch.py); the torchvision build that matches the default torch.
+VISION_REQ=""
+[ "$TORCH_REQ" = "torch==2.14.1" ] && VISION_REQ="torchvision==0.29.1"
 # clang-format is pinned: another version formats differently (tools/check-format.sh).
-deps="$TORCH_REQ pytest>=8 pytest-xdist hypothesis>=6.100 numpy transformers==5.18.0 safetensors matplotlib ninja setuptools>=77 wheel ruff clang-format==23.1.5"
+deps="$TORCH_REQ $VISION_REQ pytest>=8 pytest-xdist hypothesis>=6.100 numpy transformers==5.18.0 safetensors matplotlib ninja setuptools>=77 wheel ruff clang-format==23.1.5"
 vllm_reqs="$QWEN4EXP_ROOT/tools/requirements-vllm.txt"
 want="$deps | $(md5sum <"$vllm_reqs")"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then

@@ -98,7 +98,8 @@ def _apply(trigger: str) -> None:
     """Check every row that ``trigger``'s import brings against the vLLM in this process, then
     swap them all, or none (and, after a mismatch, no later group either)."""
     from .. import ops
-    from .shims import MARK, SWAPS, signature_text
+    from . import prefetch
+    from .shims import AMD_LAYER_MODULE, MARK, SWAPS, signature_text
 
     with _lock:
         if _declined is not None:
@@ -155,6 +156,8 @@ def _apply(trigger: str) -> None:
                 "qwen4exp_ext vLLM plugin: Qwen4Exp PLE runs on qwen4exp_ext kernels: %s",
                 ", ".join(s.label for s, _, _ in plan),
             )
+        if trigger == AMD_LAYER_MODULE:
+            logger.info(prefetch.status_line())
 
 
 def _install(

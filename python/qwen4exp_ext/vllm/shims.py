@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from .. import build_info, ops
+from . import prefetch
 
 # The vLLM module whose functions are swapped; every other vLLM module imports them from here.
 PLE_OPS_MODULE = "vllm.models.qwen4_exp.common.ops.ple"
@@ -40,6 +42,8 @@ PLE_OPS_MODULE = "vllm.models.qwen4_exp.common.ops.ple"
 EMBEDDING_MODULE = "vllm.models.qwen4_exp.common.ngram_embedding"
 # vLLM registers torch.ops.vllm.qwen4_exp_ple_gate here with its own function object.
 AMD_LAYER_MODULE = "vllm.models.qwen4_exp.amd.ple_layer"
+# vLLM's AMD model, whose Qwen4ExpModel.__call__ starts a step (prefetch.py).
+AMD_MODEL_MODULE = "vllm.models.qwen4_exp.amd.model"
 # vLLM's NVIDIA n-gram embedding, whose load_weights knows NVFP4 shards.
 NVIDIA_EMBEDDING_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 # Modules whose globals may hold a copy of a swapped function (`from ..ops.ple import x`).
@@ -284,9 +288,17 @@ def _make_embedding(original: Callable[..., torch.Tensor]) -> Callable[..., torc
     return embedding
 
 
+# The grid cap of the gathers launched by this thread now (0: none): set around the step-entry
+# lookups, which run beside the model's compute (prefetch.py).
+_grid_cap = threading.local()
+
+
 def _gather_into(output: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, **kwargs) -> None:
     """One row per id into ``output`` [..., d] (any layout with contiguous rows is written in
     place; other layouts through a temporary)."""
+    max_blocks = getattr(_grid_cap, "max_blocks", 0)
+    if max_blocks:
+        kwargs["max_blocks"] = max_blocks
     width = output.shape[-1]
     if output.is_contiguous():
         ops.gather_rows(table, ids.reshape(-1, 1), output=output.view(-1, width), **kwargs)
@@ -458,6 +470,106 @@ def _make_allocate_pinned(original: Callable[..., torch.Tensor]) -> Callable[...
     return allocate_embedding_weight
 
 
+def _lookup_rows_capped(
+    embedding: Any, flat_ids: torch.Tensor, output: torch.Tensor, max_blocks: int
+) -> None:
+    """vLLM's ``lookup_from_pinned`` of ``embedding`` (ours, through the plugin), its gather on
+    at most ``max_blocks`` blocks."""
+    _grid_cap.max_blocks = max_blocks
+    try:
+        embedding.embedding_method.lookup_from_pinned(embedding, flat_ids, output)
+    finally:
+        _grid_cap.max_blocks = 0
+
+
+def _eager_forward_context() -> Any:
+    """vLLM's forward context of an eager step (not a CUDA-graph capture or replay), else
+    None."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None
+    forward_context = importlib.import_module("vllm.forward_context")
+    if not forward_context.is_forward_context_available():
+        return None
+    context = forward_context.get_forward_context()
+    mode = getattr(context, "cudagraph_runtime_mode", None)
+    if mode is None or getattr(mode, "name", None) != "NONE":
+        return None
+    return context
+
+
+def _start_step_lookups(model: Any, args: tuple, kwargs: dict) -> None:
+    """The step-entry lookups of ``model``'s (vLLM's AMD ``Qwen4ExpModel``) pinned PLE layers,
+    from the arguments of its call (``input_ids, positions, intermediate_tensors,
+    inputs_embeds, query_start_loc, ngram_context, ...``)."""
+
+    def argument(name: str, index: int) -> Any:
+        return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
+
+    input_ids = argument("input_ids", 0)
+    query_start_loc = argument("query_start_loc", 4)
+    ngram_context = argument("ngram_context", 5)
+    if input_ids is None or query_start_loc is None or ngram_context is None:
+        return
+    if input_ids.device.type != "cuda" or "cuda" not in DEVICE_TYPES:
+        return
+    step = _eager_forward_context()
+    if step is None:
+        return
+    layers = getattr(model, "layers", ())
+    start, end = getattr(model, "start_layer", 0), getattr(model, "end_layer", len(layers))
+    ple_layers = [
+        layer.ple
+        for layer in list(layers)[start:end]
+        if getattr(layer, "ple", None) is not None and prefetch.StepLookups.eligible(layer.ple)
+    ]
+    if ple_layers:
+        prefetch.STEP_LOOKUPS.start(
+            ple_layers,
+            input_ids,
+            query_start_loc,
+            ngram_context,
+            step,
+            _lookup_rows_capped,
+            head_divmod_for,
+        )
+
+
+def _make_amd_model_call(original: Callable[..., Any]) -> Callable[..., Any]:
+    """AMD ``Qwen4ExpModel.__call__`` (vLLM's compiled entry, eager Python every step): starts
+    every pinned PLE layer's lookup before the first decoder layer (prefetch.py), then runs
+    the model as before."""
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if prefetch.enabled():
+            _start_step_lookups(self, args, kwargs)
+        return original(self, *args, **kwargs)
+
+    return __call__
+
+
+def _make_amd_pinned_lookup(original: Callable[..., None]) -> Callable[..., None]:
+    """``torch.ops.vllm.qwen4_exp_amd_ple_ngram_embedding_pinned``: the rows of a lookup
+    started at this step's entry (after waiting on that layer's event only), reduced over the
+    ETP ranks as ``sync_lookup`` does; else vLLM's ``sync_lookup``."""
+
+    def qwen4_exp_amd_ple_ngram_embedding_pinned(
+        ngram_ids: torch.Tensor, output: torch.Tensor, layer_name: str
+    ) -> None:
+        if ngram_ids.device.type == "cuda":
+            step = _eager_forward_context()
+            if step is not None:
+                embedding = step.no_compile_layers[layer_name].ple_embedding.ngram_embedding
+                rows = prefetch.STEP_LOOKUPS.take(embedding, ngram_ids.shape[0], step)
+                if rows is not None:
+                    if embedding.reduce_results:
+                        rows = embedding._reduce_etp_embeddings(rows)
+                    output.copy_(rows.flatten(-2))
+                    return None
+        return original(ngram_ids, output, layer_name)
+
+    return qwen4_exp_amd_ple_ngram_embedding_pinned
+
+
 # ---- the table ------------------------------------------------------------------------------
 
 
@@ -582,6 +694,28 @@ SWAPS: tuple[Swap, ...] = (
         applies=_lift_amd_nvfp4_refusal,
         what="amd.ple_layer NVFP4 refusal",
         trigger=AMD_LAYER_MODULE,
+    ),
+    Swap(
+        AMD_LAYER_MODULE,
+        "qwen4_exp_amd_ple_ngram_embedding_pinned",
+        "gather_rows",
+        "(ngram_ids, output, layer_name)",
+        _make_amd_pinned_lookup,
+        torch_op="qwen4_exp_amd_ple_ngram_embedding_pinned",
+        torch_op_module=AMD_LAYER_MODULE,
+        rebind_consumers=False,
+        applies=prefetch.enabled,
+        trigger=AMD_LAYER_MODULE,
+    ),
+    Swap(
+        f"{AMD_MODEL_MODULE}:Qwen4ExpModel",
+        "__call__",
+        "gather_rows",
+        "(self, *args, **kwargs)",
+        _make_amd_model_call,
+        applies=prefetch.enabled,
+        what="amd.model Qwen4ExpModel step-entry PLE lookups",
+        trigger=AMD_MODEL_MODULE,
     ),
     Swap(
         f"{AMD_LAYER_MODULE}:Qwen4ExpNGramEmbedding",
