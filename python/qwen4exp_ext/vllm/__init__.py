@@ -7,7 +7,9 @@ every format (``embedding`` for the device table, ``lookup_from_pinned`` for the
 table, of the unquantized, FP8 and NVFP4 methods) run our kernels, wherever vLLM's Qwen4Exp code
 calls them: the module globals of every ``vllm.models.qwen4_exp`` module that imported them, and
 ``torch.ops.vllm.qwen4_exp_ple_gate``, which vLLM registered with its own function object. Pinned
-tables are allocated at their exact size, and vLLM's AMD layer takes NVFP4 tables. The table of
+tables are allocated at their exact size, vLLM's AMD layer takes NVFP4 tables, and vLLM's AMD
+model looks its pinned tables up at step entry (:mod:`.prefetch`; ``QWEN4EXP_VLLM_PREFETCH=0``
+turns that off). The table of
 swaps is :data:`qwen4exp_ext.vllm.shims.SWAPS` (its module docstring says what differs from
 vLLM); a row whose kernel our build lacks is skipped.
 
