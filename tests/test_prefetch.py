@@ -313,7 +313,7 @@ SPIN_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: far longer than any lookup here
 
 
 @needs_gpu
-def test_a_delayed_side_stream_still_gives_exact_rows():
+def test_gpu_a_delayed_side_stream_still_gives_exact_rows():
     """A spin queued on the side stream before the lookups: finalize must wait for this
     layer's event, so the rows are exact (the buffer holds NaN until the lookup writes it)."""
     from qwen4exp_ext.layers.prefetch import side_stream
@@ -333,7 +333,7 @@ def test_a_delayed_side_stream_still_gives_exact_rows():
 
 
 @needs_gpu
-def test_the_side_stream_waits_for_ids_written_by_a_slow_main_stream():
+def test_gpu_the_side_stream_waits_for_ids_written_by_a_slow_main_stream():
     """The ids are written on the main stream after a spin: the side stream must wait for them
     (wait_stream), or it hashes the previous step's ids."""
     layer = _embedding("float8_e4m3fn", "cuda")
@@ -348,7 +348,7 @@ def test_the_side_stream_waits_for_ids_written_by_a_slow_main_stream():
 
 
 @needs_gpu
-def test_a_captured_step_replays_with_changing_ids():
+def test_gpu_a_captured_step_replays_with_changing_ids():
     """Lookups captured with the step (a side branch of the graph): every replay reads the
     static ids and writes exact rows into the fixed buffers."""
     layers = [_embedding(f, "cuda", layer_index=i, seed=i) for i, f in enumerate(FORMATS[:4])]
