@@ -165,8 +165,7 @@ def start(
             slot.num_tokens, slot.source, slot.state = num_tokens, source, "started"
         return
     current = torch.cuda.current_stream(input_ids.device)
-    capturing = current.is_capturing() if hasattr(current, "is_capturing") else False
-    capturing = capturing or torch.cuda.is_current_stream_capturing()
+    capturing = torch.cuda.is_current_stream_capturing()
     # The side stream starts after everything queued so far: the step's ids are written and the
     # previous step's reads of these buffers are done.
     stream.wait_stream(current)
