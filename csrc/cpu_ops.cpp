@@ -80,9 +80,12 @@ at::Tensor ngram_head_divmod_cpu(const at::Tensor& head_sizes) {
 void gather_rows_cpu(const at::Tensor& table, const at::Tensor& ids,
                      const std::optional<at::Tensor>& scale,
                      const std::optional<at::Tensor>& block_scales, int64_t vocab_start,
-                     std::optional<int64_t> vocab_end, const at::Tensor& output) {
-  const GatherRowsParams p =
-      check_gather_rows_args(table, ids, scale, block_scales, vocab_start, vocab_end, output);
+                     std::optional<int64_t> vocab_end, const at::Tensor& output,
+                     int64_t max_blocks) {
+  // max_blocks caps the GPU launchers' grids: checked here as everywhere, and without effect (the
+  // CPU kernel runs on the intra-op threads of ATen, torch.set_num_threads).
+  const GatherRowsParams p = check_gather_rows_args(table, ids, scale, block_scales, vocab_start,
+                                                    vocab_end, output, max_blocks);
   check_on_cpu("gather_rows", table);
   run_gather_rows_cpu(p);
 }
@@ -94,11 +97,13 @@ void ngram_gather_rows_cpu(const at::Tensor& input_ids, const at::Tensor& query_
                            int64_t heads_per_ngram, const std::optional<at::Tensor>& head_divmod,
                            const at::Tensor& table, const std::optional<at::Tensor>& scale,
                            const std::optional<at::Tensor>& block_scales, int64_t vocab_start,
-                           std::optional<int64_t> vocab_end, const at::Tensor& output) {
+                           std::optional<int64_t> vocab_end, const at::Tensor& output,
+                           int64_t max_blocks) {
+  // max_blocks: checked, without effect on the CPU (as gather_rows_cpu's).
   const NgramGatherRowsParams p = check_ngram_gather_rows_args(
       input_ids, query_start_loc, ngram_context, layer_multipliers, ngram_heads_vocab_sizes,
       ngram_heads_offsets, eos_token_id, heads_per_ngram, head_divmod, table, scale, block_scales,
-      vocab_start, vocab_end, output);
+      vocab_start, vocab_end, output, max_blocks);
   check_on_cpu(kNgramGatherRows, table);
   check_ngram_ids_values(p.ngram, /*output_int32=*/false, kNgramGatherRows);
   run_ngram_gather_rows_cpu(p);

@@ -12,16 +12,16 @@
 
 namespace qwen4exp {
 
-// The table, dequantisation, shard and output arguments of gather_rows and ngram_gather_rows
-// (`op` names the op in messages) for T = num_tokens tokens of NH = num_heads heads: the params
-// without the ids.
+// The table, dequantisation, shard, output and grid-cap arguments of gather_rows and
+// ngram_gather_rows (`op` names the op in messages) for T = num_tokens tokens of NH = num_heads
+// heads: the params without the ids.
 inline GatherRowsParams check_gather_table_args(const char* op, const at::Tensor& table,
                                                 const std::optional<at::Tensor>& scale,
                                                 const std::optional<at::Tensor>& block_scales,
                                                 int64_t vocab_start,
                                                 std::optional<int64_t> vocab_end_or_none,
-                                                const at::Tensor& output, int64_t num_tokens,
-                                                int64_t num_heads) {
+                                                const at::Tensor& output, int64_t max_blocks,
+                                                int64_t num_tokens, int64_t num_heads) {
   GatherRowsParams p{};
   TORCH_CHECK(table.dim() == 2, op, ": table must be 2-D [rows, d], got shape ", table.sizes());
   TORCH_CHECK(dtype_of(table.scalar_type(), &p.table_dtype), op,
@@ -108,6 +108,9 @@ inline GatherRowsParams check_gather_table_args(const char* op, const at::Tensor
   p.num_heads = num_heads;
   p.vocab_start = vocab_start;
   p.vocab_end = vocab_end;
+  // Checked on every backend, though only the GPU launchers read it.
+  TORCH_CHECK(max_blocks >= 0, op, ": max_blocks must be >= 0 (0: no cap), got ", max_blocks);
+  p.max_blocks = max_blocks;
   return p;
 }
 
@@ -116,13 +119,13 @@ inline GatherRowsParams check_gather_rows_args(const at::Tensor& table, const at
                                                const std::optional<at::Tensor>& block_scales,
                                                int64_t vocab_start,
                                                std::optional<int64_t> vocab_end_or_none,
-                                               const at::Tensor& output) {
+                                               const at::Tensor& output, int64_t max_blocks) {
   TORCH_CHECK(ids.dim() == 2, "gather_rows: ids must be 2-D [T, NH], got shape ", ids.sizes());
   TORCH_CHECK(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong,
               "gather_rows: ids must be int32 or int64, got ", ids.scalar_type());
   GatherRowsParams p = check_gather_table_args("gather_rows", table, scale, block_scales,
-                                               vocab_start, vocab_end_or_none, output, ids.size(0),
-                                               ids.size(1));
+                                               vocab_start, vocab_end_or_none, output, max_blocks,
+                                               ids.size(0), ids.size(1));
   TORCH_CHECK(ids.device() == table.device(), "gather_rows: ids is on ", ids.device(),
               " but table is on ", table.device());
   p.ids = ids.data_ptr();

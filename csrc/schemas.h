@@ -24,17 +24,22 @@ inline void define_kernel_ops(torch::Library& m) {
   // with its e4m3 `block_scales` [rows, d/16] and global fp32 `scale`). Ids outside
   // [vocab_start, vocab_end) give zero rows: ids are data, never errors, and never read out of
   // bounds. vocab_end None is vocab_start + rows: at decode, reading table.shape[0] in Python
-  // costs a noticeable part of the call.
+  // costs a noticeable part of the call. max_blocks > 0 caps the grid of every GPU launch (a
+  // gather on a side stream then takes a bounded share of the GPU; same output), 0 is no cap; the
+  // CPU kernel ignores it. Last, with a default: positional callers of the older schema still fit.
   m.def(
       "gather_rows(Tensor table, Tensor ids, Tensor? scale, Tensor? block_scales, "
-      "int vocab_start, int? vocab_end, Tensor(a!) output) -> ()");
+      "int vocab_start, int? vocab_end, Tensor(a!) output, int max_blocks=0) -> ()");
   // ngram_ids then gather_rows in one op, the ids never written to a tensor: the arguments of
-  // both (ngram_ids' without its output, gather_rows' without its ids), the gather's output.
+  // both (ngram_ids' without its output, gather_rows' without its ids), the gather's output, and
+  // gather_rows' max_blocks, which caps every launch of the op (the ids kernel's too, where the
+  // fused kernel does not apply).
   m.def(
       "ngram_gather_rows(Tensor input_ids, Tensor query_start_loc, Tensor ngram_context, "
       "Tensor layer_multipliers, Tensor ngram_heads_vocab_sizes, Tensor ngram_heads_offsets, "
       "int eos_token_id, int heads_per_ngram, Tensor? head_divmod, Tensor table, Tensor? scale, "
-      "Tensor? block_scales, int vocab_start, int? vocab_end, Tensor(a!) output) -> ()");
+      "Tensor? block_scales, int vocab_start, int? vocab_end, Tensor(a!) output, "
+      "int max_blocks=0) -> ()");
   // SPEC §5. Returns (gated, conv_input), [T, C] in hidden's dtype. rounding "vllm" reproduces
   // vLLM 0.33.0's rounding points; "fp32" is the fast single pass (fp32 intermediates).
   m.def(

@@ -413,6 +413,12 @@ CASES = [
         put("block_scales", lambda: torch.ones(10, 1)),
         "block_scales",
     ),
+    p(
+        "gather_rows",
+        "max_blocks-negative",
+        put("max_blocks", -1),
+        r"gather_rows: max_blocks must be >= 0 \(0: no cap\), got -1",
+    ),
     # ---- gather_rows, NVFP4 tables ----
     p("gather_rows_nvfp4", "no-block_scales", put("block_scales", None), "block_scales"),
     p("gather_rows_nvfp4", "no-scale", put("scale", None), "scale"),
@@ -690,6 +696,15 @@ CASES += [
     for case in list(CASES)
     if case.values[0] == "ngram_ids" and getattr(case.values[1], "arg", "output") != "output"
 ]
+# Its own argument (gather_rows' grid cap, checked under the fused op's name).
+CASES.append(
+    p(
+        "ngram_gather_rows",
+        "max_blocks-negative",
+        put("max_blocks", -1),
+        r"ngram_gather_rows: max_blocks must be >= 0 \(0: no cap\), got -1",
+    )
+)
 
 
 # Index values that only the data shows: errors on the CPU, which reads them for free; on the GPU

@@ -1,6 +1,7 @@
-"""What the gather_rows tests share (tests/test_gather_rows.py, tests/test_fuzz.py): the switch
-between the CPU kernel's two paths and the one of its fp8 conversions, and tables that hold every
-finite bit pattern."""
+"""What the gather_rows tests share (tests/test_gather_rows.py, tests/test_ngram_gather_rows.py,
+tests/test_fuzz.py): the switch between the CPU kernel's two paths and the one of its fp8
+conversions, tables that hold every finite bit pattern, and what the grid-cap (max_blocks) tests
+need of the HIP kernels' launches."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import contextlib
 
 import torch
 
-from qwen4exp_ext import ops, reference
+from qwen4exp_ext import ops, reference, simt
 
 FP8 = reference.FP8_DTYPES
 # The NaN bytes of each fp8 format: NaN != NaN, so tables leave them out (SPEC fixes no payload).
@@ -80,3 +81,31 @@ def make_table(rows: int, width: int, dtype: torch.dtype, *, gen=None) -> torch.
         torch.randint(-30, 20, (rows, width), generator=gen).float()
     )
     return values.to(dtype)
+
+
+# ---- max_blocks: the HIP gathers under a capped grid --------------------------------------------
+#
+# Every launch of gather_rows and ngram_gather_rows uses at most max_blocks blocks; the kernels
+# stride over their grid, so the output is the same under any cap. A case of these tests gives each
+# kernel more work than GRID_CAPS[-1] blocks take in one pass, so that under every cap each block
+# takes several passes, and a kernel that did not stride would leave part of its output unwritten.
+# What one block of each kernel takes in one pass (csrc/hip/gather_rows.hip and ngram_ids.hip,
+# kThreadsPerBlock = 256 threads, the vector kernel's kUnroll = 4 pieces of 16 table bytes each):
+GRID_CAPS = (1, 2, 3, 7)
+VECTOR_PIECES_PER_BLOCK = 256 * 4  # the vector kernel (and the fused one): 16-byte table pieces
+SCALAR_ELEMENTS_PER_BLOCK = 256  # the scalar kernel: output elements
+IDS_ELEMENTS_PER_BLOCK = 256  # ngram_ids' kernel: (token, head) ids
+
+
+def blocks_for(work: int, per_block: int) -> int:
+    """The uncapped grid of a launch: enough blocks to cover the work once."""
+    return -(-work // per_block)
+
+
+def take_launch_record(backend) -> tuple[int, int] | None:
+    """(launches, most blocks of one) of the backend's emulator since the last call, or None for a
+    backend that is not the emulator (the CPU, whose kernel has no grid; a GPU, which keeps no
+    record)."""
+    if not backend.name.startswith("simt"):
+        return None
+    return simt.take_launch_record(int(backend.name.removeprefix("simt")))

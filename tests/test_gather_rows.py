@@ -1,6 +1,7 @@
 """gather_rows (SPEC §4): every (table dtype × id dtype × out dtype × shard) case bit-equal to
 the reference, out-of-range ids as zero rows, strided views, rows beyond element 2^31, the
-shard-sum property, opcheck, errors and a torch.compile smoke test — on every backend here.
+shard-sum property, the same output under a capped grid (max_blocks), opcheck, errors and a
+torch.compile smoke test — on every backend here.
 
 The CPU kernel has two paths: the cached one, and the streaming one that large outputs take
 (sorted reads, non-temporal stores; csrc/cpu/gather_rows.cpp). Every CPU test here runs on both:
@@ -23,10 +24,15 @@ from gather_support import (
     CPU_FP8_LOOKUPS,
     CPU_PATHS,
     FP8_NAN_BYTES,
+    GRID_CAPS,
+    SCALAR_ELEMENTS_PER_BLOCK,
+    VECTOR_PIECES_PER_BLOCK,
+    blocks_for,
     cpu_fp8_lookup,
     cpu_gather_path,
     every_fp8_code_rows,
     make_table,
+    take_launch_record,
 )
 from qwen4exp_ext import ops, reference
 from qwen4exp_ext.bench import vllm_triton
@@ -814,3 +820,102 @@ def test_device_mismatch_is_an_error():
         op(TABLE, IDS.to("meta"), None, 0, 10, OUT)
     with pytest.raises(RuntimeError, match="output is on meta but table is on cpu"):
         op(TABLE, IDS, None, 0, 10, OUT.to("meta"))
+
+
+# ---- max_blocks: a capped grid gives the same output -------------------------------------------
+
+GRID_CAP_FORMATS = (*TABLE_DTYPES, "nvfp4")
+
+
+def grid_cap_case(table_format, path: str, id_dtype, gen):
+    """(table, ids, gather kwargs, the uncapped grid) of a gather that takes the HIP kernel
+    `path` ("vector": rows in 16-byte pieces; "scalar": rows that are not), with more work than
+    GRID_CAPS[-1] blocks do in one pass (gather_support). T is odd, the ids an int32 or int64
+    strided view, the table a shard [3, rows - 1) of a larger vocabulary."""
+    rows, heads = 300, 16
+    nvfp4 = table_format == "nvfp4"
+    if path == "vector":
+        width = 160 if nvfp4 else 64
+    else:
+        width = 16 if nvfp4 else 5
+    row_bytes = width // 2 if nvfp4 else width * table_format.itemsize
+    assert (row_bytes % 16 == 0) == (path == "vector"), "the case takes the other kernel"
+    # The vector kernel's unit of work is a 16-byte piece of table row, the scalar one's an
+    # output element.
+    unit, per_block = (
+        (row_bytes // 16, VECTOR_PIECES_PER_BLOCK)
+        if path == "vector"
+        else (width, SCALAR_ELEMENTS_PER_BLOCK)
+    )
+    tokens = (GRID_CAPS[-1] * per_block) // (heads * unit) + 1
+    tokens |= 1  # odd
+    blocks = blocks_for(tokens * heads * unit, per_block)
+    assert blocks > GRID_CAPS[-1], "every cap must leave blocks more than one pass"
+    kwargs = dict(vocab_start=3, vocab_end=rows - 1)
+    if nvfp4:
+        table, block_scales = make_nvfp4(rows, width, gen=gen)
+        kwargs.update(scale=torch.tensor([0.37]), block_scales=block_scales)
+    else:
+        table = make_table(rows, width, table_format, gen=gen)
+        if table_format in FP8:
+            kwargs["scale"] = torch.tensor([0.0371])
+    ids = random_ids(tokens, heads, rows + 2, id_dtype, gen)
+    return table, ids, kwargs, blocks
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("table_format", GRID_CAP_FORMATS, ids=str)
+@pytest.mark.parametrize("path", ["vector", "scalar"])
+@pytest.mark.parametrize("id_dtype", ID_DTYPES, ids=str)
+def test_max_blocks_gives_the_same_output(backend, table_format, path, id_dtype):
+    """Under max_blocks in GRID_CAPS the output equals the uncapped one bit for bit (and the
+    reference), in an output filled with NaN first, so that a kernel that did not stride over its
+    grid would leave NaN rows. On the emulator the launch record shows the cap kept and the
+    uncapped grid of the kernel the case means to take. The CPU kernel takes the argument and
+    ignores it."""
+    device = backend.device
+    seed = GRID_CAP_FORMATS.index(table_format) * 4 + ["vector", "scalar"].index(path) * 2
+    gen = torch.Generator().manual_seed(seed + ID_DTYPES.index(id_dtype))
+    table, ids, kwargs, blocks = grid_cap_case(table_format, path, id_dtype, gen)
+    expected = reference.gather_rows(table, ids, **kwargs)
+    strided = torch.stack([ids, ids.flip(0)], dim=2).to(device)[:, :, 0]
+    assert not strided.is_contiguous()
+    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+    def gather(max_blocks):
+        out = torch.full(expected.shape, math.nan, dtype=expected.dtype, device=device)
+        take_launch_record(backend)
+        backend.ops.gather_rows(
+            table.to(device), strided, output=out, max_blocks=max_blocks, **moved
+        )
+        return out, take_launch_record(backend)
+
+    uncapped, record = gather(0)
+    assert_exact(uncapped, expected, "uncapped", bitwise=True)
+    if record is not None:
+        assert record == (1, blocks), f"uncapped launches (count, most blocks): {record}"
+    for cap in GRID_CAPS:
+        got, record = gather(cap)
+        assert_exact(got, uncapped, f"max_blocks={cap}", bitwise=True)
+        if record is not None:
+            assert record == (1, cap), f"max_blocks={cap}: launches (count, most blocks) {record}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_max_blocks_keeps_the_positional_schema(backend):
+    """max_blocks is the schema's last argument with a default: a caller of the older seven
+    arguments runs uncapped, and the eighth caps; opcheck (the fake's rules too) with it."""
+    device = backend.device
+    table = make_table(70, 24, torch.bfloat16).to(device)
+    ids = random_ids(9, 5, 70, torch.int64).to(device)
+    op = backend.library.gather_rows.default
+    outputs = [torch.full((9, 5 * 24), math.nan, dtype=torch.bfloat16, device=device)]
+    op(table, ids, None, None, 0, None, outputs[0])
+    for extra in ((1,), (0,)):
+        outputs.append(torch.full_like(outputs[0], math.nan))
+        op(table, ids, None, None, 0, None, outputs[-1], *extra)
+    outputs.append(torch.full_like(outputs[0], math.nan))
+    op(table, ids, None, None, 0, None, outputs[-1], max_blocks=2)
+    for out in outputs:
+        assert_exact(out, reference.gather_rows(table.cpu(), ids.cpu()), bitwise=True)
+    torch.library.opcheck(op, (table, ids, None, None, 0, None, outputs[0], 3))

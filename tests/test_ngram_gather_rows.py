@@ -3,19 +3,30 @@ oracle's composition (reference.ngram_ids, then reference.gather_rows of those i
 for every table format and output dtype, n-gram orders that take the GPU kernel's unrolled window
 and its generic one, vocabulary shards, requests with EOS inside and empty ones, strided inputs
 and outputs, NVFP4 tables and tables whose rows are not 16-byte pieces (these, and orders other
-than N = 3, take the GPU glue's other path: the two kernels through an ids buffer); plus opcheck
-and the errors of its own arguments."""
+than N = 3, take the GPU glue's other path: the two kernels through an ids buffer); the same
+output under a capped grid (max_blocks) on both paths; plus opcheck and the errors of its own
+arguments."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from conftest import backends
-from gather_support import make_table
+from gather_support import (
+    GRID_CAPS,
+    IDS_ELEMENTS_PER_BLOCK,
+    SCALAR_ELEMENTS_PER_BLOCK,
+    VECTOR_PIECES_PER_BLOCK,
+    blocks_for,
+    make_table,
+    take_launch_record,
+)
 from ngram_support import HASHING_ARGS
 from qwen4exp_ext import layout, ops, reference
-from qwen4exp_ext.testing import assert_exact
+from qwen4exp_ext.testing import assert_exact, same_layout
 
 BACKENDS = backends()
 VOCAB, EOS, SEED = 97, 5, 7
@@ -173,3 +184,132 @@ def test_bad_arguments_name_the_op(backend) -> None:
     if backend.name == "cpu":
         with pytest.raises(RuntimeError, match=r"ngram_gather_rows: query_start_loc\[R\] = 12"):
             call(backend, dict(args, query_start_loc=bad_starts), table)
+
+
+GRID_CAP_FORMATS = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float8_e4m3fn,
+    torch.float8_e4m3fnuz,
+    "nvfp4",
+)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("table_format", GRID_CAP_FORMATS, ids=str)
+@pytest.mark.parametrize("ngram_size", [3, 5])  # 3: the fused kernel where it applies
+@pytest.mark.parametrize("path", ["vector", "scalar"])
+def test_max_blocks_gives_the_same_output(backend, table_format, ngram_size, path) -> None:
+    """Under max_blocks in GRID_CAPS the output equals the uncapped one bit for bit (and the
+    oracle's), in an output filled with NaN first, on every route of the GPU glue: the fused
+    kernel (N = 3, rows in 16-byte pieces, not NVFP4) and the two kernels through an ids buffer,
+    the gather's vector or scalar kernel (`path`). Each kernel of a case has more work than
+    GRID_CAPS[-1] blocks do in one pass (gather_support), the ids kernel too, which the cap
+    bounds as well (csrc/common/ngram_gather_rows.h, through_ids). On the emulator the launch
+    record shows every launch within the cap, and the uncapped route and grids the case means.
+    The input ids are an int32 strided view, the table a vocabulary shard."""
+    device = backend.device
+    nvfp4 = table_format == "nvfp4"
+    gen = torch.Generator().manual_seed(ngram_size * 100 + GRID_CAP_FORMATS.index(table_format))
+    heads = 16
+    if path == "vector":
+        width = 160 if nvfp4 else 64
+    else:
+        width = 16 if nvfp4 else 5
+    row_bytes = width // 2 if nvfp4 else width * table_format.itemsize
+    assert (row_bytes % 16 == 0) == (path == "vector"), "the case takes the other kernel"
+    unit, per_block = (
+        (row_bytes // 16, VECTOR_PIECES_PER_BLOCK)
+        if path == "vector"
+        else (width, SCALAR_ELEMENTS_PER_BLOCK)
+    )
+    tokens = max(
+        (GRID_CAPS[-1] * per_block) // (heads * unit) + 1,
+        (GRID_CAPS[-1] * IDS_ELEMENTS_PER_BLOCK) // heads + 1,
+    )
+    tokens |= 1  # odd
+    fused = ngram_size == 3 and path == "vector" and not nvfp4
+    gather_blocks = blocks_for(tokens * heads * unit, per_block)
+    ids_blocks = blocks_for(tokens * heads, IDS_ELEMENTS_PER_BLOCK)
+    uncapped_record = (1, gather_blocks) if fused else (2, max(gather_blocks, ids_blocks))
+    assert min(gather_blocks, ids_blocks) > GRID_CAPS[-1], "blocks must take several passes"
+
+    args, rows = make_batch(
+        ngram_size, heads // (ngram_size - 1), [40, 0, tokens - 41, 1], gen, "cpu"
+    )
+    input_ids = args["input_ids"].int()
+    args["input_ids"] = torch.stack([input_ids, input_ids], 1)[:, 0]
+    gather = {}
+    if nvfp4:
+        full = torch.randint(0, 256, (rows, width // 2), dtype=torch.uint8, generator=gen)
+        gather["block_scales"] = torch.rand(rows, width // 16, generator=gen).to(
+            torch.float8_e4m3fn
+        )
+        gather["scale"] = torch.tensor([0.75])
+    else:
+        full = make_table(rows, width, table_format, gen=gen)
+        if table_format in reference.FP8_DTYPES:
+            gather["scale"] = torch.tensor([0.375])
+    start, end = rows // 4, rows - 3
+    table = full[start:end]
+    if "block_scales" in gather:
+        gather["block_scales"] = gather["block_scales"][start:end]
+    gather.update(vocab_start=start, vocab_end=end)
+    want = expected(args, table, **gather)
+
+    on_device = {
+        k: same_layout(v, device) if isinstance(v, torch.Tensor) else v for k, v in args.items()
+    }
+    assert not on_device["input_ids"].is_contiguous()
+    gather_on_device = {
+        k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in gather.items()
+    }
+
+    table_on_device = table.to(device)
+    # Other tokens, gathered before each call: the two-kernel route allocates its ids buffer per
+    # call, and the allocator hands back the last call's, whose ids (the same batch's) would hide
+    # any an ids kernel that did not stride left unwritten.
+    decoy = dict(on_device, input_ids=(on_device["input_ids"] + 1) % VOCAB)
+
+    def run(max_blocks):
+        scratch = torch.empty(want.shape, dtype=want.dtype, device=device)
+        call(backend, decoy, table_on_device, output=scratch, **gather_on_device)
+        out = torch.full(want.shape, math.nan, dtype=want.dtype, device=device)
+        take_launch_record(backend)
+        call(
+            backend,
+            on_device,
+            table_on_device,
+            output=out,
+            max_blocks=max_blocks,
+            **gather_on_device,
+        )
+        return out, take_launch_record(backend)
+
+    uncapped, record = run(0)
+    assert_exact(uncapped, want, "uncapped", bitwise=True)
+    if record is not None:
+        assert record == uncapped_record, f"uncapped launches (count, most blocks): {record}"
+    for cap in GRID_CAPS:
+        got, record = run(cap)
+        assert_exact(got, uncapped, f"max_blocks={cap}", bitwise=True)
+        if record is not None:
+            assert record == (uncapped_record[0], cap), f"max_blocks={cap}: launches {record}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_max_blocks_keeps_the_positional_schema(backend) -> None:
+    """max_blocks is the schema's last argument, with a default: the older fifteen arguments run
+    uncapped, a sixteenth caps; opcheck (the fake's rules too) with it."""
+    gen = torch.Generator().manual_seed(9)
+    args, rows = make_batch(3, 2, [9, 4], gen, backend.device)
+    table = make_table(rows, 8, torch.bfloat16, gen=gen).to(backend.device)
+    op = backend.library.ngram_gather_rows.default
+    positional = [args[k] for k in HASHING_ARGS]
+    want = expected(args, table, out_dtype=torch.float32)
+    for extra in ((), (0,), (1,)):
+        output = torch.full((13, 32), math.nan, dtype=torch.float32, device=backend.device)
+        op(*positional, None, table, None, None, 0, None, output, *extra)
+        assert_exact(output, want, f"extra arguments {extra}", bitwise=True)
+    torch.library.opcheck(op, (*positional, None, table, None, None, 0, None, output, 2))

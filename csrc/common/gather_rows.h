@@ -38,6 +38,12 @@ struct GatherRowsParams {
   int64_t vocab_end;
   Dtype table_dtype;
   Dtype out_dtype;
+  // GPU launches only (the CPU kernel ignores it): the most blocks any one launch of the gather
+  // may use, or 0 for no cap (the launcher's own grid, enough blocks to cover the work once).
+  // Every kernel of the gather strides over its grid, so any cap gives the same output: it bounds
+  // the share of the GPU that a gather on a side stream takes from the compute running beside it.
+  // Last, so that an initialiser written before it leaves it 0.
+  int64_t max_blocks;
 
   QWEN4EXP_HD int64_t id_at(int64_t t, int64_t h) const {
     const int64_t offset = t * ids_row_stride + h * ids_col_stride;

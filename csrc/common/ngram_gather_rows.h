@@ -9,7 +9,8 @@
 namespace qwen4exp {
 
 // The ids of gather are those ngram computes; ngram.output and gather's ids fields are unused.
-// ngram.num_tokens == gather.num_tokens and ngram.num_heads == gather.num_heads.
+// ngram.num_tokens == gather.num_tokens and ngram.num_heads == gather.num_heads. The grid cap of
+// every launch is gather.max_blocks (ngram.max_blocks is unused too).
 struct NgramGatherRowsParams {
   NgramIdsParams ngram;
   GatherRowsParams gather;
@@ -30,6 +31,11 @@ inline ThroughIds through_ids(const NgramGatherRowsParams& p, int64_t* ids) {
   two.gather.ids_row_stride = p.gather.num_heads;
   two.gather.ids_col_stride = 1;
   two.gather.ids_int64 = true;
+  // The op's grid cap bounds both of its launches. The ids kernel runs on the same (side) stream
+  // as the gather: left uncapped, a prefill's ids (T·NH/256 blocks, up to 2^16) would fill every
+  // compute unit while it runs, the very starvation the cap is there to prevent. It strides over
+  // its grid like the gather's kernels, so the ids are the same under any cap.
+  two.hash.max_blocks = p.gather.max_blocks;
   return two;
 }
 

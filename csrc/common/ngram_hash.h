@@ -40,12 +40,17 @@ struct NgramIdsParams {
   int32_t context_len;      // N - 1, in [1, kMaxNgramSize - 1]
   int32_t heads_per_ngram;  // K_h
   int32_t num_heads;        // NH = (N - 1) · K_h
-  // [NH], 16-byte aligned, or nullptr (last, so that an initialiser written before it leaves it
-  // null): the fast-modulo constants of `sizes`, make_fast_divmod per head, computed once per
-  // layer (ops.ngram_head_divmod). The GPU kernel copies them instead of building them in every
-  // block, and builds a head whose stored divisor is not sizes[h] (stale constants) itself; the
-  // CPU kernel builds its own (nanoseconds, with the host's 128-bit division), never reading them.
+  // [NH], 16-byte aligned, or nullptr (after every field above, so that an initialiser written
+  // before it leaves it null): the fast-modulo constants of `sizes`, make_fast_divmod per head,
+  // computed once per layer (ops.ngram_head_divmod). The GPU kernel copies them instead of
+  // building them in every block, and builds a head whose stored divisor is not sizes[h] (stale
+  // constants) itself; the CPU kernel builds its own (nanoseconds, with the host's 128-bit
+  // division), never reading them.
   const FastDivmodU64* head_divmod;
+  // The GPU launcher's cap on its grid, 0 for none (the CPU kernel ignores it): what
+  // GatherRowsParams::max_blocks is to the gather, for the ids kernel that ngram_gather_rows runs
+  // where its fused kernel does not apply (through_ids). The ngram_ids op leaves it 0.
+  int64_t max_blocks;
 };
 
 // Fills window[s] (s = 1..depth, of kMaxDepth + 1 entries) with the s-th predecessor of token t

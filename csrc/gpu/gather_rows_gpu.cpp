@@ -12,9 +12,11 @@ namespace {
 void gather_rows_gpu(const at::Tensor& table, const at::Tensor& ids,
                      const std::optional<at::Tensor>& scale,
                      const std::optional<at::Tensor>& block_scales, int64_t vocab_start,
-                     std::optional<int64_t> vocab_end, const at::Tensor& output) {
-  const GatherRowsParams p =
-      check_gather_rows_args(table, ids, scale, block_scales, vocab_start, vocab_end, output);
+                     std::optional<int64_t> vocab_end, const at::Tensor& output,
+                     int64_t max_blocks) {
+  // p.max_blocks caps the grid of every launch (csrc/hip/gather_rows.hip, grid_for).
+  const GatherRowsParams p = check_gather_rows_args(table, ids, scale, block_scales, vocab_start,
+                                                    vocab_end, output, max_blocks);
   TORCH_CHECK(glue::on_kernel_device(table), "gather_rows: GPU kernel called with ", table.device(),
               " tensors");
   if (p.num_tokens == 0 || p.num_heads == 0 || p.width == 0) return;

@@ -22,11 +22,14 @@ void ngram_gather_rows_gpu(const at::Tensor& input_ids, const at::Tensor& query_
                            int64_t heads_per_ngram, const std::optional<at::Tensor>& head_divmod,
                            const at::Tensor& table, const std::optional<at::Tensor>& scale,
                            const std::optional<at::Tensor>& block_scales, int64_t vocab_start,
-                           std::optional<int64_t> vocab_end, const at::Tensor& output) {
+                           std::optional<int64_t> vocab_end, const at::Tensor& output,
+                           int64_t max_blocks) {
+  // p.gather.max_blocks caps the grid of every launch below, the fallback's ids kernel included
+  // (through_ids).
   const NgramGatherRowsParams p = check_ngram_gather_rows_args(
       input_ids, query_start_loc, ngram_context, layer_multipliers, ngram_heads_vocab_sizes,
       ngram_heads_offsets, eos_token_id, heads_per_ngram, head_divmod, table, scale, block_scales,
-      vocab_start, vocab_end, output);
+      vocab_start, vocab_end, output, max_blocks);
   TORCH_CHECK(glue::on_kernel_device(table), kNgramGatherRows, ": GPU kernel called with ",
               table.device(), " tensors");
   if (debug_checks_enabled()) {

@@ -308,10 +308,15 @@ bool aligned(const void* ptr, int64_t bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(bytes) == 0;
 }
 
-unsigned grid_for(int64_t work, int64_t per_block) {
-  // Enough blocks to cover the work once; the grid-stride loops take any remainder.
-  const int64_t blocks = (work + per_block - 1) / per_block;
-  return static_cast<unsigned>(blocks < (int64_t{1} << 20) ? blocks : (int64_t{1} << 20));
+// Enough blocks to cover the work once, at most 2^20 and at most max_blocks (p.max_blocks; 0: no
+// cap); the grid-stride loops take any remainder. Every kernel here strides over its whole grid
+// by gridDim.x blocks (the vector kernel's block_base, its ids from a tensor or hashed, and the
+// scalar kernel's e), so a capped grid writes the same output, each block taking more passes.
+unsigned grid_for(int64_t work, int64_t per_block, int64_t max_blocks) {
+  int64_t blocks = (work + per_block - 1) / per_block;
+  if (blocks > (int64_t{1} << 20)) blocks = int64_t{1} << 20;
+  if (max_blocks > 0 && blocks > max_blocks) blocks = max_blocks;
+  return static_cast<unsigned>(blocks);
 }
 
 // The vector kernel's pieces per row for p, or 0 where it does not apply (rows or output not in
@@ -334,9 +339,9 @@ template <Dtype In, Dtype Out, typename Ids>
 hipError_t launch_vector(const GatherRowsParams& p, const Ids& source, int64_t pieces_per_row,
                          int64_t total, size_t shared, hipStream_t stream) {
   return launch_kernel(
-      gather_rows_vec_kernel<In, Out, Ids>, grid_for(total, int64_t{kThreadsPerBlock} * kUnroll),
-      kThreadsPerBlock, shared, stream, p, source,
-      make_fast_divmod_u32(static_cast<uint32_t>(pieces_per_row)),
+      gather_rows_vec_kernel<In, Out, Ids>,
+      grid_for(total, int64_t{kThreadsPerBlock} * kUnroll, p.max_blocks), kThreadsPerBlock, shared,
+      stream, p, source, make_fast_divmod_u32(static_cast<uint32_t>(pieces_per_row)),
       make_fast_divmod_u32(static_cast<uint32_t>(p.num_heads)), static_cast<uint32_t>(total));
 }
 
@@ -365,8 +370,9 @@ hipError_t launch_typed(const GatherRowsParams& p, hipStream_t stream) {
   }
   // Unaligned rows, a table without rows, or a single token of more than kMaxPieces pieces.
   const int64_t total = p.num_tokens * p.num_heads * p.width;
-  return launch_kernel(gather_rows_scalar_kernel<In, Out>, grid_for(total, kThreadsPerBlock),
-                       kThreadsPerBlock, 0, stream, p);
+  return launch_kernel(gather_rows_scalar_kernel<In, Out>,
+                       grid_for(total, kThreadsPerBlock, p.max_blocks), kThreadsPerBlock, 0, stream,
+                       p);
 }
 
 // ngram_gather_rows in one launch of the vector kernel, its ids hashed by each block, where the

@@ -51,11 +51,15 @@ __global__ void __launch_bounds__(kThreadsPerBlock) ngram_ids_kernel(NgramIdsPar
 
 hipError_t launch_ngram_ids(const NgramIdsParams& p, bool output_int64, hipStream_t stream) {
   const int64_t elements = p.num_tokens * p.num_heads;
-  const int64_t needed = (elements + kThreadsPerBlock - 1) / kThreadsPerBlock;
-  const unsigned blocks = static_cast<unsigned>(needed < kMaxGridX ? needed : kMaxGridX);
+  int64_t blocks = (elements + kThreadsPerBlock - 1) / kThreadsPerBlock;
+  if (blocks > kMaxGridX) blocks = kMaxGridX;
+  // p.max_blocks: ngram_gather_rows' cap, where it runs this kernel (through_ids). The kernel
+  // strides over its grid, so the ids are the same under any cap.
+  if (p.max_blocks > 0 && blocks > p.max_blocks) blocks = p.max_blocks;
   const size_t shared = sizeof(FastDivmodU64) * static_cast<size_t>(p.num_heads);
   const auto launch = [&](auto kernel) {
-    return launch_kernel(kernel, blocks, kThreadsPerBlock, shared, stream, p);
+    return launch_kernel(kernel, static_cast<unsigned>(blocks), kThreadsPerBlock, shared, stream,
+                         p);
   };
   const bool i64 = output_int64;
   switch (p.context_len) {

@@ -20,6 +20,13 @@
 QWEN4EXP_SIMT_LIBRARY_EXPANDED(QWEN4EXP_GLUE_LIBRARY, m) {
   qwen4exp::define_kernel_ops(m);
   qwen4exp::switches::define_switch_ops(m);
+  // The emulator's own: [launches, most blocks of one] since the last call (runtime.h's
+  // take_launch_record; qwen4exp_ext.simt.take_launch_record).
+  m.def("take_launch_record() -> int[]", [] {
+    const qwen4exp::simt::LaunchRecord r = qwen4exp::simt::take_launch_record();
+    return std::vector<int64_t>{static_cast<int64_t>(r.launches),
+                                static_cast<int64_t>(r.most_blocks)};
+  });
 }
 
 #define QWEN4EXP_SIMT_CAT(a, b) a##b

@@ -345,6 +345,7 @@ class Scheduler {
 
 std::mutex launch_mutex;
 Scheduler* scheduler = nullptr;  // made on first launch, kept for the process
+LaunchRecord launch_record{};    // since the last take_launch_record
 
 bool same_site(const Site& a, const Site& b) {
   return a.line == b.line && (a.file == b.file || std::strcmp(a.file, b.file) == 0);
@@ -658,8 +659,18 @@ void* dynamic_shared(size_t align) { return scheduler->dynamic_shared(align); }
 
 hipError_t launch(const KernelBody& body, dim3 grid, dim3 block, size_t shared_bytes) {
   std::lock_guard<std::mutex> lock(launch_mutex);
+  const uint64_t blocks = uint64_t{grid.x} * grid.y * grid.z;
+  ++launch_record.launches;
+  launch_record.most_blocks = std::max(launch_record.most_blocks, blocks);
   if (scheduler == nullptr) scheduler = new Scheduler();  // lives as long as the process
   return scheduler->run(body, grid, block, shared_bytes);
+}
+
+LaunchRecord take_launch_record() {
+  std::lock_guard<std::mutex> lock(launch_mutex);
+  const LaunchRecord taken = launch_record;
+  launch_record = LaunchRecord{};
+  return taken;
 }
 
 void set_seed(uint64_t seed) {

@@ -114,6 +114,15 @@ hipError_t launch(const KernelBody& body, dim3 grid, dim3 block, size_t shared_b
 void set_seed(uint64_t seed);
 uint64_t seed();
 
+// The launches asked of the emulator since the last take_launch_record (or the load), refused
+// ones included: how many, and the most blocks one of them had. What a test reads a launcher's
+// grid from (gather_rows' max_blocks cap); taking it starts the next record.
+struct LaunchRecord {
+  uint64_t launches;
+  uint64_t most_blocks;
+};
+LaunchRecord take_launch_record();
+
 // A launch with the signature of `kernel<<<grid, block, shared_bytes>>>(args...)`. The arguments
 // are converted to the kernel's parameter types once, as a GPU launch copies them, and every lane
 // calls the kernel with its own copy.

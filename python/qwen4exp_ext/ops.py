@@ -152,6 +152,7 @@ class KernelOps:
         vocab_end: int | None = None,
         out_dtype: torch.dtype | None = None,
         output: torch.Tensor | None = None,
+        max_blocks: int = 0,
     ) -> torch.Tensor:
         """Embedding rows of every head of every token, concatenated — SPEC §4.
 
@@ -173,6 +174,13 @@ class KernelOps:
         On the CPU an output of at least :func:`cpu_gather_stream_bytes` bytes (a prefill) is
         written with streaming stores: it bypasses the cache, which it would not fit in anyway.
         Same values either way.
+
+        ``max_blocks`` > 0 caps the grid of every GPU launch (and the SIMT emulator's) at that
+        many blocks, so that a gather on a side stream takes a bounded share of the GPU from the
+        compute running beside it; the kernels stride over their grid, so the output is the same
+        bit for bit, only slower. 0 (the default) is no cap; a negative value is an error. On the
+        CPU it is checked and has no effect: the CPU kernel's threads are torch's intra-op pool
+        (:func:`torch.set_num_threads`).
         """
         # At decode this door costs as much as the op itself: each tensor attribute read is
         # ~0.1 us hot, a whole lookup of one token ~2 us hot. With an output and 2-D ids there is
@@ -197,6 +205,7 @@ class KernelOps:
                     vocab_start,
                     vocab_end,  # None: the op reads the table's rows itself
                     output,
+                    max_blocks,
                 )
                 return output
             except (RuntimeError, IndexError, TypeError):
@@ -252,6 +261,7 @@ class KernelOps:
             int(vocab_start),
             None if vocab_end is None else int(vocab_end),
             out2,
+            int(max_blocks),
         )
         return output
 
@@ -274,12 +284,17 @@ class KernelOps:
         vocab_end: int | None = None,
         out_dtype: torch.dtype | None = None,
         output: torch.Tensor | None = None,
+        max_blocks: int = 0,
     ) -> torch.Tensor:
         """:meth:`ngram_ids` then :meth:`gather_rows` of its ids, in one op: the same [T, NH·d]
         rows, the ids never written to a tensor (the GPU kernel hashes each row's id in the block
         that gathers it; the CPU kernel keeps them in a per-thread buffer). The arguments are
         those of the two, less ngram_ids' output and gather_rows' ids; ``input_ids`` of any
-        shape is flattened."""
+        shape is flattened.
+
+        ``max_blocks`` is :meth:`gather_rows`' grid cap, for every GPU launch of the op: the
+        fused kernel, or where it does not apply the ids kernel and the gather both. Same
+        output under any cap; 0 is no cap; no effect on the CPU (torch's intra-op threads)."""
         if input_ids.dim() != 1:
             input_ids = input_ids.reshape(-1)
         nvfp4 = table.dtype == _NVFP4_TABLE_DTYPE
@@ -314,6 +329,7 @@ class KernelOps:
             int(vocab_start),
             None if vocab_end is None else int(vocab_end),
             output,
+            int(max_blocks),
         )
         return output
 
@@ -476,11 +492,12 @@ def _check_gather_table_fake(
     vocab_start: int,
     vocab_end: int | None,
     output: torch.Tensor,
+    max_blocks: int,
     num_tokens: int,
     num_heads: int,
 ) -> None:
-    """gather_rows' and ngram_gather_rows' checks of the table, its scales, the shard and the
-    output, for T = num_tokens tokens of NH = num_heads heads."""
+    """gather_rows' and ngram_gather_rows' checks of the table, its scales, the shard, the
+    output and the grid cap, for T = num_tokens tokens of NH = num_heads heads."""
     nvfp4 = table.dtype == _NVFP4_TABLE_DTYPE
     torch._check(table.dim() == 2, lambda: f"{op}: table must be 2-D [rows, d]")
     width = table.shape[1] * (2 if nvfp4 else 1)
@@ -517,6 +534,7 @@ def _check_gather_table_fake(
         0 <= vocab_start <= vocab_end and vocab_end - vocab_start <= table.shape[0],
         lambda: f"{op}: shard [vocab_start, vocab_end) does not fit the table",
     )
+    torch._check(max_blocks >= 0, lambda: f"{op}: max_blocks must be >= 0 (0: no cap)")
 
 
 def _gather_rows_fake(
@@ -527,6 +545,7 @@ def _gather_rows_fake(
     vocab_start: int,
     vocab_end: int | None,
     output: torch.Tensor,
+    max_blocks: int = 0,
 ) -> None:
     tensors = {"table": table, "ids": ids, "output": output}
     if scale is not None:
@@ -546,6 +565,7 @@ def _gather_rows_fake(
         vocab_start,
         vocab_end,
         output,
+        max_blocks,
         ids.shape[0],
         ids.shape[1],
     )
@@ -568,6 +588,7 @@ def _ngram_gather_rows_fake(
     vocab_start: int,
     vocab_end: int | None,
     output: torch.Tensor,
+    max_blocks: int = 0,
 ) -> None:
     optional = {
         name: t
@@ -605,6 +626,7 @@ def _ngram_gather_rows_fake(
         vocab_start,
         vocab_end,
         output,
+        max_blocks,
         input_ids.shape[0],
         num_heads,
     )

@@ -21,9 +21,11 @@ from __future__ import annotations
 import importlib
 from functools import cache
 
+import torch
+
 from .ops import KernelOps
 
-__all__ = ["WAVE_SIZES", "available", "ops"]
+__all__ = ["WAVE_SIZES", "available", "ops", "take_launch_record"]
 
 WAVE_SIZES = (32, 64)
 
@@ -48,3 +50,14 @@ def ops(wave_size: int) -> KernelOps:
         )
     importlib.import_module(f"qwen4exp_ext._simt{wave_size}")  # registers its op library
     return KernelOps(f"qwen4exp_simt{wave_size}")
+
+
+def take_launch_record(wave_size: int) -> tuple[int, int]:
+    """``(launches, most_blocks)``: how many kernel launches the emulator of ``wave_size`` was
+    asked for since the last call (or its load), and the most blocks one of them had; the next
+    record starts empty. What tests read a launcher's grid from (``max_blocks`` of
+    ``gather_rows``). Launches run one at a time in a process, so in a test that calls one op
+    the record is that op's."""
+    namespace = ops(wave_size).namespace
+    launches, most_blocks = getattr(torch.ops, namespace).take_launch_record()
+    return int(launches), int(most_blocks)
