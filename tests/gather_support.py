@@ -94,6 +94,24 @@ def make_table(rows: int, width: int, dtype: torch.dtype, *, gen=None) -> torch.
 GRID_CAPS = (1, 2, 3, 7)
 VECTOR_PIECES_PER_BLOCK = 256 * 4  # the vector kernel (and the fused one): 16-byte table pieces
 SCALAR_ELEMENTS_PER_BLOCK = 256  # the scalar kernel: output elements
+
+
+def grid_cap_row(table_format, path: str) -> tuple[int, int, int]:
+    """(row width, units of work per row, units per block) of a table row that takes the HIP
+    gather kernel ``path``: "vector" (rows in 16-byte pieces; a unit is a piece) or "scalar"
+    (rows that are not; a unit is an output element). ``table_format`` is a dtype or "nvfp4"."""
+    nvfp4 = table_format == "nvfp4"
+    if path == "vector":
+        width = 160 if nvfp4 else 64
+    else:
+        width = 16 if nvfp4 else 5
+    row_bytes = width // 2 if nvfp4 else width * table_format.itemsize
+    assert (row_bytes % 16 == 0) == (path == "vector"), "the case takes the other kernel"
+    if path == "vector":
+        return width, row_bytes // 16, VECTOR_PIECES_PER_BLOCK
+    return width, width, SCALAR_ELEMENTS_PER_BLOCK
+
+
 IDS_ELEMENTS_PER_BLOCK = 256  # ngram_ids' kernel: (token, head) ids
 
 

@@ -25,12 +25,11 @@ from gather_support import (
     CPU_PATHS,
     FP8_NAN_BYTES,
     GRID_CAPS,
-    SCALAR_ELEMENTS_PER_BLOCK,
-    VECTOR_PIECES_PER_BLOCK,
     blocks_for,
     cpu_fp8_lookup,
     cpu_gather_path,
     every_fp8_code_rows,
+    grid_cap_row,
     make_table,
     take_launch_record,
 )
@@ -834,19 +833,7 @@ def grid_cap_case(table_format, path: str, id_dtype, gen):
     strided view, the table a shard [3, rows - 1) of a larger vocabulary."""
     rows, heads = 300, 16
     nvfp4 = table_format == "nvfp4"
-    if path == "vector":
-        width = 160 if nvfp4 else 64
-    else:
-        width = 16 if nvfp4 else 5
-    row_bytes = width // 2 if nvfp4 else width * table_format.itemsize
-    assert (row_bytes % 16 == 0) == (path == "vector"), "the case takes the other kernel"
-    # The vector kernel's unit of work is a 16-byte piece of table row, the scalar one's an
-    # output element.
-    unit, per_block = (
-        (row_bytes // 16, VECTOR_PIECES_PER_BLOCK)
-        if path == "vector"
-        else (width, SCALAR_ELEMENTS_PER_BLOCK)
-    )
+    width, unit, per_block = grid_cap_row(table_format, path)
     tokens = (GRID_CAPS[-1] * per_block) // (heads * unit) + 1
     tokens |= 1  # odd
     blocks = blocks_for(tokens * heads * unit, per_block)

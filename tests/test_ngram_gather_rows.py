@@ -18,9 +18,8 @@ from conftest import backends
 from gather_support import (
     GRID_CAPS,
     IDS_ELEMENTS_PER_BLOCK,
-    SCALAR_ELEMENTS_PER_BLOCK,
-    VECTOR_PIECES_PER_BLOCK,
     blocks_for,
+    grid_cap_row,
     make_table,
     take_launch_record,
 )
@@ -213,17 +212,7 @@ def test_max_blocks_gives_the_same_output(backend, table_format, ngram_size, pat
     nvfp4 = table_format == "nvfp4"
     gen = torch.Generator().manual_seed(ngram_size * 100 + GRID_CAP_FORMATS.index(table_format))
     heads = 16
-    if path == "vector":
-        width = 160 if nvfp4 else 64
-    else:
-        width = 16 if nvfp4 else 5
-    row_bytes = width // 2 if nvfp4 else width * table_format.itemsize
-    assert (row_bytes % 16 == 0) == (path == "vector"), "the case takes the other kernel"
-    unit, per_block = (
-        (row_bytes // 16, VECTOR_PIECES_PER_BLOCK)
-        if path == "vector"
-        else (width, SCALAR_ELEMENTS_PER_BLOCK)
-    )
+    width, unit, per_block = grid_cap_row(table_format, path)
     tokens = max(
         (GRID_CAPS[-1] * per_block) // (heads * unit) + 1,
         (GRID_CAPS[-1] * IDS_ELEMENTS_PER_BLOCK) // heads + 1,
