@@ -296,6 +296,56 @@ def test_cases_filter(tmp_path: Path) -> None:
         assert main(["ngram_ids", "--quick", "--threads", "1", "--cases", "no_such_case"]) == 2
 
 
+def test_references_and_derived_fields(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A case's references are timed with its contenders (JSON "references", CSV p50 columns),
+    its derived fields join the result, and a derived "summary" prints under the row; a derived
+    field may not replace one of the CLI's, nor a reference take a contender's name."""
+    from qwen4exp_ext.bench import registry
+    from qwen4exp_ext.bench.registry import Case
+
+    calls: list[str] = []
+
+    def fn(who: str):
+        return lambda: calls.append(who) or torch.zeros(4)
+
+    def derive(times):
+        return {"gap_us": times["slow"].p50_us - times["ours"].p50_us, "summary": "gap line"}
+
+    case = Case(
+        op="toy",
+        name="one",
+        tokens=4,
+        nbytes=16,
+        ours=fn("ours"),
+        oracle=fn("oracle"),
+        baselines={"base": fn("base")},
+        params={},
+        references={"slow": fn("slow")},
+        derive=derive,
+    )
+    monkeypatch.setitem(registry.OP_MODULES, "toy", "toy")
+    monkeypatch.setattr(cli, "load_cases", lambda op, device: [case])
+    monkeypatch.setattr(cli, "load_sections", lambda op, device: [])
+    path, table = tmp_path / "toy.json", tmp_path / "toy.csv"
+    argv = ["toy", "--quick", "--threads", "1", "--json", str(path), "--csv", str(table)]
+    assert main(argv) == 0
+    (r,) = json.loads(path.read_text())["results"]
+    _timed(r["references"]["slow"])
+    # As often as ours, less the check's call (a reference is never checked).
+    assert calls.count("slow") + 1 == calls.count("ours") == calls.count("base") > 1
+    assert r["gap_us"] == pytest.approx(r["references"]["slow"]["p50_us"] - r["ours"]["p50_us"])
+    assert r["summary"] == "gap line" and "\n    gap line\n" in capsys.readouterr().out
+    assert "p50_us_slow" in table.read_text().splitlines()[0]
+    clashing = Case(**{**case.__dict__, "derive": lambda times: {"speedup": 0.0}})
+    monkeypatch.setattr(cli, "load_cases", lambda op, device: [clashing])
+    with pytest.raises(ValueError, match=r"derived fields \['speedup'\] are taken"):
+        main(["toy", "--quick", "--threads", "1"])
+    with pytest.raises(ValueError, match=r"reference names \['base'\] are taken"):
+        Case(**{**case.__dict__, "references": {"base": fn("x")}})
+
+
 def test_unknown_op_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["no_such_op", "--quick"])
