@@ -30,6 +30,7 @@ OP_MODULES: dict[str, str] = {
     "ngram_gather_rows": "qwen4exp_ext.bench.ngram_gather_rows",
     "ple_gate": "qwen4exp_ext.bench.ple_gate",
     "ple_conv": "qwen4exp_ext.bench.ple_conv",
+    "host_lookup": "qwen4exp_ext.bench.host_lookup",
 }
 
 # Contender names the CLI owns; a baseline may not take one.
