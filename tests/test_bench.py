@@ -22,6 +22,7 @@ import qwen4exp_ext
 from qwen4exp_ext import ops
 from qwen4exp_ext.bench import cli, vllm_triton
 from qwen4exp_ext.bench.cli import QUICK_REPEAT, main
+from qwen4exp_ext.testing import exact_mismatch
 from vllm_support import require_vllm, run_python
 
 NGRAM_IDS_CASES = {
@@ -294,6 +295,56 @@ def test_cases_filter(tmp_path: Path) -> None:
     assert exc.value.code == 2
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         assert main(["ngram_ids", "--quick", "--threads", "1", "--cases", "no_such_case"]) == 2
+
+
+def test_references_and_derived_fields(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A case's references are timed with its contenders (JSON "references", CSV p50 columns),
+    its derived fields join the result, and a derived "summary" prints under the row; a derived
+    field may not replace one of the CLI's, nor a reference take a contender's name."""
+    from qwen4exp_ext.bench import registry
+    from qwen4exp_ext.bench.registry import Case
+
+    calls: list[str] = []
+
+    def fn(who: str):
+        return lambda: calls.append(who) or torch.zeros(4)
+
+    def derive(times):
+        return {"gap_us": times["slow"].p50_us - times["ours"].p50_us, "summary": "gap line"}
+
+    case = Case(
+        op="toy",
+        name="one",
+        tokens=4,
+        nbytes=16,
+        ours=fn("ours"),
+        oracle=fn("oracle"),
+        baselines={"base": fn("base")},
+        params={},
+        references={"slow": fn("slow")},
+        derive=derive,
+    )
+    monkeypatch.setitem(registry.OP_MODULES, "toy", "toy")
+    monkeypatch.setattr(cli, "load_cases", lambda op, device: [case])
+    monkeypatch.setattr(cli, "load_sections", lambda op, device: [])
+    path, table = tmp_path / "toy.json", tmp_path / "toy.csv"
+    argv = ["toy", "--quick", "--threads", "1", "--json", str(path), "--csv", str(table)]
+    assert main(argv) == 0
+    (r,) = json.loads(path.read_text())["results"]
+    _timed(r["references"]["slow"])
+    # As often as ours, less the check's call (a reference is never checked).
+    assert calls.count("slow") + 1 == calls.count("ours") == calls.count("base") > 1
+    assert r["gap_us"] == pytest.approx(r["references"]["slow"]["p50_us"] - r["ours"]["p50_us"])
+    assert r["summary"] == "gap line" and "\n    gap line\n" in capsys.readouterr().out
+    assert "p50_us_slow" in table.read_text().splitlines()[0]
+    clashing = Case(**{**case.__dict__, "derive": lambda times: {"speedup": 0.0}})
+    monkeypatch.setattr(cli, "load_cases", lambda op, device: [clashing])
+    with pytest.raises(ValueError, match=r"derived fields \['speedup'\] are taken"):
+        main(["toy", "--quick", "--threads", "1"])
+    with pytest.raises(ValueError, match=r"reference names \['base'\] are taken"):
+        Case(**{**case.__dict__, "references": {"base": fn("x")}})
 
 
 def test_unknown_op_is_a_usage_error() -> None:
@@ -707,3 +758,280 @@ def test_ngram_gather_rows_cases_run_checked(
     monkeypatch.setattr(ops, "ngram_gather_rows", shifted)
     argv = ["ngram_gather_rows", "--quick", "--threads", "1", "--cases", "decode_T8$"]
     assert main(argv) == 1
+
+
+# --- host_lookup: a step proxy whose PLE tables are read from host memory -------------------------
+
+HOST_LOOKUP_GPU_ONLY = ("h2d_copy_gbps", "pinned_gather_gbps", "pinned_gather_pct_of_h2d")
+HOST_LOOKUP_ROW_BYTES = {"bf16": 2 * D, "fp8": D, "nvfp4": D // 2 + D // 16}
+
+
+def _host_lookup_names() -> set[str]:
+    from qwen4exp_ext.bench import host_lookup
+
+    size = host_lookup.SIZES["quick"]
+    shapes = [f"decode_T{t}" for t in size.decode_tokens] + [f"prefill_T{size.prefill_tokens}"]
+    return {f"{shape}_{fmt}" for shape in shapes for fmt in host_lookup.FORMATS}
+
+
+@pytest.fixture(scope="module")
+def host_lookup_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One quick ``host_lookup`` run at toy widths (QWEN4EXP_BENCH_HOST_LOOKUP_SIZE=quick: every
+    case in seconds), 1 thread, with --json and --csv, on this machine's default device."""
+    from qwen4exp_ext.bench import host_lookup
+
+    out = tmp_path_factory.mktemp("bench")
+    paths = {ext: out / f"host_lookup.{ext}" for ext in ("json", "csv")}
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
+        mp.setenv(host_lookup.SIZE_ENV, "quick")
+        argv = ["host_lookup", "--quick", "--threads", "1"]
+        assert main([*argv, "--json", str(paths["json"]), "--csv", str(paths["csv"])]) == 0
+    return {
+        "report": json.loads(paths["json"].read_text()),
+        "paths": paths,
+        "stdout": printed.getvalue(),
+    }
+
+
+def test_host_lookup_writes_every_field_of_every_case(host_lookup_run: dict) -> None:
+    """Every case ran, checked, with each path's step quantiles, exposed lookup time and
+    overhead against the device path, the no-lookup step, the lookup bytes and notes."""
+    report, printed = host_lookup_run["report"], host_lookup_run["stdout"]
+    gpu = report["device_type"] == "cuda"
+    results = report["results"]
+    assert {r["case"] for r in results} == _host_lookup_names()
+    ours_path = "pinned_pipeline" if gpu else "pipeline"
+    for r in results:
+        name, fmt = r["case"], r["params"]["format"]
+        assert r["op"] == "host_lookup" and r["check"] is True and r["threads"] == 1
+        assert r["ours_path"] == r["params"]["ours"] == ours_path
+        assert r["baseline"] == "device"  # the headline: what the overhead is measured against
+        assert r["params"]["decoder_layers"] == 6 and r["params"]["ple_layers"] == [2, 6]
+        assert r["params"]["size"] == "quick"
+        t = r["tokens"]
+        assert t == r["params"]["T"] and name.endswith(f"_T{t}_{fmt}")
+        assert r["lookup_bytes"] == r["bytes"] == 2 * t * NH * HOST_LOOKUP_ROW_BYTES[fmt]
+        no_lookup = r["references"]["no_lookup"]
+        _timed(no_lookup)
+        _timed(r["oracle"])
+        device = r["baselines"]["device"]["p50_us"]
+        assert set(r["paths"]) == set(r["params"]["paths"]) >= {"device", ours_path}
+        for path, p in r["paths"].items():
+            step = r["ours"] if path == ours_path else r["baselines"][path]
+            assert p["step"] == step
+            _timed(p["step"])
+            assert p["exposed_lookup_us"] == pytest.approx(step["p50_us"] - no_lookup["p50_us"])
+            assert p["overhead_pct"] == pytest.approx(100 * (step["p50_us"] - device) / device)
+        assert r["paths"]["device"]["overhead_pct"] == 0
+        assert "no_lookup" in r["exposed_lookup_method"] and r["notes"]
+        for key in HOST_LOOKUP_GPU_ONLY:
+            assert key in r
+        assert name in printed
+    assert printed.count("exposed lookup µs: device ") == len(results)
+    # The references are timed beside the contenders: the CSV has their p50 too.
+    import csv
+
+    with host_lookup_run["paths"]["csv"].open() as f:
+        rows = list(csv.DictReader(f))
+    assert [float(row["p50_us_no_lookup"]) for row in rows] == pytest.approx(
+        [r["references"]["no_lookup"]["p50_us"] for r in results]
+    )
+
+
+def _gpu_claims(value: object, where: str = "") -> list[str]:
+    """Where a result holds something of a GPU: a non-null field named for the link, the
+    pinned tables or vLLM's kernels, or a path or contender of that name."""
+    found = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            here = f"{where}.{key}"
+            if re.search(r"pinned|h2d|vllm", key) and item is not None:
+                found.append(here)
+            found += _gpu_claims(item, here)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, str) and re.fullmatch(r"pinned_\w+|vllm\w*|h2d\w*", item):
+                found.append(f"{where}[{i}]")
+            found += _gpu_claims(item, f"{where}[{i}]")
+    return found
+
+
+def test_host_lookup_claims_no_gpu_field_on_a_cpu(host_lookup_run: dict) -> None:
+    report = host_lookup_run["report"]
+    if report["device_type"] == "cuda":
+        pytest.skip("the CPU's rows: this run was on a GPU")
+    for r in report["results"]:
+        assert set(r["paths"]) == {"device", "pipeline"}
+        assert set(r["baselines"]) == {"device"} and set(r["references"]) == {"no_lookup"}
+        assert all(r[key] is None for key in HOST_LOOKUP_GPU_ONLY)
+        assert r["pct_of_peak"] is None
+        assert any("no host-to-device link" in note for note in r["notes"])
+        assert _gpu_claims(r) == [], r["case"]
+    assert "(no host-to-device link on a CPU)" in host_lookup_run["stdout"]
+
+
+def test_host_lookup_gpu_rows_have_the_pinned_paths(host_lookup_run: dict) -> None:
+    report = host_lookup_run["report"]
+    if report["device_type"] != "cuda":
+        pytest.skip("needs a GPU")
+    for r in report["results"]:
+        assert {"device", "pinned_sync", "pinned_pipeline"} <= set(r["paths"])
+        assert set(r["references"]) == {"no_lookup", "h2d_copy", "pinned_gather"}
+        assert all(r[key] > 0 for key in HOST_LOOKUP_GPU_ONLY)
+        assert r["pinned_gather_pct_of_h2d"] == pytest.approx(
+            100 * r["pinned_gather_gbps"] / r["h2d_copy_gbps"]
+        )
+        assert ("vllm_triton" in r["paths"]) == (r["params"]["vllm_kernels"] is not None)
+
+
+def _host_lookup_quick(monkeypatch: pytest.MonkeyPatch):
+    from qwen4exp_ext.bench import host_lookup
+
+    monkeypatch.setenv(host_lookup.SIZE_ENV, "quick")
+    size = host_lookup.size_for(torch.device("cpu"))
+    return host_lookup, size, host_lookup.StepProxy(size, torch.device("cpu"))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_host_lookup_pipeline_step_equals_the_device_step(
+    monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """One step with every lookup started at step entry gives the synchronous step's output and
+    conv states bit for bit (decode and prefill); and the proxy is deterministic."""
+    from qwen4exp_ext.layers import LookupPipeline
+
+    host_lookup, size, proxy = _host_lookup_quick(monkeypatch)
+    tables = host_lookup._tables(size, fmt, proxy.device, proxy.max_tokens)
+    pipeline = LookupPipeline(tables.device)
+    gen = torch.Generator().manual_seed(5)
+    for tokens in (max(size.decode_tokens), size.prefill_tokens):
+        batch = proxy.batches[tokens]
+        batch.input_ids.copy_(torch.randint(0, host_lookup.VOCAB_SIZE, (tokens,), generator=gen))
+        before = [s.clone() for s in proxy.conv_states()]
+        outputs, states = [], []
+        for run in range(3):  # device, device again, pipeline
+            for state, saved in zip(proxy.conv_states(), before, strict=True):
+                state.copy_(saved)
+            out = proxy.step(tables.device, batch, pipeline if run == 2 else None)
+            outputs.append(out.clone())
+            states.append([s.clone() for s in proxy.conv_states()])
+        assert _same_bits(outputs[0], outputs[1]) and _same_bits(outputs[0], outputs[2]), tokens
+        for a, b in zip(states[0], states[2], strict=True):
+            assert _same_bits(a, b)
+        assert not _same_bits(states[0][0], before[0])  # the step did move the conv states
+
+
+def test_host_lookup_check_catches_a_pipeline_with_other_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every case's check passes; a pipeline whose prefetched rows are off fails each case's."""
+    from qwen4exp_ext.layers import LookupPipeline
+
+    host_lookup, _, _ = _host_lookup_quick(monkeypatch)
+    cases = host_lookup.cases(torch.device("cpu"))
+    assert {c.name for c in cases} == _host_lookup_names()
+    assert all(case.check() is None for case in cases)
+    real = LookupPipeline.start_prefetch
+
+    def off(self, input_ids, *args):
+        real(self, input_ids, *args)
+        rows = self.embeddings[1].prefetch_slot.rows
+        rows[input_ids.numel() - 1, 0] += 1
+
+    monkeypatch.setattr(LookupPipeline, "start_prefetch", off)
+    for case in cases:
+        problem = case.check()
+        assert problem is not None and "pipeline's step output" in problem, case.name
+
+
+def test_host_lookup_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qwen4exp_ext.bench import host_lookup
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv(host_lookup.SIZE_ENV, raising=False)
+    monkeypatch.delenv(host_lookup.ROWS_ENV, raising=False)
+    assert host_lookup.size_for(cpu).name == "cpu" and host_lookup.size_for(gpu).name == "released"
+    released = host_lookup.size_for(gpu)
+    assert (released.hidden, released.hc_count, released.ffn) == (2560, 4, host_lookup.FFN)
+    assert released.decode_tokens == (1, 64, 256) and released.prefill_tokens == 8192
+    # The CPU preset scales only H (hence C): the same F, the same lookups.
+    assert host_lookup.size_for(cpu).ffn == released.ffn
+    monkeypatch.setenv(host_lookup.ROWS_ENV, "100000")
+    assert host_lookup.size_for(cpu).rows == 100_000
+    monkeypatch.setenv(host_lookup.SIZE_ENV, "huge")
+    with pytest.raises(ValueError, match="choose one of released, cpu, quick"):
+        host_lookup.size_for(cpu)
+
+
+def test_host_lookup_stand_in_has_a_decoder_layers_active_parameters() -> None:
+    """ACTIVE_PARAMS, counted from transformers' own linear-attention decoder layer at the
+    released H (the rest of its config at Qwen4ExpTextConfig's defaults), its PLE excluded and
+    only the routed experts a token uses counted; FFN is that over 2·H, rounded up to 64."""
+    pytest.importorskip("transformers.models.qwen4_exp")
+    from transformers import Qwen4ExpTextConfig
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextDecoderLayer
+
+    from qwen4exp_ext.bench import host_lookup
+
+    config = Qwen4ExpTextConfig(
+        hidden_size=2560, ple_layer_ids=[2], ple_embed_dim=2560, eos_token_id=1
+    )
+    assert config.layer_types[1] == "linear_attention"
+    with torch.device("meta"):
+        layer = Qwen4ExpTextDecoderLayer(config, 1)
+    params = {n: p.numel() for n, p in layer.named_parameters() if not n.startswith("ple.")}
+    experts = sum(n for name, n in params.items() if ".experts." in name)
+    active = sum(params.values()) - experts
+    active += experts * config.num_experts_per_tok // config.num_experts
+    assert active == host_lookup.ACTIVE_PARAMS
+    ffn = host_lookup.FFN
+    assert ffn % 64 == 0 and 0 <= 2 * 2560 * ffn - active < 2 * 2560 * 64
+
+
+@require_vllm()
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_host_lookup_vllm_lookup_equals_ours(monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+    """The vllm_triton path's lookup (vLLM 0.33.0's kernels, Triton's CPU interpreter here):
+    its rows equal our gather's, ids outside the table included, and for bf16 and fp8 a whole
+    step through it equals the device step bit for bit. (NVFP4 rows are compared in fp32,
+    rounded as a GPU stores them: the interpreter truncates fp32 to bf16,
+    triton-lang/triton#8322.)"""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter runs on a machine without a GPU")
+    kernels = vllm_triton.load_lookup_kernels(interpret=True)
+    if kernels is None:
+        pytest.skip("triton is not installed")
+    host_lookup, size, proxy = _host_lookup_quick(monkeypatch)
+    tables = host_lookup._tables(size, fmt, proxy.device, proxy.max_tokens)
+    embedding = tables.device[0].ple_embedding
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, embedding.num_rows + 50, (9, NH), generator=gen)
+    ids[0, :3] = torch.tensor([-1, embedding.num_rows, embedding.num_rows - 1])
+    out_dtype = torch.float32 if fmt == "nvfp4" else torch.bfloat16
+    ours = ops.gather_rows(embedding.table, ids, **embedding._dequant(), out_dtype=out_dtype)
+    staging = torch.empty(9 * NH, D, dtype=torch.uint8)
+    theirs = torch.full((9, NH * D), 7.0, dtype=out_dtype)
+    with vllm_triton.interpreter():
+        host_lookup.vllm_rows(kernels, embedding, ids, theirs, staging)
+    assert exact_mismatch(theirs, ours, "rows", against="ours", bitwise=True) is None
+    assert not bool((ours[0, : 2 * D] != 0).any())  # ids -1 and past the table: zero rows
+    if fmt == "nvfp4":
+        return
+    batch = proxy.batches[max(size.decode_tokens)]
+    batch.input_ids.copy_(torch.randint(0, host_lookup.VOCAB_SIZE, (batch.num_tokens,)))
+    before = [s.clone() for s in proxy.conv_states()]
+    want = proxy.step(tables.device, batch).clone()
+    for state, saved in zip(proxy.conv_states(), before, strict=True):
+        state.copy_(saved)
+    replaced = [
+        (la.ple_embedding, host_lookup.vllm_lookup(kernels, la.ple_embedding))
+        for la in tables.device
+    ]
+    with vllm_triton.interpreter(), host_lookup.lookups_replaced(replaced):
+        got = proxy.step(tables.device, batch)
+    assert _same_bits(got, want)

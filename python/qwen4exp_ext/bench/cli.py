@@ -27,6 +27,7 @@ import platform
 import re
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -145,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results.append(result)
                 progress.clear()
                 print(_row(_table_values(result)), flush=True)
+                if result.get("summary"):
+                    print(textwrap.indent(str(result["summary"]), "    "), flush=True)
                 save_json(complete=False)
         del cases
         for section in load_sections(op, device):
@@ -376,6 +379,7 @@ def _run_case(
         "ours": case.ours,
         **case.baselines,
         "oracle": case.oracle,
+        **case.references,
         "copy": copy,
     }
     if repeat is None:
@@ -391,7 +395,7 @@ def _run_case(
         return nbytes / (q.p50_us * 1e3)
 
     rates = {name: gbps(q) for name, q in timed.items()} | {"copy": gbps(copy_t, copy_bytes)}
-    return {
+    result = {
         "op": case.op,
         "case": case.name,
         "threads": torch.get_num_threads(),
@@ -415,6 +419,15 @@ def _run_case(
         "roofline_us": {gpu: case.nbytes / (tbps * 1e6) for gpu, tbps in PEAK_TBPS.items()},
         "pct_of_peak": _pct_of_peak(rates["ours"], device),
     }
+    if case.references:
+        result["references"] = {name: asdict(times[name]) for name in case.references}
+    if case.derive is not None:
+        derived = dict(case.derive(times))
+        clash = set(derived) & set(result)
+        if clash:
+            raise ValueError(f"{case.op}/{case.name}: derived fields {sorted(clash)} are taken")
+        result |= derived
+    return result
 
 
 def _peak_tbps(device: torch.device) -> float | None:
@@ -585,11 +598,15 @@ def _si(x: float) -> str:
 
 def _csv_rows(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[str, object]]]:
     """The table's numbers per case and thread count, then p50_us_<name> of every contender
-    (ours, each baseline, the oracle, the copy; blank where a case has no such baseline)."""
+    (ours, each baseline, the oracle, each reference, the copy; blank where a case has no such
+    baseline or reference)."""
     contenders: dict[str, None] = {"ours": None}
     for r in results:
         contenders |= dict.fromkeys(r["baselines"])
-    contenders |= {"oracle": None, "copy": None}
+    contenders |= {"oracle": None}
+    for r in results:
+        contenders |= dict.fromkeys(r.get("references", {}))
+    contenders |= {"copy": None}
     fields = [
         "op",
         "case",
@@ -612,6 +629,7 @@ def _csv_rows(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[s
     rows = []
     for r in results:
         p50 = {name: q["p50_us"] for name, q in r["baselines"].items()}
+        p50 |= {name: q["p50_us"] for name, q in r.get("references", {}).items()}
         p50 |= {who: r[who]["p50_us"] for who in ("ours", "oracle", "copy")}
         rows.append(
             {

@@ -5,15 +5,24 @@ An op joins by writing a module with ``cases(device) -> list[Case]`` and adding 
 ``sections(device) -> list[Section]``: figures that belong in its report but are no race between
 contenders (arithmetic, memory measurements). A module is imported only when its op runs, so
 benchmarking one op never depends on another op's module (or its kernel) importing cleanly.
+
+A case may also time ``references`` beside its contenders (reference points that compute no
+output of the op: a step with the lookups left out, a host-to-device copy) and ``derive`` its
+own figures from every timed function's quantiles (``host_lookup``: exposed lookup time,
+overhead, bandwidths).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from qwen4exp_ext.bench.timing import Quantiles
 
 OP_MODULES: dict[str, str] = {
     "ngram_ids": "qwen4exp_ext.bench.ngram_ids",
@@ -21,6 +30,7 @@ OP_MODULES: dict[str, str] = {
     "ngram_gather_rows": "qwen4exp_ext.bench.ngram_gather_rows",
     "ple_gate": "qwen4exp_ext.bench.ple_gate",
     "ple_conv": "qwen4exp_ext.bench.ple_conv",
+    "host_lookup": "qwen4exp_ext.bench.host_lookup",
 }
 
 # Contender names the CLI owns; a baseline may not take one.
@@ -52,6 +62,14 @@ class Case:
     # tolerance, or whose result is more than one tensor): runs ours, the oracle and every
     # baseline from the same inputs and returns a description of the disagreement, or None.
     check: Callable[[], str | None] | None = None
+    # Optional functions timed in the same interleaved loop as the contenders but racing no one
+    # (no check, no speedup): reference points the op's own figures need, e.g. the step with
+    # its lookups left out. Their quantiles go to the result under "references".
+    references: Mapping[str, Callable[[], object]] = field(default_factory=dict)
+    # Optional: the op's own figures, from the quantiles of everything timed (keyed "ours",
+    # each baseline's name, "oracle", each reference's name, "copy"), merged into the result
+    # (new keys only). A "summary" string among them is also printed under the case's row.
+    derive: Callable[[Mapping[str, Quantiles]], Mapping[str, object]] | None = None
 
     def __post_init__(self) -> None:
         if not self.baselines:
@@ -59,6 +77,9 @@ class Case:
         clash = set(self.baselines) & set(RESERVED)
         if clash:
             raise ValueError(f"{self.op}/{self.name}: baseline names {sorted(clash)} are taken")
+        clash = set(self.references) & (set(RESERVED) | set(self.baselines))
+        if clash:
+            raise ValueError(f"{self.op}/{self.name}: reference names {sorted(clash)} are taken")
 
     @property
     def baseline(self) -> str:

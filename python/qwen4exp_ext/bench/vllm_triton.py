@@ -24,7 +24,9 @@ so that other Triton users in the same process, e.g. torch.compile on a GPU, are
 Triton's standard library is fixed when ``triton.language`` is first imported, so on a machine
 with no GPU tests/conftest.py imports it under the interpreter before any test can.
 ``load(interpret=False)`` defines them for the GPU. Either returns None when there is no vLLM
-source or no triton, so callers skip cleanly.
+source or no triton, so callers skip cleanly. ``load_lookup_kernels(interpret)`` does the same
+for vLLM's PLE table lookups (NVFP4, and the row copy of pinned bf16/fp8 tables), taken one
+function at a time from files that import too much of vLLM to execute whole.
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ NVFP4_KERNELS = (
         ("models", "qwen4_exp", "common", "ngram_embedding.py"),
         ("_lookup_nvfp4_ple_embedding_kernel",),
     ),
+)
+# What load_lookup_kernels takes: the NVFP4 lookup's functions, and from the same file the row
+# copy of pinned bf16 and fp8 tables (Qwen4ExpPLEPinnedHostEmbedding's lookup_from_pinned).
+PINNED_ROW_COPY = "_lookup_ple_embedding_from_pinned_kernel"
+LOOKUP_KERNELS = (
+    NVFP4_KERNELS[0],
+    (NVFP4_KERNELS[1][0], (*NVFP4_KERNELS[1][1], PINNED_ROW_COPY)),
 )
 
 _REPLACED_IMPORTS = {
@@ -193,19 +202,33 @@ def interpreter() -> Iterator[None]:
             os.environ["TRITON_INTERPRET"] = previous
 
 
-@cache
 def load_nvfp4_lookup() -> types.ModuleType | None:
     """vLLM's ``_lookup_nvfp4_ple_embedding_kernel`` with its ``_e2m1_inline`` and
-    ``_e4m3_inline``, or None. Their modules import much of vLLM, so only these three functions
-    are taken from the installed sources (with ``ast``) and defined under the interpreter."""
+    ``_e4m3_inline``, defined under the interpreter, or None (``load_lookup_kernels``)."""
+    return load_lookup_kernels(interpret=True)
+
+
+@cache
+def load_lookup_kernels(interpret: bool = True) -> types.ModuleType | None:
+    """vLLM's PLE table lookups (``LOOKUP_KERNELS``): ``_lookup_nvfp4_ple_embedding_kernel``
+    with its ``_e2m1_inline`` and ``_e4m3_inline``, and ``PINNED_ROW_COPY``
+    (``_lookup_ple_embedding_from_pinned_kernel``), the raw-byte row copy that its pinned bf16
+    and fp8 tables run; or None. Their modules import much
+    of vLLM, so only these functions are taken from the sources (with ``ast``), and defined under
+    the interpreter or (``interpret=False``) for the GPU.
+
+    The row copy declares its table and output as ``tl.pointer_type(tl.uint8)``, which Triton's
+    interpreter does not apply: pass it byte views (``tensor.view(torch.uint8)``), as the GPU
+    sees them either way."""
     import ast
     import linecache
 
     if importlib.util.find_spec("triton") is None:
         return None
-    module = types.ModuleType("qwen4exp_tests_vllm_nvfp4")
+    kind = "interpreted" if interpret else "gpu"
+    module = types.ModuleType(f"qwen4exp_vllm_lookups_{kind}")
     pieces = ["import triton\nimport triton.language as tl\n"]
-    for parts, names in NVFP4_KERNELS:
+    for parts, names in LOOKUP_KERNELS:
         path = vllm_source_path(parts)
         if path is None:
             return None
@@ -226,10 +249,10 @@ def load_nvfp4_lookup() -> types.ModuleType | None:
             # the decorator line precedes the def node's own segment
             pieces[-1] = "@triton.jit\n" + pieces[-1]
     source = "\n\n".join(pieces)
-    filename = "<vllm 0.33.0 NVFP4 PLE lookup>"
+    filename = f"<vllm {VLLM_VERSION} PLE lookups, {kind}>"
     module.__file__ = filename
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    with interpreter():
+    with interpreter() if interpret else contextlib.nullcontext():
         exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - vLLM's source
     return module
 

@@ -1,0 +1,788 @@
+"""``host_lookup`` cases: what reading the PLE tables from host memory costs a whole step, with
+the lookups started at step entry (``layers.LookupPipeline``) and without (issue #38).
+
+**The step proxy.** A stack of DECODER_LAYERS = 6 stand-in decoder layers; the 2nd and the 6th
+(PLE_LAYERS, 1-based, as ``ple_layer_ids`` counts them) open with a PLE layer, as transformers'
+``Qwen4ExpTextDecoderLayer`` does (``hidden += ple(hidden)`` before attention). The 2nd is the
+Engram paper's placement (the least compute in front of it to hide a lookup behind); the 6th
+has four layers in front of it. Each PLE layer is a real ``layers.PLELayer`` on our kernels
+(n-gram hashing, table gather, merged kv projection, ``ple_gate``, ``ple_conv`` on the step's
+conv states), built with ``max_tokens`` (fixed buffers, as the pipeline needs), its own table
+(dense PLE index 0 and 1: different hashes and rows) and random weights. A step copies the
+step's token ids into a fixed buffer (a fresh batch every call, below) and the hidden input
+into the step's [T, C] residual stream, then runs the six layers; its output is the last
+layer's residual stream.
+
+**The stand-in decoder layer** is dense compute with the FLOPs of one decoder layer's active
+parameters: two GEMMs on the first stream's H columns of the residual stream, [T, H]·[H, F]
+then [T, F]·[F, H], the result added back in place, with 2·H·F = the layer's active parameters
+(2 FLOPs each per token). What the repo knows of the released config (SPEC §1; gather_rows'
+RELEASED_ROWS) is the PLE side: H = 2560, M = ``hc_count`` = 4 streams (C = 10240),
+``ple_embed_dim`` = 16 heads x 160, 320,001,536 table rows. It does not know the released
+MoE's shape, so the rest comes from transformers' ``Qwen4ExpTextConfig`` defaults (512 experts,
+10 routed + 1 shared active, expert and shared intermediate 512, Gated DeltaNet with 16 key and
+32 value heads of 128, ``hc_lowrank`` 320) at the released H: a linear-attention decoder layer
+(the kind every PLE layer sits on) then has ACTIVE_PARAMS = 99,916,480 active parameters
+without its PLE (42.1M Gated DeltaNet, 44.6M MoE with router and shared expert, 13.2M
+hyper-connection mixes; ``tests/test_bench.py`` counts them from transformers' own module), so
+F = ACTIVE_PARAMS / (2·2560) = 19,514.9, rounded up to FFN = 19,520. No attention, router or
+activation function: their FLOPs are in the count, their latencies are not modelled. The size
+presets below scale this.
+
+**Paths**, each a whole step, timed side by side in one interleaved loop:
+
+- ``device`` (the headline baseline, what the overhead is measured against): the tables in
+  device memory, each PLE layer looking its rows up when it runs;
+- ``pinned_sync`` (GPU): the tables pinned in host memory (``placement="pinned"``), each layer
+  reading its rows over the link when it runs: what vLLM 0.33.0's AMD model does (``sync_lookup``);
+- ``pinned_pipeline`` (GPU, ours there): the pinned tables, every PLE layer's lookup started at
+  step entry (``LookupPipeline.start_prefetch``, on the side stream), each layer taking its rows;
+- ``pipeline`` (CPU, ours there): the CPU tables with the pipeline, whose lookups run when
+  started (nothing to overlap them with on a CPU: the same work as ``device``);
+- ``vllm_triton`` (GPU, when vLLM 0.33.0's source is here: ``bench.vllm_triton``, installed or
+  carried in ``$QWEN4EXP_VLLM_SOURCE``): ``pinned_sync`` with vLLM's own lookup in place of our
+  gather, as its ``Qwen4ExpPLEPinnedHostEmbedding.sync_lookup`` runs it: the Triton UVA row copy
+  ``_lookup_ple_embedding_from_pinned_kernel`` (bf16; fp8, then its eager ``.to(bf16) * scale``)
+  or ``_lookup_nvfp4_ple_embedding_kernel`` (NVFP4); the hashing stays ours.
+
+The oracle is ``device`` with each lookup done by the plain-PyTorch ``reference.ngram_ids`` and
+``reference.gather_rows``. Timed beside them, racing no one (``Case.references``):
+``no_lookup``, the ``device`` step with every PLE layer's lookup left out (its rows are those of
+an earlier call), and on a GPU ``h2d_copy``, a non-blocking ``copy_`` of a pinned host buffer of
+the step's lookup bytes to the device, and ``pinned_gather``, our gathers alone (both layers,
+ids hashed beforehand) from the pinned tables. The check runs one step of every path and the
+oracle from the same conv states and ids: all equal ``device`` bit for bit, output and states.
+
+**Each row** adds (``derive``): ``paths``, per path its step quantiles, its exposed lookup time
+(``exposed_lookup_us`` = its step's p50 minus the ``no_lookup`` step's p50, same loop: a
+difference of medians, not an event measurement, so within noise of 0 when hidden, and noisy on
+a shared CPU) and its overhead against ``device`` (``overhead_pct``, p50s);
+``lookup_bytes``, what a step's lookups read from the tables (2 layers x T x 16 rows; bf16 320 B
+a row, fp8 160, NVFP4 90 with its block scales); ``h2d_copy_gbps`` (those bytes over the
+copy's p50), ``pinned_gather_gbps`` and ``pinned_gather_pct_of_h2d`` (GPU; null on a CPU, which
+has no link, as ``notes`` says); ``notes``; and a printed ``summary``. ``bytes`` (the CLI's GB/s
+and % copy columns) is ``lookup_bytes`` over the whole step's time: a step is mostly compute, so
+those columns say little here.
+
+**Ids.** Decode T = 1, 64, 256 (T requests of one token, each with history); prefill T = 8192
+(4 fresh requests of 2048 tokens). Every call, whichever path makes it, takes the next of
+several batches of random tokens, together COLD_BYTES of rows per cycle, so that no call finds
+its rows cached by the one before; the requests' n-gram contexts are fixed.
+
+**Sizes** (``QWEN4EXP_BENCH_HOST_LOOKUP_SIZE``, default ``released`` on a GPU, ``cpu`` on a
+CPU; ``QWEN4EXP_BENCH_HOST_LOOKUP_ROWS`` overrides the rows of each table):
+
+- ``released``: H = 2560, M = 4, F = 19,520; 4M rows a table (1.28 GB in bf16, ~20x an H200's
+  60 MB L2; 2 layers x 3 formats: 4.6 GB in device memory and as much pinned).
+- ``cpu``: the released proxy with H, hence C = M·H, at 1/80 (H = 32): every GEMM (stand-ins,
+  kv projection) and the gate and conv do 1/80 of the released work per token, in the same
+  proportions, while the lookups read the released rows (16 heads x 160); 2M rows a table
+  (640 MB in bf16, 20x the 32 MB L3; 2.3 GB for all six). A 1-thread prefill step then takes
+  about a second on a Zen 4 core and the full run a few minutes. A lookup of a given time
+  weighs 80x more against this step than against the released step on the same machine.
+- ``quick``: toy widths, 4096 rows, decode T = 1, 16 and prefill T = 64: seconds (tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from qwen4exp_ext import ops, reference
+from qwen4exp_ext.bench import vllm_triton
+from qwen4exp_ext.bench.gather_rows import COLD_BYTES, HEAD_DIM, NUM_HEADS
+from qwen4exp_ext.bench.ngram_ids import (
+    EOS_TOKEN_ID,
+    HEADS_PER_NGRAM,
+    NGRAM_SIZE,
+    PAD_TO,
+    SEED,
+    VOCAB_SIZE,
+)
+from qwen4exp_ext.bench.registry import Case
+from qwen4exp_ext.bench.timing import Quantiles
+from qwen4exp_ext.layers import LookupPipeline, PLEBatch, PLELayer, PLEState
+from qwen4exp_ext.layers.ngram_embedding import NGramEmbedding
+from qwen4exp_ext.testing import exact_mismatch
+
+DECODER_LAYERS = 6
+PLE_LAYERS = (2, 6)  # 1-based decoder layers that open with a PLE layer
+# Active parameters of one linear-attention decoder layer without its PLE (module docstring).
+ACTIVE_PARAMS = 99_916_480
+RELEASED_HIDDEN = 2560
+FFN = 19_520  # ACTIVE_PARAMS / (2 * RELEASED_HIDDEN), rounded up to a multiple of 64
+CONV_KERNEL = 4
+RMS_EPS = 1e-6
+DTYPE = torch.bfloat16
+FORMATS = ("bf16", "fp8", "nvfp4")
+TABLE_DTYPES: dict[str, torch.dtype | str] = {
+    "bf16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+    "nvfp4": "nvfp4",
+}
+FP8_SCALE = 0.25
+NVFP4_SCALE = 0.37
+INPUT_SEED = 0
+SIZE_ENV = "QWEN4EXP_BENCH_HOST_LOOKUP_SIZE"
+ROWS_ENV = "QWEN4EXP_BENCH_HOST_LOOKUP_ROWS"
+EXPOSED_METHOD = (
+    "p50 of the path's step minus p50 of the no_lookup step (the device step with every PLE "
+    "layer's lookup left out), timed in the same interleaved loop; not measured with events"
+)
+CPU_NOTE = (
+    "CPU: the tables are host memory gathered by the CPU, there is no host-to-device link, so "
+    "h2d_copy_gbps, pinned_gather_gbps and pinned_gather_pct_of_h2d are null; the pipeline runs "
+    "each lookup when it is started (nothing to overlap it with), the same work as device"
+)
+
+
+@dataclass(frozen=True)
+class Size:
+    """The widths, table rows and batches of one size preset (module docstring)."""
+
+    name: str
+    hidden: int  # H, one stream's width
+    hc_count: int  # M streams: the residual stream is [T, M·H]
+    ffn: int  # F, the stand-in's inner width: 2·H·F parameters
+    rows: int  # table rows per PLE layer (before the layout's padding)
+    decode_tokens: tuple[int, ...]
+    prefill_tokens: int
+    prefill_requests: int
+    cold_bytes: int  # rows the id batches of a case touch per cycle
+
+
+SIZES = {
+    "released": Size(
+        "released", RELEASED_HIDDEN, 4, FFN, 4_000_000, (1, 64, 256), 8192, 4, COLD_BYTES
+    ),
+    "cpu": Size("cpu", RELEASED_HIDDEN // 80, 4, FFN, 2_000_000, (1, 64, 256), 8192, 4, COLD_BYTES),
+    "quick": Size("quick", 16, 4, 128, 4096, (1, 16), 64, 4, 1 << 20),
+}
+
+
+def size_for(device: torch.device) -> Size:
+    """The preset of $QWEN4EXP_BENCH_HOST_LOOKUP_SIZE (default by device), with the rows of
+    $QWEN4EXP_BENCH_HOST_LOOKUP_ROWS when set."""
+    name = os.environ.get(SIZE_ENV) or ("released" if device.type == "cuda" else "cpu")
+    if name not in SIZES:
+        raise ValueError(f"${SIZE_ENV}={name!r}: choose one of {', '.join(SIZES)}")
+    size = SIZES[name]
+    rows = os.environ.get(ROWS_ENV)
+    if rows:
+        size = Size(**{**asdict(size), "rows": int(rows)})
+    if size.rows < NUM_HEADS * (PAD_TO + 1):
+        raise ValueError(f"a table needs at least {NUM_HEADS * (PAD_TO + 1)} rows, got {size.rows}")
+    return size
+
+
+def row_bytes(fmt: str) -> int:
+    """Bytes read per looked-up row: bf16 320, fp8 160, NVFP4 80 packed + 10 block scales."""
+    return {"bf16": 2 * HEAD_DIM, "fp8": HEAD_DIM, "nvfp4": HEAD_DIM // 2 + HEAD_DIM // 16}[fmt]
+
+
+def ple_config(size: Size) -> SimpleNamespace:
+    """The text-config fields a PLELayer reads: the released hashing and row shape, the preset's
+    widths, a table of about ``size.rows`` rows."""
+    return SimpleNamespace(
+        vocab_size=VOCAB_SIZE,
+        ngram_size=NGRAM_SIZE,
+        heads_per_ngram=HEADS_PER_NGRAM,
+        ple_embed_dim=NUM_HEADS * HEAD_DIM,
+        ngram_vocab_size_base=size.rows // NUM_HEADS - PAD_TO,
+        make_ngram_vocab_size_divisible_by=PAD_TO,
+        eos_token_id=EOS_TOKEN_ID,
+        seed=SEED,
+        split_ngram_parts=512,
+        hidden_size=size.hidden,
+        hc_count=size.hc_count,
+        ple_conv_kernel_size=CONV_KERNEL,
+        rms_norm_eps=RMS_EPS,
+    )
+
+
+# --- the proxy's parts --------------------------------------------------------------------------
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def fill_table(embedding: NGramEmbedding, fmt: str, gen: torch.Generator) -> None:
+    """Random rows of moderate, finite values, fast at any size (random bytes, then bit masks):
+    bf16 magnitudes in [2^-7, 2), fp8 up to 1.875 (no NaN) times FP8_SCALE, NVFP4 any codes
+    with block scales in [0.5, 1) times NVFP4_SCALE."""
+    with torch.no_grad():
+        raw = embedding.weight.view(torch.uint8)
+        raw.random_(0, 256, generator=gen)
+        if fmt == "bf16":
+            high = raw.view(-1, 2)[:, 1]  # sign and 7 exponent bits (little endian)
+            high.bitwise_and_(0x83).bitwise_or_(0x3C)
+        elif fmt == "fp8":
+            raw.bitwise_and_(0xBF)  # exponent below 8: at most 1.875, never NaN
+            embedding.weight_scale.fill_(FP8_SCALE)
+        else:
+            scales = embedding.weight_scale.view(torch.uint8)
+            scales.random_(0x30, 0x38, generator=gen)
+            embedding.weight_scale_2.fill_(NVFP4_SCALE)
+
+
+def fill_weights(layer: PLELayer, gen: torch.Generator) -> None:
+    """Random weights of everything but the table: kv projection, norms, conv taps."""
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            if name.startswith("ple_embedding"):
+                continue
+            fan_in = param.shape[-1] if name == "kv_proj.weight" else 1
+            values = torch.randn(param.shape, generator=gen, device=param.device)
+            param.copy_(values * (0.3 / math.sqrt(fan_in)))
+
+
+def copy_ple_layer(source: PLELayer, target: PLELayer) -> None:
+    """Every weight of ``source`` into ``target`` (another placement of the same layer), the
+    table bytes included: the same layer, whichever memory it reads its table from."""
+    with torch.no_grad():
+        targets = dict(target.named_parameters()) | dict(target.named_buffers())
+        for name, tensor in [*source.named_parameters(), *source.named_buffers()]:
+            targets[name].copy_(tensor)
+
+
+class StepProxy:
+    """The stand-in decoder layers, the step's buffers, the PLE conv states and the batches of
+    one device (module docstring): what every case on it shares."""
+
+    def __init__(self, size: Size, device: torch.device) -> None:
+        self.size = size
+        self.device = device
+        hidden, ffn = size.hidden, size.ffn
+        channels = hidden * size.hc_count
+        max_tokens = max(*size.decode_tokens, size.prefill_tokens)
+        self.max_tokens = max_tokens
+        gen = _generator(device, INPUT_SEED)
+
+        def randn(*shape: int, scale: float) -> torch.Tensor:
+            return (torch.randn(shape, generator=gen, device=device) * scale).to(DTYPE)
+
+        self.stand_ins = [
+            (randn(hidden, ffn, scale=hidden**-0.5), randn(ffn, hidden, scale=0.5 * ffn**-0.5))
+            for _ in range(DECODER_LAYERS)
+        ]
+        self.inner = torch.empty(max_tokens, ffn, dtype=DTYPE, device=device)
+        self.outer = torch.empty(max_tokens, hidden, dtype=DTYPE, device=device)
+        self.residual = torch.empty(max_tokens, channels, dtype=DTYPE, device=device)
+        self.hidden_in = randn(max_tokens, channels, scale=1.0)
+        self.state = PLEState(
+            max_requests=max(size.decode_tokens) + size.prefill_requests,
+            hc_hidden_size=channels,
+            state_len=(CONV_KERNEL - 1) * NGRAM_SIZE,
+            ngram_size=NGRAM_SIZE,
+            eos_token_id=EOS_TOKEN_ID,
+            num_layers=len(PLE_LAYERS),
+            dtype=DTYPE,
+            device=device,
+            layout="window_first",  # vLLM's default conv-state layout
+        )
+        self.batches = self._batches(torch.Generator().manual_seed(INPUT_SEED))
+
+    def _batches(self, gen: torch.Generator) -> dict[int, PLEBatch]:
+        """T -> the step's batch: decode (T requests of one token, each with history) or the
+        prefill (fresh requests of equal chunks)."""
+        size, state = self.size, self.state
+
+        def tokens(n: int) -> list[int]:
+            return torch.randint(0, VOCAB_SIZE, (n,), generator=gen).tolist()
+
+        decode = list(range(max(size.decode_tokens)))
+        for rid in decode:
+            state.add_request(rid, context=tokens(NGRAM_SIZE - 1))
+        state.commit(state.prepare([(rid, tokens(1)) for rid in decode]))  # history: decode
+        batches = {
+            t: state.prepare([(rid, tokens(1)) for rid in decode[:t]]) for t in size.decode_tokens
+        }
+        chunk = size.prefill_tokens // size.prefill_requests
+        prefill = [f"prefill{i}" for i in range(size.prefill_requests)]
+        for rid in prefill:
+            state.add_request(rid, context=tokens(NGRAM_SIZE - 1))
+        batches[size.prefill_tokens] = state.prepare([(rid, tokens(chunk)) for rid in prefill])
+        return batches
+
+    def conv_states(self) -> list[torch.Tensor]:
+        return [self.state.conv_state(i) for i in range(len(PLE_LAYERS))]
+
+    def step(
+        self,
+        layers: Sequence[PLELayer],
+        batch: PLEBatch,
+        pipeline: LookupPipeline | None = None,
+    ) -> torch.Tensor:
+        """One step over ``batch`` (its input_ids already hold the step's tokens)."""
+        num_tokens = batch.num_tokens
+        hidden = self.size.hidden
+        ids = batch.input_ids
+        residual = self.residual[:num_tokens]
+        residual.copy_(self.hidden_in[:num_tokens])
+        if pipeline is not None:
+            pipeline.start_prefetch(ids, batch.query_start_loc, batch.ngram_context)
+        ple = iter(layers)
+        inner, outer = self.inner[:num_tokens], self.outer[:num_tokens]
+        for index, (w_in, w_out) in enumerate(self.stand_ins):
+            if index + 1 in PLE_LAYERS:
+                residual = next(ple)(residual, ids, batch)
+            stream = residual[:, :hidden]
+            torch.mm(stream, w_in, out=inner)
+            torch.mm(inner, w_out, out=outer)
+            stream.add_(outer)
+        return residual
+
+
+def ple_layers(
+    size: Size, fmt: str, placement: str, device: torch.device, max_tokens: int
+) -> list[PLELayer]:
+    """The proxy's PLE layers (dense indices 0 and 1, conv states 0 and 1) with ``fmt`` tables
+    where ``placement`` puts them, zeroed."""
+    config = ple_config(size)
+    return [
+        PLELayer(
+            config,
+            index,
+            dtype=DTYPE,
+            table_dtype=TABLE_DTYPES[fmt],
+            placement=placement,
+            device=device,
+            max_tokens=max_tokens,
+        )
+        for index in range(len(PLE_LAYERS))
+    ]
+
+
+# --- lookups put in place of ours (oracle, no_lookup, vllm_triton) ------------------------------
+
+LookupFn = Callable[..., torch.Tensor]
+
+
+@contextlib.contextmanager
+def lookups_replaced(replacements: Sequence[tuple[NGramEmbedding, LookupFn]]) -> Iterator[None]:
+    """Each embedding's ``_lookup_local`` (what its PLELayer calls to fill its rows, prefetched
+    or not) is ``fn`` inside the block: an instance attribute over the method, removed after."""
+    for embedding, fn in replacements:
+        embedding._lookup_local = fn
+    try:
+        yield
+    finally:
+        for embedding, _ in replacements:
+            del embedding._lookup_local
+
+
+def _hashing(embedding: NGramEmbedding) -> tuple:
+    return (
+        embedding.layer_multipliers,
+        embedding.ngram_heads_vocab_sizes,
+        embedding.ngram_heads_offsets,
+        embedding.eos_token_id,
+        embedding.heads_per_ngram,
+    )
+
+
+def reference_lookup(embedding: NGramEmbedding) -> LookupFn:
+    """The lookup by the spec's plain-PyTorch statement (the oracle's)."""
+
+    def lookup(input_ids, query_start_loc, ngram_context, *, output, **_: Any) -> torch.Tensor:
+        ids = reference.ngram_ids(
+            input_ids.reshape(-1), query_start_loc, ngram_context, *_hashing(embedding)
+        )
+        rows = reference.gather_rows(
+            embedding.table,
+            ids,
+            **embedding._dequant(),
+            vocab_start=embedding.vocab_start,
+            vocab_end=embedding.vocab_end,
+            out_dtype=embedding.out_dtype,
+        )
+        return output.copy_(rows)
+
+    return lookup
+
+
+def no_lookup(embedding: NGramEmbedding) -> LookupFn:
+    """No lookup: the rows left in the output buffer by an earlier call."""
+
+    def lookup(input_ids, query_start_loc, ngram_context, *, output, **_: Any) -> torch.Tensor:
+        return output
+
+    return lookup
+
+
+def vllm_rows(
+    kernels: Any,
+    embedding: NGramEmbedding,
+    ids: torch.Tensor,
+    output: torch.Tensor,
+    staging: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The rows of ``ids`` [T, NH] into ``output`` [T, NH·d] as vLLM 0.33.0's
+    ``Qwen4ExpPLEPinnedHostEmbedding`` looks them up (``_lookup`` then ``dequantize``): its
+    Triton row copy, one program per id, of raw bytes (bf16, fp8 into ``staging`` [>= T·NH, d]
+    uint8, then vLLM's eager ``.to(out) * scale.to(out)``), or its NVFP4 decode kernel. The table
+    (the pinned table's device view on a GPU) is passed as bytes: the GPU kernel declares uint8
+    pointers, which Triton's interpreter (the tests) does not apply."""
+    import triton
+
+    flat = ids.reshape(-1)
+    count = flat.numel()
+    if count == 0:
+        return output
+    width = embedding.head_dim
+    rows = output.view(count, width)
+    if embedding.nvfp4:
+        kernels._lookup_nvfp4_ple_embedding_kernel[(count,)](
+            embedding.table,
+            embedding.block_scales.view(torch.uint8),
+            embedding.weight_scale_2,
+            flat,
+            rows,
+            width,
+            embedding.vocab_start,
+            embedding.vocab_end,
+            BLOCK_D=triton.next_power_of_2(width),
+        )
+        return output
+    table = embedding.table.view(torch.uint8)
+    nbytes = table.shape[1]
+    fp8 = embedding.weight_scale is not None
+    target = staging[:count] if fp8 else rows.view(torch.uint8)
+    getattr(kernels, vllm_triton.PINNED_ROW_COPY)[(count,)](
+        table,
+        flat,
+        target,
+        nbytes,
+        embedding.vocab_start,
+        embedding.vocab_end,
+        BLOCK_D=triton.next_power_of_2(nbytes),
+    )
+    if fp8:
+        values = target.view(embedding.table.dtype).to(output.dtype)
+        torch.mul(values, embedding.weight_scale.to(output.dtype), out=rows)
+    return output
+
+
+def vllm_lookup(kernels: Any, embedding: NGramEmbedding) -> LookupFn:
+    """Our hashing, then vLLM's lookup (``vllm_rows``) into the layer's buffer."""
+    slot = embedding.prefetch_slot
+    staging = None
+    if embedding.weight_scale is not None and not embedding.nvfp4:  # fp8: raw rows first
+        rows = slot.max_tokens * embedding.ngram_heads
+        staging = torch.empty(rows, embedding.head_dim, dtype=torch.uint8, device=slot.rows.device)
+
+    def lookup(
+        input_ids, query_start_loc, ngram_context, *, output, ids_output=None, **_: Any
+    ) -> torch.Tensor:
+        ids = ops.ngram_ids(
+            input_ids.reshape(-1),
+            query_start_loc,
+            ngram_context,
+            *_hashing(embedding),
+            head_divmod=embedding.ngram_heads_divmod,
+            output=ids_output,
+        )
+        return vllm_rows(kernels, embedding, ids, output, staging)
+
+    return lookup
+
+
+# --- cases ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Tables:
+    """One format's PLE layers: ``device`` (device memory, or the CPU tables on a CPU) and on a
+    GPU ``pinned`` (the same layers, tables pinned in host memory)."""
+
+    fmt: str
+    device: list[PLELayer]
+    pinned: list[PLELayer] | None
+
+
+def _tables(size: Size, fmt: str, device: torch.device, max_tokens: int) -> _Tables:
+    on_gpu = device.type == "cuda"
+    layers = ple_layers(size, fmt, "device" if on_gpu else "cpu", device, max_tokens)
+    for index, layer in enumerate(layers):
+        fill_table(layer.ple_embedding, fmt, _generator(device, 1 + index))
+        fill_weights(layer, _generator(device, 101 + index))
+    pinned = None
+    if on_gpu:
+        pinned = ple_layers(size, fmt, "pinned", device, max_tokens)
+        for source, target in zip(layers, pinned, strict=True):
+            copy_ple_layer(source, target)
+    return _Tables(fmt, layers, pinned)
+
+
+def cases(device: torch.device) -> list[Case]:
+    size = size_for(device)
+    proxy = StepProxy(size, device)
+    kernels = vllm_triton.load_lookup_kernels(interpret=False) if device.type == "cuda" else None
+    out = []
+    for fmt in FORMATS:
+        tables = _tables(size, fmt, device, proxy.max_tokens)
+        for tokens in (*size.decode_tokens, size.prefill_tokens):
+            out.append(_case(proxy, tables, tokens, kernels))
+    return out
+
+
+def _id_batches(proxy: StepProxy, tokens: int, nbytes: int) -> torch.Tensor:
+    """[S, T] random tokens: S batches whose lookups touch at least cold_bytes of rows."""
+    count = max(2, -(-proxy.size.cold_bytes // nbytes))
+    gen = torch.Generator().manual_seed(INPUT_SEED + tokens)
+    return torch.randint(0, VOCAB_SIZE, (count, tokens), generator=gen).to(proxy.device)
+
+
+def _hashed(embedding: NGramEmbedding, batch: PLEBatch, tokens: torch.Tensor) -> torch.Tensor:
+    """[S, T, NH] ids of every batch of ``tokens`` [S, T] in ``batch``'s requests, in one call:
+    S copies of the requests, back to back (no n-gram crosses a request)."""
+    copies, count = tokens.shape
+    qsl = batch.query_start_loc.to(torch.int64)
+    starts = (qsl[:-1][None, :] + count * torch.arange(copies, device=qsl.device)[:, None]).reshape(
+        -1
+    )
+    qsl_all = torch.cat((starts, qsl.new_tensor([copies * count]))).to(torch.int32)
+    context = batch.ngram_context.repeat(copies, 1)
+    ids = ops.ngram_ids(
+        tokens.reshape(-1),
+        qsl_all,
+        context,
+        *_hashing(embedding),
+        head_divmod=embedding.ngram_heads_divmod,
+    )
+    return ids.reshape(copies, count, -1)
+
+
+def _case(proxy: StepProxy, tables: _Tables, tokens: int, kernels: Any) -> Case:
+    device, size, fmt = proxy.device, proxy.size, tables.fmt
+    on_gpu = device.type == "cuda"
+    batch = proxy.batches[tokens]
+    phase = "prefill" if tokens == size.prefill_tokens else "decode"
+    name = f"{phase}_T{tokens}_{fmt}"
+    lookup_bytes = len(PLE_LAYERS) * tokens * NUM_HEADS * row_bytes(fmt)
+    id_batches = _id_batches(proxy, tokens, lookup_bytes)
+    cursor = [0]
+
+    def next_ids() -> int:
+        """The next batch's tokens into the step's id buffer (every call, whoever makes it)."""
+        i = cursor[0]
+        cursor[0] = (i + 1) % id_batches.shape[0]
+        batch.input_ids.copy_(id_batches[i])
+        return i
+
+    def step_of(
+        layers: list[PLELayer],
+        pipeline: LookupPipeline | None = None,
+        replace: Callable[[NGramEmbedding], LookupFn] | None = None,
+    ) -> Callable[[], torch.Tensor]:
+        replacements = (
+            []
+            if replace is None
+            else [(la.ple_embedding, replace(la.ple_embedding)) for la in layers]
+        )
+
+        def step() -> torch.Tensor:
+            next_ids()
+            with lookups_replaced(replacements):
+                return proxy.step(layers, batch, pipeline)
+
+        return step
+
+    paths: dict[str, Callable[[], torch.Tensor]] = {"device": step_of(tables.device)}
+    notes = []
+    if on_gpu:
+        ours_name = "pinned_pipeline"
+        paths["pinned_sync"] = step_of(tables.pinned)
+        paths[ours_name] = step_of(tables.pinned, LookupPipeline(tables.pinned))
+        if kernels is not None:
+            paths["vllm_triton"] = step_of(tables.pinned, replace=lambda e: vllm_lookup(kernels, e))
+        else:
+            notes.append(
+                "vllm_triton not timed: no vLLM 0.33.0 source here (install vLLM, or carry "
+                f"python -m qwen4exp_ext.bench.vllm_triton DIR and set ${vllm_triton.SOURCE_ENV})"
+            )
+    else:
+        ours_name = "pipeline"
+        paths[ours_name] = step_of(tables.device, LookupPipeline(tables.device))
+        notes.append(CPU_NOTE)
+    if size.name != "released":
+        notes.append(
+            f"size {size.name!r}: H = {size.hidden} (released {RELEASED_HIDDEN}), F = "
+            f"{size.ffn}, {tables.device[0].ple_embedding.num_rows:,} table rows: the compute "
+            "around the lookups is scaled down (bench/host_lookup.py)"
+        )
+    oracle = step_of(tables.device, replace=reference_lookup)
+    references: dict[str, Callable[[], object]] = {
+        "no_lookup": step_of(tables.device, replace=no_lookup)
+    }
+    if on_gpu:
+        references.update(_gpu_references(tables, batch, id_batches, lookup_bytes, next_ids))
+
+    def check() -> str | None:
+        return _check(proxy, {**paths, "oracle": oracle}, cursor)
+
+    baselines = {who: fn for who, fn in paths.items() if who != ours_name}
+    embedding = tables.device[0].ple_embedding
+    params: dict[str, object] = {
+        "T": tokens,
+        "R": len(batch.request_ids),
+        "format": fmt,
+        "size": size.name,
+        "ours": ours_name,
+        "paths": list(paths),
+        "decoder_layers": DECODER_LAYERS,
+        "ple_layers": list(PLE_LAYERS),
+        "H": size.hidden,
+        "M": size.hc_count,
+        "F": size.ffn,
+        "stand_in_params": 2 * size.hidden * size.ffn,
+        "rows": embedding.num_rows,
+        "row_bytes": row_bytes(fmt),
+        "NH": NUM_HEADS,
+        "d": HEAD_DIM,
+        "id_batches": id_batches.shape[0],
+        "vllm_kernels": vllm_triton.source_origin() if "vllm_triton" in paths else None,
+    }
+    return Case(
+        op="host_lookup",
+        name=name,
+        tokens=tokens,
+        nbytes=lookup_bytes,
+        ours=paths[ours_name],
+        oracle=oracle,
+        baselines=baselines,
+        params=params,
+        check=check,
+        references=references,
+        derive=_deriver(ours_name, list(paths), lookup_bytes, notes),
+    )
+
+
+def _gpu_references(
+    tables: _Tables,
+    batch: PLEBatch,
+    id_batches: torch.Tensor,
+    lookup_bytes: int,
+    next_ids: Callable[[], int],
+) -> dict[str, Callable[[], object]]:
+    """h2d_copy (a pinned buffer of the step's lookup bytes, copied non-blocking) and
+    pinned_gather (our gathers alone, both layers, ids hashed beforehand, pinned tables)."""
+    source = torch.zeros(lookup_bytes, dtype=torch.uint8).pin_memory()
+    target = torch.zeros(lookup_bytes, dtype=torch.uint8, device=id_batches.device)
+    embeddings = [layer.ple_embedding for layer in tables.pinned]
+    hashed = [_hashed(e, batch, id_batches) for e in embeddings]
+    tokens = id_batches.shape[1]
+
+    def gather() -> torch.Tensor:
+        i = next_ids()
+        for embedding, ids in zip(embeddings, hashed, strict=True):
+            out = ops.gather_rows(
+                embedding.table,
+                ids[i],
+                **embedding._dequant(),
+                vocab_start=embedding.vocab_start,
+                vocab_end=embedding.vocab_end,
+                out_dtype=embedding.out_dtype,
+                output=embedding.prefetch_slot.rows[:tokens],
+            )
+        return out
+
+    return {
+        "h2d_copy": lambda: target.copy_(source, non_blocking=True),
+        "pinned_gather": gather,
+    }
+
+
+def _check(
+    proxy: StepProxy, steps: Mapping[str, Callable[[], torch.Tensor]], cursor: list[int]
+) -> str | None:
+    """One step of every path (and the oracle) from the same conv states and the first id
+    batch: each must equal the device path's, output and conv states, bit for bit."""
+    states = proxy.conv_states()
+    saved = [s.clone() for s in states]
+    got = {}
+    try:
+        for who, step in steps.items():
+            for state, before in zip(states, saved, strict=True):
+                state.copy_(before)
+            cursor[0] = 0
+            got[who] = (step().clone(), [s.clone() for s in states])
+    finally:
+        for state, before in zip(states, saved, strict=True):
+            state.copy_(before)
+    want_out, want_states = got["device"]
+    for who, (out, after) in got.items():
+        against = "the device path"
+        problem = exact_mismatch(
+            out, want_out, f"{who}'s step output", against=against, bitwise=True
+        )
+        for layer, (a, b) in enumerate(zip(after, want_states, strict=True)):
+            what = f"{who}'s conv state of PLE layer {layer}"
+            problem = problem or exact_mismatch(a, b, what, against=against, bitwise=True)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _deriver(
+    ours_name: str, path_names: list[str], lookup_bytes: int, notes: list[str]
+) -> Callable[[Mapping[str, Quantiles]], dict[str, object]]:
+    def derive(times: Mapping[str, Quantiles]) -> dict[str, object]:
+        def timed(path: str) -> Quantiles:
+            return times["ours" if path == ours_name else path]
+
+        device = timed("device").p50_us
+        base = times["no_lookup"].p50_us
+        paths = {
+            path: {
+                "step": asdict(timed(path)),
+                "exposed_lookup_us": timed(path).p50_us - base,
+                "overhead_pct": 100.0 * (timed(path).p50_us - device) / device,
+            }
+            for path in path_names
+        }
+
+        def gbps(who: str) -> float | None:
+            q = times.get(who)
+            return None if q is None else lookup_bytes / (q.p50_us * 1e3)
+
+        h2d, gather = gbps("h2d_copy"), gbps("pinned_gather")
+        pct = None if h2d is None or gather is None else 100.0 * gather / h2d
+        return {
+            "ours_path": ours_name,
+            "paths": paths,
+            "exposed_lookup_method": EXPOSED_METHOD,
+            "lookup_bytes": lookup_bytes,
+            "h2d_copy_gbps": h2d,
+            "pinned_gather_gbps": gather,
+            "pinned_gather_pct_of_h2d": pct,
+            "notes": list(notes),
+            "summary": _summary(paths, base, h2d, gather, pct),
+        }
+
+    return derive
+
+
+def _summary(
+    paths: Mapping[str, Mapping[str, Any]],
+    no_lookup_us: float,
+    h2d: float | None,
+    gather: float | None,
+    pct: float | None,
+) -> str:
+    steps = ", ".join(
+        f"{path} {p['step']['p50_us']:.1f} ({p['overhead_pct']:+.1f}%)" for path, p in paths.items()
+    )
+    exposed = ", ".join(f"{path} {p['exposed_lookup_us']:.1f}" for path, p in paths.items())
+    text = f"step p50 µs: {steps}, no_lookup {no_lookup_us:.1f}\nexposed lookup µs: {exposed}"
+    if h2d is None:
+        return text + "\nh2d copy and pinned gather: - (no host-to-device link on a CPU)"
+    return text + f"\nh2d copy {h2d:.1f} GB/s, pinned gather {gather:.1f} GB/s = {pct:.0f}% of it"
