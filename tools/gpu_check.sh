@@ -17,7 +17,7 @@
 #   TEST_WORKERS   pytest-xdist workers (default 8), TESTS_SECONDS (default 150)
 #   MEMCHECK_TESTS (default: the GPU kernel tests that cover every kernel and layout),
 #   MEMCHECK_SECONDS (default 150; 0 skips), CMAKE_SECONDS (default 200, beside the tests; 0 skips)
-#   BENCH_OPS      ops to bench (default all), BENCH_CASES (--cases regex; default the headline
+#   BENCH_OPS      ops to bench (default all, BENCH_FIRST's first), BENCH_CASES (--cases regex; default the headline
 #                  shapes, prefill T = 8192 and decode T = 64 / R = 64; "." for every case),
 #   BENCH_SECONDS  (default 200, all ops together), BENCH_REPEAT (timed calls per contender,
 #                  default 100: the H200 took 5-8 s a case at that), BENCH_ARGS (more arguments)
@@ -137,7 +137,9 @@ bench_seconds="${BENCH_SECONDS:-200}"
 bench_status=0
 # One process and one JSON per op, each given the time the others left: an op that crashes or
 # hangs costs the rest of its own cases, not the other ops' (each JSON keeps the cases run).
-all_ops="$("$PY" -c 'from qwen4exp_ext.bench.registry import OP_MODULES; print(*OP_MODULES)')"
+# BENCH_FIRST (default host_lookup: the open issue's figures, the step with pinned tables) runs
+# before the others, so that a budget cut short costs the ops measured before.
+all_ops="$("$PY" -c 'import sys; from qwen4exp_ext.bench.registry import OP_MODULES; first = sys.argv[1].split(); print(*[o for o in first if o in OP_MODULES], *[o for o in OP_MODULES if o not in first])' "${BENCH_FIRST-host_lookup}")"
 # shellcheck disable=SC2086 # BENCH_OPS and BENCH_ARGS are word lists
 for op in ${BENCH_OPS:-$all_ops}; do
   left=$((bench_seconds - (SECONDS - t0)))
