@@ -112,6 +112,59 @@ def test_a_pipeline_of_several_layers_equals_each_forward(device):
             _same(pipeline.finalize_prefetch(index), wants[index])
 
 
+def _repeating_batch(device):
+    """Requests that repeat n-grams (a phrase three times, one token many times), and one
+    token that is EOS: many ids of the batch are equal."""
+    phrase = [11, 12, 13, 14]
+    tokens = phrase * 3 + [7] * 9 + [CONFIG.eos_token_id, 3, 4] + phrase
+    lengths = [12, 9, 7]
+    input_ids = torch.tensor(tokens[: sum(lengths)])
+    qsl = torch.tensor([0, 12, 21, 28], dtype=torch.int32)
+    context = torch.tensor([[11, 12], [7, 7], [1, 2]])
+    return input_ids.to(device), qsl.to(device), context.to(device)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("table_format", FORMATS)
+@pytest.mark.parametrize("lengths", [*BATCHES.values(), "repeating"], ids=[*BATCHES, "repeating"])
+def test_deduplicated_lookups_equal_forward(device, table_format, lengths):
+    """``dedupe=True`` (each distinct row read once) gives forward's rows bit for bit, over
+    steps of several sizes (the buffers are reused)."""
+    layers = [_embedding(table_format, device, layer_index=i, seed=i) for i in (0, 3)]
+    pipeline = LookupPipeline(layers, dedupe=True)
+    for seed in range(3):
+        batch = (
+            _repeating_batch(device) if lengths == "repeating" else _batch(lengths, device, seed)
+        )
+        wants = [layer(*batch) for layer in layers]
+        pipeline.start_prefetch(*batch)
+        for index in (1, 0):
+            _same(pipeline.finalize_prefetch(index), wants[index])
+
+
+def test_deduplicated_lookups_read_each_distinct_row_once(monkeypatch):
+    """The table gather asks for every distinct id of the batch once (the repeats ask for -1,
+    a zero row), and for nothing else."""
+    from qwen4exp_ext import ops
+
+    layer = _embedding("bfloat16", "cpu")
+    batch = _repeating_batch("cpu")
+    ids = layer._ngram_ids(*batch).reshape(-1)
+    asked = []
+    real = ops.gather_rows
+
+    def spy(table, ids_, **kwargs):
+        asked.append(ids_.reshape(-1).clone())
+        return real(table, ids_, **kwargs)
+
+    monkeypatch.setattr(ops, "gather_rows", spy)
+    LookupPipeline([layer], dedupe=True).start_prefetch(*batch)
+    (read,) = asked
+    read = read[read >= 0]
+    assert ids.unique().numel() < ids.numel() / 2  # the case repeats many ids
+    assert sorted(read.tolist()) == sorted(ids.unique().tolist())
+
+
 @pytest.fixture
 def one_process_group():
     """A gloo world of one process: a shard's reduce then sums one partial (itself)."""
@@ -128,14 +181,15 @@ def one_process_group():
 
 
 @pytest.mark.parametrize("table_format", ["bfloat16", "float8_e4m3fn", "nvfp4"])
-def test_vocabulary_shards_prefetch_their_own_rows(one_process_group, table_format):
+@pytest.mark.parametrize("dedupe", [False, True])
+def test_vocabulary_shards_prefetch_their_own_rows(one_process_group, table_format, dedupe):
     """Each rank's prefetched rows equal its forward (rows of other ranks read zero)."""
     for rank in range(3):
         module = _embedding(table_format, "cpu", shard=(rank, 3), seed=rank)
-        batch = _batch([5, 0, 13, 1], "cpu")
-        want = module(*batch)
-        module.start_prefetch(*batch)
-        _same(module.finalize_prefetch(), want)
+        for batch in (_batch([5, 0, 13, 1], "cpu"), _repeating_batch("cpu")):
+            want = module(*batch)
+            LookupPipeline([module], dedupe=dedupe).start_prefetch(*batch)
+            _same(module.finalize_prefetch(), want)
 
 
 def test_finalize_without_a_start_twice_or_too_large_raises_and_writes_nothing():
@@ -313,7 +367,8 @@ SPIN_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: far longer than any lookup here
 
 
 @needs_gpu
-def test_gpu_a_delayed_side_stream_still_gives_exact_rows():
+@pytest.mark.parametrize("dedupe", [False, True])
+def test_gpu_a_delayed_side_stream_still_gives_exact_rows(dedupe):
     """A spin queued on the side stream before the lookups: finalize must wait for this
     layer's event, so the rows are exact (the buffer holds NaN until the lookup writes it)."""
     from qwen4exp_ext.layers.prefetch import side_stream
@@ -326,7 +381,7 @@ def test_gpu_a_delayed_side_stream_still_gives_exact_rows():
     torch.cuda.synchronize()
     with torch.cuda.stream(side_stream(torch.device("cuda", torch.cuda.current_device()))):
         torch.cuda._sleep(SPIN_CYCLES)
-    pipeline = LookupPipeline(layers)
+    pipeline = LookupPipeline(layers, dedupe=dedupe)
     pipeline.start_prefetch(*batch)
     for index in (1, 0, 2):
         _same(pipeline.finalize_prefetch(index).clone(), wants[index])
@@ -348,11 +403,12 @@ def test_gpu_the_side_stream_waits_for_ids_written_by_a_slow_main_stream():
 
 
 @needs_gpu
-def test_gpu_a_captured_step_replays_with_changing_ids():
+@pytest.mark.parametrize("dedupe", [False, True])
+def test_gpu_a_captured_step_replays_with_changing_ids(dedupe):
     """Lookups captured with the step (a side branch of the graph): every replay reads the
     static ids and writes exact rows into the fixed buffers."""
     layers = [_embedding(f, "cuda", layer_index=i, seed=i) for i, f in enumerate(FORMATS[:4])]
-    pipeline = LookupPipeline(layers)
+    pipeline = LookupPipeline(layers, dedupe=dedupe)
     static = [t.clone() for t in _batch([9, 4, 3], "cuda", seed=0)]
     pipeline.start_prefetch(*static)  # eager warm-up: allocations, constants
     [pipeline.finalize_prefetch(i) for i in range(len(layers))]

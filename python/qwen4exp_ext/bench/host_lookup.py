@@ -37,6 +37,9 @@ presets below scale this.
   reading its rows over the link when it runs: what vLLM 0.33.0's AMD model does (``sync_lookup``);
 - ``pinned_pipeline`` (GPU, ours there): the pinned tables, every PLE layer's lookup started at
   step entry (``LookupPipeline.start_prefetch``, on the side stream), each layer taking its rows;
+- ``pinned_pipeline_dedupe`` (GPU): the same, each distinct row of a batch read from the host
+  once (``LookupPipeline(dedupe=True)``); the bench's random tokens repeat few n-grams, so this
+  is its cost where it saves nothing;
 - ``pipeline`` (CPU, ours there): the CPU tables with the pipeline, whose lookups run when
   started (nothing to overlap them with on a CPU: the same work as ``device``);
 - ``vllm_triton`` (GPU, when vLLM 0.33.0's source is here: ``bench.vllm_triton``, installed or
@@ -602,6 +605,9 @@ def _case(proxy: StepProxy, tables: _Tables, tokens: int, kernels: Any) -> Case:
         ours_name = "pinned_pipeline"
         paths["pinned_sync"] = step_of(tables.pinned)
         paths[ours_name] = step_of(tables.pinned, LookupPipeline(tables.pinned))
+        paths["pinned_pipeline_dedupe"] = step_of(
+            tables.pinned, LookupPipeline(tables.pinned, dedupe=True)
+        )
         if kernels is not None:
             paths["vllm_triton"] = step_of(tables.pinned, replace=lambda e: vllm_lookup(kernels, e))
         else:

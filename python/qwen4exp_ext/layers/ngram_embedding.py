@@ -318,41 +318,57 @@ class NGramEmbedding(nn.Module):
         into ``output`` (and the ids into ``ids_output``) when given; each gather on a GPU
         launches at most ``max_blocks`` blocks (0: no cap)."""
         self._check_complete()
-        hashing = (
+        if self.table.device.type in FUSED_LOOKUP_DEVICES:
+            return ops.ngram_gather_rows(
+                input_ids.reshape(-1),
+                query_start_loc,
+                ngram_context,
+                *self._hashing(),
+                self.table,
+                head_divmod=self.ngram_heads_divmod,
+                **self._gather_args(output, max_blocks),
+            )
+        ids = self._ngram_ids(input_ids, query_start_loc, ngram_context, ids_output)
+        return ops.gather_rows(self.table, ids, **self._gather_args(output, max_blocks))
+
+    def _hashing(self) -> tuple:
+        """ngram_ids' arguments after the batch: this layer's hash constants."""
+        return (
             self.layer_multipliers,
             self.ngram_heads_vocab_sizes,
             self.ngram_heads_offsets,
             self.eos_token_id,
             self.heads_per_ngram,
         )
-        lookup = {
+
+    def _ngram_ids(
+        self,
+        input_ids: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        ngram_context: torch.Tensor,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The [T, NH] row ids of the tokens (into ``output`` when given)."""
+        return ops.ngram_ids(
+            input_ids.reshape(-1),
+            query_start_loc,
+            ngram_context,
+            *self._hashing(),
+            head_divmod=self.ngram_heads_divmod,
+            output=output,
+        )
+
+    def _gather_args(self, output: torch.Tensor | None, max_blocks: int = 0) -> dict[str, Any]:
+        """gather_rows' keyword arguments for this table: its scales, this rank's rows, the
+        output dtype (or ``output``) and the grid cap."""
+        return {
             **self._dequant(),
             "vocab_start": self.vocab_start,
             "vocab_end": self.vocab_end,
             "out_dtype": self.out_dtype,
             "output": output,
+            "max_blocks": max_blocks,
         }
-        if max_blocks:
-            lookup["max_blocks"] = max_blocks
-        if self.table.device.type in FUSED_LOOKUP_DEVICES:
-            return ops.ngram_gather_rows(
-                input_ids.reshape(-1),
-                query_start_loc,
-                ngram_context,
-                *hashing,
-                self.table,
-                head_divmod=self.ngram_heads_divmod,
-                **lookup,
-            )
-        ids = ops.ngram_ids(
-            input_ids.reshape(-1),
-            query_start_loc,
-            ngram_context,
-            *hashing,
-            head_divmod=self.ngram_heads_divmod,
-            output=ids_output,
-        )
-        return ops.gather_rows(self.table, ids, **lookup)
 
     # --- lookups started ahead (layers/prefetch.py) ----------------------------------------------
 

@@ -50,6 +50,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from qwen4exp_ext import ops
+
 if TYPE_CHECKING:
     from .ngram_embedding import NGramEmbedding
 
@@ -92,10 +94,72 @@ class PrefetchSlot:
     # (data_ptr, numel) of the input_ids the lookup was started with, so a forward can tell
     # that a pending lookup is of its own tokens.
     source: tuple[int, int] = (0, 0)
+    # The buffers of deduplicated lookups (_Dedupe), made by the first one (eagerly, before a
+    # graph captures one).
+    dedupe: _Dedupe | None = None
 
     @property
     def max_tokens(self) -> int:
         return self.rows.shape[0]
+
+
+class _Dedupe:
+    """Fixed buffers of a lookup that reads each distinct row once (:func:`_launch_deduplicated`)
+    for up to ``n`` = max_tokens x NH ids of rows ``width`` wide."""
+
+    def __init__(self, n: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        def ints() -> torch.Tensor:
+            return torch.empty(n, dtype=torch.int64, device=device)
+
+        self.sorted, self.order, self.host_ids, self.marker = ints(), ints(), ints(), ints()
+        self.source, self.source_at, self.inverse, self.take = ints(), ints(), ints(), ints()
+        self.positions = torch.arange(n, dtype=torch.int64, device=device)
+        self.first = torch.empty(n, dtype=torch.bool, device=device)
+        self.repeat = torch.empty(n, dtype=torch.bool, device=device)
+        self.staging = torch.empty(n, width, dtype=dtype, device=device)
+
+
+def _launch_deduplicated(
+    embedding: NGramEmbedding,
+    slot: PrefetchSlot,
+    input_ids: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    ngram_context: torch.Tensor,
+    max_blocks: int,
+) -> None:
+    """The lookup with every distinct row read once (from the host, for a pinned table): the ids
+    sorted, the first of each run gathered into a staging buffer (the others ask for id -1, a
+    zero row, for which the GPU kernel reads row 0: an L2 hit), then each output row copied
+    from its run's first. No step syncs with the host, so it runs on a side stream and in a
+    graph; every buffer is the slot's. The rows equal the direct gather's bit for bit: a row's
+    bytes (or its dequantised values) do not depend on where its id sits."""
+    num_tokens = input_ids.numel()
+    ids = embedding._ngram_ids(input_ids, query_start_loc, ngram_context, slot.ids[:num_tokens])
+    n = ids.numel()
+    if n == 0:
+        return
+    width = embedding.head_dim
+    if slot.dedupe is None:
+        slot.dedupe = _Dedupe(slot.ids.numel(), width, slot.rows.dtype, slot.rows.device)
+    d = slot.dedupe
+    sorted_ids, order = d.sorted[:n], d.order[:n]
+    torch.sort(ids.reshape(-1), out=(sorted_ids, order))
+    first, repeat = d.first[:n], d.repeat[:n]
+    first[:1].fill_(True)
+    torch.ne(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
+    torch.logical_not(first, out=repeat)
+    host_ids = d.host_ids[:n]
+    host_ids.copy_(sorted_ids).masked_fill_(repeat, -1)
+    staging = d.staging[:n]
+    gather = embedding._gather_args(staging, max_blocks)
+    ops.gather_rows(embedding.table, host_ids.view(n, 1), **gather)
+    # For every sorted position, the sorted position of its run's first id (a running maximum
+    # of the firsts' positions); then, per id in the batch's order, its row's staging position.
+    torch.mul(first, d.positions[:n], out=d.marker[:n])
+    torch.cummax(d.marker[:n], 0, out=(d.source[:n], d.source_at[:n]))
+    d.inverse[:n].index_copy_(0, order, d.positions[:n])
+    torch.index_select(d.source[:n], 0, d.inverse[:n], out=d.take[:n])
+    torch.index_select(staging, 0, d.take[:n], out=slot.rows[:num_tokens].view(n, width))
 
 
 def _embedding_of(module: Any) -> NGramEmbedding:
@@ -129,9 +193,11 @@ def start(
     *,
     stream: torch.cuda.Stream | None = None,
     max_blocks: int | None = None,
+    dedupe: bool = False,
     who: str = "start_prefetch",
 ) -> None:
-    """Launches the lookups of ``embeddings``, in that order (see the module docstring). Every
+    """Launches the lookups of ``embeddings``, in that order (see the module docstring); with
+    ``dedupe`` each reads every distinct row of the batch once (:func:`_launch_deduplicated`). Every
     argument is checked before the first launch: a batch larger than a layer's buffers, a layer
     without buffers or on another device raises and launches nothing, leaving every layer's
     previous result as it was."""
@@ -161,7 +227,7 @@ def start(
         slot.state = "idle"
     if not on_gpu:
         for embedding, slot in zip(embeddings, slots, strict=True):
-            _launch_one(embedding, slot, input_ids, query_start_loc, ngram_context, 0)
+            _launch_one(embedding, slot, input_ids, query_start_loc, ngram_context, 0, dedupe)
             slot.num_tokens, slot.source, slot.state = num_tokens, source, "started"
         return
     current = torch.cuda.current_stream(input_ids.device)
@@ -176,7 +242,9 @@ def start(
             tensor.record_stream(stream)
     with torch.cuda.stream(stream):
         for embedding, slot in zip(embeddings, slots, strict=True):
-            _launch_one(embedding, slot, input_ids, query_start_loc, ngram_context, max_blocks or 0)
+            _launch_one(
+                embedding, slot, input_ids, query_start_loc, ngram_context, max_blocks or 0, dedupe
+            )
             slot.event.record(stream)
             slot.num_tokens, slot.source, slot.state = num_tokens, source, "started"
 
@@ -188,7 +256,11 @@ def _launch_one(
     query_start_loc: torch.Tensor,
     ngram_context: torch.Tensor,
     max_blocks: int,
+    dedupe: bool,
 ) -> None:
+    if dedupe:
+        _launch_deduplicated(embedding, slot, input_ids, query_start_loc, ngram_context, max_blocks)
+        return
     num_tokens = input_ids.numel()
     embedding._lookup_local(
         input_ids,
@@ -223,6 +295,10 @@ class LookupPipeline:
     ``modules`` are :class:`~.ple_layer.PLELayer` or :class:`~.ngram_embedding.NGramEmbedding`
     modules built with ``max_tokens``, in layer order. ``max_blocks`` caps each gather's grid
     on a GPU (default: :func:`default_max_blocks`); ``stream`` overrides the side stream.
+    ``dedupe`` reads each distinct row of a batch once (repeated n-grams of real text): a sort
+    and a few small kernels more per layer, which pay only where the link, not the launches,
+    bounds the lookup (a prefill from a pinned table); off by default until a GPU has measured
+    where it pays.
     """
 
     def __init__(
@@ -231,6 +307,7 @@ class LookupPipeline:
         *,
         max_blocks: int | None = None,
         stream: torch.cuda.Stream | None = None,
+        dedupe: bool = False,
     ) -> None:
         self.modules = list(modules)
         self.embeddings = [_embedding_of(module) for module in self.modules]
@@ -240,6 +317,7 @@ class LookupPipeline:
             raise ValueError(f"max_blocks must be positive, got {max_blocks}")
         self.max_blocks = max_blocks
         self.stream = stream
+        self.dedupe = bool(dedupe)
 
     def __len__(self) -> int:
         return len(self.modules)
@@ -255,6 +333,7 @@ class LookupPipeline:
             ngram_context,
             stream=self.stream,
             max_blocks=self.max_blocks,
+            dedupe=self.dedupe,
             who="LookupPipeline.start_prefetch",
         )
 
