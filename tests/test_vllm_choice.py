@@ -6,7 +6,8 @@ table is logged once, persisted choices are used and invalidated by any key fiel
 
 vLLM's kernels are vLLM 0.33.0's own code: its Triton kernels run on the CPU under Triton's
 interpreter (loaded by :mod:`qwen4exp_ext.bench.vllm_triton`), handed to the plugin's
-replacement factories as "vLLM's original"; the lookups run through the real, plugged vLLM."""
+replacement factories as "vLLM's original"; so are vLLM's own lookup methods. No test here
+loads the plugin (test_vllm_plugin.py's fixture must see vLLM unpatched)."""
 
 from __future__ import annotations
 
@@ -407,30 +408,18 @@ def test_nothing_is_timed_in_a_real_capture(fresh):
     assert calls == [1] and chooser.choices == {}
 
 
-# ---- lookups through the real, plugged vLLM ---------------------------------------------
+# ---- lookups: vLLM's own methods ------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def plugged():
-    """vLLM's PLE modules imported, then the general plugins loaded (only ours), as
-    test_vllm_plugin.py does."""
-    import importlib
-
-    saved = os.environ.get("VLLM_PLUGINS")
-    os.environ["VLLM_PLUGINS"] = "qwen4exp"
-    import vllm.plugins
-
-    importlib.import_module("vllm.models.qwen4_exp.amd.ple_layer")
-    vllm.plugins.load_general_plugins()
-    yield
-    if saved is None:
-        os.environ.pop("VLLM_PLUGINS", None)
-    else:
-        os.environ["VLLM_PLUGINS"] = saved
+def _vllms(fn):
+    """vLLM's own method (behind our replacement where the plugin is loaded in this process)."""
+    return getattr(fn, shims.MARK, fn)
 
 
 @pytest.mark.parametrize("chosen", ["ours", "vllm"])
-def test_device_table_lookup_choice(plugged, fresh, chosen):
+def test_device_table_lookup_choice(fresh, chosen):
+    """The device-table lookup of vLLM's unquantized and FP8 methods (real vLLM 0.33.0 code,
+    wrapped by the plugin's replacement factory without loading the plugin here)."""
     import vllm.models.qwen4_exp.common.ngram_embedding as ne
 
     from test_vllm_plugin import _fp8_layer
@@ -440,10 +429,11 @@ def test_device_table_lookup_choice(plugged, fresh, chosen):
     table = torch.randn(300, 24, generator=g).to(torch.bfloat16)
     ids = torch.randint(0, 300, (9, 4), generator=g)
     method = ne.Qwen4ExpPLEUnquantizedEmbeddingMethod()
-    got = method.embedding(SimpleNamespace(weight=table), ids)  # timed: both kernels ran
+    embedding = shims._make_embedding(_vllms(ne.Qwen4ExpPLEEmbeddingMethod.embedding))
+    got = embedding(method, SimpleNamespace(weight=table), ids)  # timed: both kernels ran
     assert torch.equal(got, torch.nn.functional.embedding(ids, table))
     with recorded_ops() as names:
-        method.embedding(SimpleNamespace(weight=table), ids)
+        embedding(method, SimpleNamespace(weight=table), ids)
     assert ("qwen4exp::gather_rows" in names) == (chosen == "ours")
 
     # FP8: vLLM's byte lookup then its own dequantisation, or our fused gather: the same bits
@@ -451,7 +441,7 @@ def test_device_table_lookup_choice(plugged, fresh, chosen):
     fp8 = ne.Qwen4ExpPLEFp8EmbeddingMethod()
     layer = _fp8_layer(50, 16, gen=g)
     ids = torch.randint(0, 50, (7, 2), generator=g)
-    got = fp8.embedding(layer, ids)
+    got = embedding(fp8, layer, ids)
     expected = ops.gather_rows(
         layer.weight, ids.reshape(-1, 1), scale=layer.weight_scale, out_dtype=torch.bfloat16
     ).view(7, 2, 16)

@@ -282,7 +282,7 @@ class Chooser:
             return OURS
         got = self.choices.get((op, cls))
         if got is not None:
-            if not self.logged:
+            if not self.logged and not torch.compiler.is_compiling():
                 self.log_table()
             return got.chosen
         if _busy_device(device):
