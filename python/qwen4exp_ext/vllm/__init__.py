@@ -11,7 +11,9 @@ tables are allocated at their exact size, vLLM's AMD layer takes NVFP4 tables, a
 model looks its pinned tables up at step entry (:mod:`.prefetch`; ``QWEN4EXP_VLLM_PREFETCH=0``
 turns that off). The table of
 swaps is :data:`qwen4exp_ext.vllm.shims.SWAPS` (its module docstring says what differs from
-vLLM); a row whose kernel our build lacks is skipped.
+vLLM); a row whose kernel our build lacks is skipped. Each swapped kernel runs ours or vLLM's
+original, whichever :mod:`.choice` measured faster for that shape class on this GPU
+(``QWEN4EXP_VLLM_KERNELS=auto|ours|vllm``; ours on the CPU).
 
 Nothing here imports vLLM until :func:`register` runs, and even then vLLM's Qwen4Exp modules are
 patched only when vLLM itself imports them (a post-import hook), so processes that serve another

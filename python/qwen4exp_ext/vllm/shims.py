@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from .. import build_info, ops
-from . import prefetch
+from . import choice, prefetch
+from .choice import OURS, copy_for_timing, token_bucket
 
 # The vLLM module whose functions are swapped; every other vLLM module imports them from here.
 PLE_OPS_MODULE = "vllm.models.qwen4_exp.common.ops.ple"
@@ -173,7 +174,31 @@ def _make_ple_ngram_ids(original: Callable[..., torch.Tensor]) -> Callable[..., 
             heads_per_ngram,
             output,
         )
-        if input_ids.device.type not in DEVICE_TYPES:
+        device = input_ids.device
+        if device.type not in DEVICE_TYPES:
+            return original(*args)
+        cls = (
+            input_ids.dtype,
+            ngram_context.shape[1] * heads_per_ngram,
+            token_bucket(input_ids.numel()),
+        )
+        which = choice.choose("ple_ngram_ids", cls, device)
+        if which is None:
+            divmod = head_divmod_for(ngram_heads_vocab_sizes)
+
+            def setup() -> tuple:
+                out = None if output is None else torch.empty_like(output)
+                return (*args[:-1], out)
+
+            which = choice.decide(
+                "ple_ngram_ids",
+                cls,
+                device,
+                setup,
+                lambda a: ops.ngram_ids(*a, head_divmod=divmod),
+                lambda a: original(*a),
+            )
+        if which != OURS:
             return original(*args)
         return ops.ngram_ids(*args, head_divmod=head_divmod_for(ngram_heads_vocab_sizes))
 
@@ -194,8 +219,22 @@ def _make_ple_gate(
         norm_conv_w: torch.Tensor,
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        fn = ops.ple_gate if hidden.device.type in DEVICE_TYPES else original
-        return fn(key, value, hidden, norm_key_w, norm_query_w, norm_conv_w, eps)
+        args = (key, value, hidden, norm_key_w, norm_query_w, norm_conv_w, eps)
+        device = hidden.device
+        if device.type not in DEVICE_TYPES:
+            return original(*args)
+        cls = (hidden.dtype, value.shape[-1], hidden.shape[-1], token_bucket(hidden.shape[0]))
+        which = choice.choose("ple_gate", cls, device)
+        if which is None:  # nothing written in place: the live arguments serve the timing
+            which = choice.decide(
+                "ple_gate",
+                cls,
+                device,
+                lambda: args,
+                lambda a: ops.ple_gate(*a),
+                lambda a: original(*a),
+            )
+        return (ops.ple_gate if which == OURS else original)(*args)
 
     return ple_gate
 
@@ -217,14 +256,7 @@ def _make_ple_conv(original: Callable[..., None]) -> Callable[..., None]:
         spec_query_len: int = 1,
         token_indices: torch.Tensor | None = None,
     ) -> None:
-        fn = ops.ple_conv if inputs.device.type in DEVICE_TYPES else original
-        return fn(
-            inputs,
-            residual,
-            conv_state,
-            conv_weights,
-            state_indices,
-            outer_residual,
+        kwargs = dict(
             mode=mode,
             dilation=dilation,
             query_start_loc=query_start_loc,
@@ -232,6 +264,48 @@ def _make_ple_conv(original: Callable[..., None]) -> Callable[..., None]:
             has_initial_states=has_initial_states,
             spec_query_len=spec_query_len,
             token_indices=token_indices,
+        )
+        device = inputs.device
+        if device.type not in DEVICE_TYPES:
+            return original(
+                inputs, residual, conv_state, conv_weights, state_indices, outer_residual, **kwargs
+            )
+        tokens = inputs.shape[0] if token_indices is None else token_indices.numel()
+        cls = (
+            mode,
+            "SD" if conv_state.stride(1) == 1 else "DS",  # channel stride 1: window-first
+            inputs.dtype,
+            inputs.shape[1],
+            conv_weights.shape[1],
+            dilation,
+            "fused" if outer_residual is not None else "-",
+            "map" if token_indices is not None else "-",
+            token_bucket(tokens),
+        )
+        which = choice.choose("ple_conv", cls, device)
+        if which is None:
+            # residual and conv_state are written in place: every timed call gets copies.
+            def setup() -> tuple:
+                return (
+                    inputs,
+                    copy_for_timing(residual),
+                    copy_for_timing(conv_state),
+                    conv_weights,
+                    state_indices,
+                    outer_residual,
+                )
+
+            which = choice.decide(
+                "ple_conv",
+                cls,
+                device,
+                setup,
+                lambda a: ops.ple_conv(*a, **kwargs),
+                lambda a: original(*a, **kwargs),
+            )
+        fn = ops.ple_conv if which == OURS else original
+        return fn(
+            inputs, residual, conv_state, conv_weights, state_indices, outer_residual, **kwargs
         )
 
     return ple_conv
@@ -266,7 +340,7 @@ def _make_embedding(original: Callable[..., torch.Tensor]) -> Callable[..., torc
     device-resident table (ids already made local to this rank's vocabulary shard by vLLM); FP8
     rows come out dequantised, in the layer's activation dtype."""
 
-    def embedding(self: Any, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+    def ours(self: Any, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         weight = layer.weight
         if _fp8_fused(layer):
             rows = ops.gather_rows(
@@ -275,17 +349,71 @@ def _make_embedding(original: Callable[..., torch.Tensor]) -> Callable[..., torc
                 scale=layer.weight_scale,
                 out_dtype=layer.params_dtype,
             )
-            return rows.view(*input_.shape, weight.shape[1])
-        if (
+        else:
+            rows = ops.gather_rows(weight, input_)
+        return rows.view(*input_.shape, weight.shape[1])
+
+    def vllms(self: Any, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        rows = original(self, layer, input_)
+        return _vllm_fp8_dequantize(self, layer, rows) if _fp8_fused(layer) else rows
+
+    def embedding(self: Any, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        weight = layer.weight
+        if not _fp8_fused(layer) and (
             weight.dtype not in _EXACT_TABLE_DTYPES
             or input_.device.type not in DEVICE_TYPES
             or weight.device != input_.device
         ):
             return original(self, layer, input_)
-        rows = ops.gather_rows(weight, input_)
-        return rows.view(*input_.shape, weight.shape[1])
+        args = (self, layer, input_)
+        which = _choose_lookup("embedding", layer, weight, input_.numel(), args, ours, vllms)
+        return (ours if which == OURS else vllms)(*args)
 
     return embedding
+
+
+def _lookup_class(layer: Any, table: torch.Tensor, ids: int) -> tuple:
+    """A table lookup's class: the table format (its dtype, and the rows' dtype for a
+    dequantising lookup), the row width, the bucket of the number of ids."""
+    out_dtype = getattr(layer, "params_dtype", table.dtype)
+    return (
+        table.dtype,
+        out_dtype,
+        getattr(layer, "embedding_dim", table.shape[-1]),
+        token_bucket(ids),
+    )
+
+
+def _choose_lookup(
+    op: str,
+    layer: Any,
+    table: torch.Tensor,
+    ids: int,
+    args: tuple,
+    ours: Callable[..., Any],
+    vllms: Callable[..., Any],
+) -> str:
+    """The kernel of one table lookup (``args`` = the method's arguments; a lookup into
+    ``output`` is timed into fresh outputs)."""
+    cls = _lookup_class(layer, table, ids)
+    which = choice.choose(op, cls, table.device)
+    if which is None:
+
+        def setup() -> tuple:
+            if len(args) == 4:  # (self, layer, ids, output)
+                return (*args[:3], torch.empty_like(args[3]))
+            return args
+
+        which = choice.decide(op, cls, table.device, setup, lambda a: ours(*a), lambda a: vllms(*a))
+    return which
+
+
+def _vllm_fp8_dequantize(method: Any, layer: Any, rows: torch.Tensor) -> torch.Tensor:
+    """vLLM's own FP8 ``dequantize`` of raw fp8 rows to the activation dtype (what vLLM runs
+    after its lookup; the plugin's ``dequantize`` only casts rows of a fused layer)."""
+    fn = type(method).dequantize
+    fn = getattr(fn, MARK, fn)
+    return fn(method, layer, rows, layer.params_dtype)
 
 
 # The grid cap of the gathers launched by this thread now (0: none): set around the step-entry
@@ -312,24 +440,39 @@ def _make_lookup_from_pinned(original: Callable[..., None]) -> Callable[..., Non
     the pinned host table, read by the GPU through its UVA view; rows another rank owns are zero.
     FP8 rows come out dequantised (``lookup_dtype`` says so)."""
 
-    def lookup_from_pinned(
-        self: Any, layer: torch.nn.Module, ids: torch.Tensor, output: torch.Tensor
-    ) -> None:
+    def ours(self: Any, layer: torch.nn.Module, ids: torch.Tensor, output: torch.Tensor) -> None:
         table = layer._uva_weight
         shard = layer.shard_indices
         bounds = dict(vocab_start=shard.org_vocab_start_index, vocab_end=shard.org_vocab_end_index)
         if _fp8_fused(layer):
             _gather_into(output, table, ids.to(table.device), scale=layer.weight_scale, **bounds)
-            return None
-        if (
+        else:
+            _gather_into(output, table, ids, **bounds)
+
+    def vllms(self: Any, layer: torch.nn.Module, ids: torch.Tensor, output: torch.Tensor) -> None:
+        if not _fp8_fused(layer):
+            return original(self, layer, ids, output)
+        raw = torch.empty(output.shape, dtype=layer.weight.dtype, device=output.device)
+        original(self, layer, ids.to(output.device), raw)
+        output.copy_(_vllm_fp8_dequantize(self, layer, raw))
+        return None
+
+    def lookup_from_pinned(
+        self: Any, layer: torch.nn.Module, ids: torch.Tensor, output: torch.Tensor
+    ) -> None:
+        table = layer._uva_weight
+        if not _fp8_fused(layer) and (
             table.dtype not in _EXACT_TABLE_DTYPES
             or output.dtype != table.dtype
             or ids.device.type not in DEVICE_TYPES
             or not output.is_contiguous()
         ):
             return original(self, layer, ids, output)
-        _gather_into(output, table, ids, **bounds)
-        return None
+        args = (self, layer, ids, output)
+        if getattr(_grid_cap, "max_blocks", 0):  # a step-entry lookup (prefetch.py): ours
+            return ours(*args)
+        which = _choose_lookup("lookup_from_pinned", layer, table, ids.numel(), args, ours, vllms)
+        return (ours if which == OURS else vllms)(*args)
 
     return lookup_from_pinned
 
@@ -377,10 +520,8 @@ def _make_nvfp4_embedding(original: Callable[..., torch.Tensor]) -> Callable[...
     """`Qwen4ExpPLENvFp4EmbeddingMethod.embedding`: NVFP4 rows of the device table, decoded in
     the gather (vLLM: its Triton lookup on a GPU, `dequantize_to_dtype` elsewhere)."""
 
-    def embedding(self: Any, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+    def ours(self: Any, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         weight = layer.weight
-        if _nvfp4_unserved(weight.device):
-            return original(self, layer, input_)
         rows = ops.gather_rows(
             weight,
             input_.reshape(-1, 1).to(weight.device),
@@ -389,6 +530,16 @@ def _make_nvfp4_embedding(original: Callable[..., torch.Tensor]) -> Callable[...
             out_dtype=layer.params_dtype,
         )
         return rows.view(*input_.shape, layer.embedding_dim)
+
+    def embedding(self: Any, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        weight = layer.weight
+        if _nvfp4_unserved(weight.device):
+            return original(self, layer, input_)
+        args = (self, layer, input_)
+        if torch.version.hip is not None:  # vLLM refuses NVFP4 tables on ROCm: only ours
+            return ours(*args)
+        which = _choose_lookup("embedding", layer, weight, input_.numel(), args, ours, original)
+        return (ours if which == OURS else original)(*args)
 
     return embedding
 
@@ -403,6 +554,17 @@ def _make_nvfp4_lookup_from_pinned(original: Callable[..., None]) -> Callable[..
         table = layer._uva_weight
         if _nvfp4_unserved(table.device):
             return original(self, layer, ids, output)
+        args = (self, layer, ids, output)
+        if torch.version.hip is None and not getattr(_grid_cap, "max_blocks", 0):
+            which = _choose_lookup(
+                "lookup_from_pinned", layer, table, ids.numel(), args, ours, original
+            )
+            if which != OURS:
+                return original(*args)
+        return ours(*args)
+
+    def ours(self: Any, layer: torch.nn.Module, ids: torch.Tensor, output: torch.Tensor) -> None:
+        table = layer._uva_weight
         shard = layer.shard_indices
         _gather_into(
             output,
