@@ -138,6 +138,73 @@ SIMT_WAVE_SIZES = (32, 64)
 SHARED_LIBSTDCXX = ["-Wl,-Bdynamic", "-lstdc++"] if sys.platform.startswith("linux") else []
 
 
+# hipify (torch's, run by cpp_extension.CUDAExtension on a ROCm torch) rewrites every source it
+# is given, and every project header they include, into a copy `<name>_hip.<ext>` beside the
+# original. In csrc/ those copies would break the next build (the listing check below), show in
+# git status and reach check-hip.sh, kernel_report.py and CMake's header install. So a ROCm build
+# hands torch a mirror of csrc/ under build/, and hipify writes its copies there.
+HIPIFY_CSRC = os.path.join(ROOT, "build", "hipify", "csrc")
+
+
+def _write_if_changed(path: str, data: bytes) -> None:
+    """Writes only a changed file, so that ninja recompiles only what changed."""
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            if f.read() == data:
+                return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def mirror_csrc() -> list[str]:
+    """Copies csrc/ into HIPIFY_CSRC (changed files only) and returns the relative paths copied."""
+    copied = []
+    for dirpath, _, names in os.walk(CSRC):
+        for name in names:
+            src = os.path.join(dirpath, name)
+            path = os.path.relpath(src, CSRC)
+            with open(src, "rb") as f:
+                _write_if_changed(os.path.join(HIPIFY_CSRC, path), f.read())
+            copied.append(path)
+    return copied
+
+
+def in_mirror(path: str) -> str:
+    return os.path.join(HIPIFY_CSRC, os.path.relpath(path, CSRC))
+
+
+def prune_mirror(copied: list[str]) -> None:
+    """Removes from the mirror whatever is neither a current copy of csrc/ nor an output of this
+    build's hipify: the copies and hipified files of sources deleted or renamed since."""
+    from torch.utils.hipify import hipify_python
+
+    keep = {os.path.join(HIPIFY_CSRC, p) for p in copied}
+    keep |= {
+        os.path.abspath(result.hipified_path)
+        for result in getattr(hipify_python, "HIPIFY_FINAL_RESULT", {}).values()
+        if getattr(result, "hipified_path", None)
+    }
+    for dirpath, _, names in os.walk(HIPIFY_CSRC, topdown=False):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            if path not in keep:
+                os.remove(path)
+        if dirpath != HIPIFY_CSRC and not os.listdir(dirpath):
+            os.rmdir(dirpath)
+
+
+def hipify_leftovers(paths: set[str]) -> list[str]:
+    """Those of paths that are hipify's in-place copies (`<name>_hip.<ext>` beside `<name>.<ext>`)
+    from a ROCm build by an older setup.py."""
+    leftovers = []
+    for path in paths:
+        root, ext = os.path.splitext(path)
+        if root.endswith("_hip") and os.path.exists(root[: -len("_hip")] + ext):
+            leftovers.append(path)
+    return leftovers
+
+
 def build_simt() -> bool:
     value = os.environ.get("QWEN4EXP_BUILD_SIMT", "0").strip()
     if value not in ("0", "1"):
@@ -192,6 +259,12 @@ def build_extension():
         os.path.join(CSRC, "cpu", "*.cpp")
     )
     unlisted = set(found) - listed
+    leftovers = hipify_leftovers(unlisted)
+    if leftovers:
+        sys.exit(
+            "csrc/ holds hipify's copies from a ROCm build by an older setup.py: "
+            f"{sorted(map(rel, leftovers))}; delete them (`git clean -n csrc` lists them)"
+        )
     if unlisted:
         sys.exit(f"csrc/kernel_sources.txt does not list {sorted(map(rel, unlisted))}")
     gpu_glue = sorted(glob.glob(os.path.join(CSRC, "gpu", "*.cpp")))
@@ -265,14 +338,23 @@ def build_extension():
     define = f"-DQWEN4EXP_BUILD_INFO_JSON={json.dumps(info_json)}"
     extra["cxx"].append(define)
     print(f"qwen4exp_ext: building {info_json}", flush=True)
+    include_dir = CSRC
+    if target == "rocm":
+        # torch hipifies the sources (and the headers they include) as it builds the extension:
+        # in the mirror, never in csrc/ (HIPIFY_CSRC).
+        copied = mirror_csrc()
+        sources = [rel(in_mirror(os.path.join(ROOT, s))) for s in sources]
+        include_dir = HIPIFY_CSRC
     ext = extension_cls(
         "qwen4exp_ext._kernels",
         sources,
-        include_dirs=[CSRC],
+        include_dirs=[include_dir],
         extra_compile_args=extra,
         extra_link_args=["-fopenmp", *sanitize_flags, *SHARED_LIBSTDCXX],
         py_limited_api=True,
     )
+    if target == "rocm":
+        prune_mirror(copied)
     extensions = [ext]
     if simt:
         extensions += simt_extensions(cpp_extension, hip_sources, opt, sanitize_cxx, sanitize_flags)
