@@ -75,11 +75,94 @@ def choose_target(torch) -> str:
     return "cpu"
 
 
+# The oldest torch and ROCm this project builds with (pyproject.toml says torch>=2.9 too, but
+# `--no-build-isolation` skips that check). ROCm 6.0 is the first that supports MI300X (gfx942);
+# every ROCm torch >= 2.9 is built on a newer one.
+MIN_TORCH = (2, 9)
+MIN_ROCM = (6, 0)
+# The first ROCm release whose compiler targets each default arch, for the messages.
+ROCM_FOR_ARCH = {"gfx90a": "4.5", "gfx942": "6.0", "gfx950": "7.0"}
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for part in version.split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def check_versions(torch, target: str) -> None:
+    if version_tuple(torch.__version__) < MIN_TORCH:
+        sys.exit(
+            f"qwen4exp_ext needs torch >= {'.'.join(map(str, MIN_TORCH))}; "
+            f"this is torch {torch.__version__}"
+        )
+    if target == "rocm" and version_tuple(torch.version.hip) < MIN_ROCM:
+        sys.exit(
+            f"qwen4exp_ext needs ROCm >= {'.'.join(map(str, MIN_ROCM))}; "
+            f"this torch is built for ROCm {torch.version.hip}"
+        )
+
+
+def hipcc_path() -> str:
+    """The compiler torch's cpp_extension runs for .hip files: $ROCM_HOME/bin/hipcc."""
+    from torch.utils.cpp_extension import ROCM_HOME
+
+    return os.path.join(ROCM_HOME or "/opt/rocm", "bin", "hipcc")
+
+
+def hipcc_rejects(hipcc: str, arch: str) -> str | None:
+    """None if hipcc compiles for arch, else the compiler's complaint (one line). Preprocessing an
+    empty file for the device only is enough: the driver checks the target first."""
+    import subprocess
+
+    cmd = [hipcc, "-x", "hip", f"--offload-arch={arch}", "--cuda-device-only", "-nogpulib"]
+    try:
+        proc = subprocess.run(
+            [*cmd, "-E", os.devnull, "-o", os.devnull], capture_output=True, text=True, timeout=120
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"could not run {hipcc}: {exc}"
+    if proc.returncode == 0:
+        return None
+    lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if "error" in ln]
+    return (lines or [f"exit status {proc.returncode}"])[0].split(";")[0].strip()
+
+
 def rocm_archs() -> list[str]:
-    archs = [a for a in os.environ.get("PYTORCH_ROCM_ARCH", DEFAULT_ROCM_ARCHS).split(";") if a]
+    """PYTORCH_ROCM_ARCH (default DEFAULT_ROCM_ARCHS), checked against the compiler before anything
+    is compiled: an arch the compiler does not know stops a build that asked for it, and is left
+    out, with a warning, of the default list."""
+    requested = os.environ.get("PYTORCH_ROCM_ARCH")
+    archs = [a for a in (requested or DEFAULT_ROCM_ARCHS).replace(" ", ";").split(";") if a]
     unknown = [a for a in archs if not a.startswith(KNOWN_ROCM_ARCH_PREFIXES)]
     if unknown:
         sys.exit(f"PYTORCH_ROCM_ARCH has unknown AMD targets {unknown}; expected gfx9xx/gfx1xxx")
+    hipcc = hipcc_path()
+    rejected = {a: why for a in archs if (why := hipcc_rejects(hipcc, a)) is not None}
+    if rejected:
+        detail = "; ".join(
+            f"{a} (needs ROCm >= {ROCM_FOR_ARCH[a.split(':')[0]]}): {why}"
+            if a.split(":")[0] in ROCM_FOR_ARCH
+            else f"{a}: {why}"
+            for a, why in rejected.items()
+        )
+        kept = [a for a in archs if a not in rejected]
+        if requested or not kept:
+            sys.exit(
+                f"qwen4exp_ext: the compiler {hipcc} cannot build for {sorted(rejected)} of "
+                f"PYTORCH_ROCM_ARCH={';'.join(archs)}: {detail}. Set PYTORCH_ROCM_ARCH to the "
+                "targets it supports, or point ROCM_HOME at a newer ROCm."
+            )
+        print(
+            f"qwen4exp_ext: WARNING: the compiler {hipcc} cannot build for {sorted(rejected)} "
+            f"(default PYTORCH_ROCM_ARCH={DEFAULT_ROCM_ARCHS}): {detail}. Building for "
+            f"{';'.join(kept)} only; set PYTORCH_ROCM_ARCH to choose, or point ROCM_HOME at a "
+            "newer ROCm.",
+            flush=True,
+        )
+        archs = kept
     # torch's cpp_extension reads the same variable when it builds the hipcc flags.
     os.environ["PYTORCH_ROCM_ARCH"] = ";".join(archs)
     return archs
@@ -252,6 +335,7 @@ def build_extension():
     from torch.utils import cpp_extension
 
     target = choose_target(torch)
+    check_versions(torch, target)
     cpu_sources = kernel_sources("cpu")
     hip_sources = kernel_sources("kernel")
     listed = set(hip_sources) | set(cpu_sources) | set(kernel_sources("cpu_threads"))
