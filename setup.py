@@ -75,11 +75,94 @@ def choose_target(torch) -> str:
     return "cpu"
 
 
+# The oldest torch and ROCm this project builds with (pyproject.toml says torch>=2.9 too, but
+# `--no-build-isolation` skips that check). ROCm 6.0 is the first that supports MI300X (gfx942);
+# every ROCm torch >= 2.9 is built on a newer one.
+MIN_TORCH = (2, 9)
+MIN_ROCM = (6, 0)
+# The first ROCm release whose compiler targets each default arch, for the messages.
+ROCM_FOR_ARCH = {"gfx90a": "4.5", "gfx942": "6.0", "gfx950": "7.0"}
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for part in version.split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def check_versions(torch, target: str) -> None:
+    if version_tuple(torch.__version__) < MIN_TORCH:
+        sys.exit(
+            f"qwen4exp_ext needs torch >= {'.'.join(map(str, MIN_TORCH))}; "
+            f"this is torch {torch.__version__}"
+        )
+    if target == "rocm" and version_tuple(torch.version.hip) < MIN_ROCM:
+        sys.exit(
+            f"qwen4exp_ext needs ROCm >= {'.'.join(map(str, MIN_ROCM))}; "
+            f"this torch is built for ROCm {torch.version.hip}"
+        )
+
+
+def hipcc_path() -> str:
+    """The compiler torch's cpp_extension runs for .hip files: $ROCM_HOME/bin/hipcc."""
+    from torch.utils.cpp_extension import ROCM_HOME
+
+    return os.path.join(ROCM_HOME or "/opt/rocm", "bin", "hipcc")
+
+
+def hipcc_rejects(hipcc: str, arch: str) -> str | None:
+    """None if hipcc compiles for arch, else the compiler's complaint (one line). Preprocessing an
+    empty file for the device only is enough: the driver checks the target first."""
+    import subprocess
+
+    cmd = [hipcc, "-x", "hip", f"--offload-arch={arch}", "--cuda-device-only", "-nogpulib"]
+    try:
+        proc = subprocess.run(
+            [*cmd, "-E", os.devnull, "-o", os.devnull], capture_output=True, text=True, timeout=120
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"could not run {hipcc}: {exc}"
+    if proc.returncode == 0:
+        return None
+    lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if "error" in ln]
+    return (lines or [f"exit status {proc.returncode}"])[0].split(";")[0].strip()
+
+
 def rocm_archs() -> list[str]:
-    archs = [a for a in os.environ.get("PYTORCH_ROCM_ARCH", DEFAULT_ROCM_ARCHS).split(";") if a]
+    """PYTORCH_ROCM_ARCH (default DEFAULT_ROCM_ARCHS), checked against the compiler before anything
+    is compiled: an arch the compiler does not know stops a build that asked for it, and is left
+    out, with a warning, of the default list."""
+    requested = os.environ.get("PYTORCH_ROCM_ARCH")
+    archs = [a for a in (requested or DEFAULT_ROCM_ARCHS).replace(" ", ";").split(";") if a]
     unknown = [a for a in archs if not a.startswith(KNOWN_ROCM_ARCH_PREFIXES)]
     if unknown:
         sys.exit(f"PYTORCH_ROCM_ARCH has unknown AMD targets {unknown}; expected gfx9xx/gfx1xxx")
+    hipcc = hipcc_path()
+    rejected = {a: why for a in archs if (why := hipcc_rejects(hipcc, a)) is not None}
+    if rejected:
+        detail = "; ".join(
+            f"{a} (needs ROCm >= {ROCM_FOR_ARCH[a.split(':')[0]]}): {why}"
+            if a.split(":")[0] in ROCM_FOR_ARCH
+            else f"{a}: {why}"
+            for a, why in rejected.items()
+        )
+        kept = [a for a in archs if a not in rejected]
+        if requested or not kept:
+            sys.exit(
+                f"qwen4exp_ext: the compiler {hipcc} cannot build for {sorted(rejected)} of "
+                f"PYTORCH_ROCM_ARCH={';'.join(archs)}: {detail}. Set PYTORCH_ROCM_ARCH to the "
+                "targets it supports, or point ROCM_HOME at a newer ROCm."
+            )
+        print(
+            f"qwen4exp_ext: WARNING: the compiler {hipcc} cannot build for {sorted(rejected)} "
+            f"(default PYTORCH_ROCM_ARCH={DEFAULT_ROCM_ARCHS}): {detail}. Building for "
+            f"{';'.join(kept)} only; set PYTORCH_ROCM_ARCH to choose, or point ROCM_HOME at a "
+            "newer ROCm.",
+            flush=True,
+        )
+        archs = kept
     # torch's cpp_extension reads the same variable when it builds the hipcc flags.
     os.environ["PYTORCH_ROCM_ARCH"] = ";".join(archs)
     return archs
@@ -138,6 +221,73 @@ SIMT_WAVE_SIZES = (32, 64)
 SHARED_LIBSTDCXX = ["-Wl,-Bdynamic", "-lstdc++"] if sys.platform.startswith("linux") else []
 
 
+# hipify (torch's, run by cpp_extension.CUDAExtension on a ROCm torch) rewrites every source it
+# is given, and every project header they include, into a copy `<name>_hip.<ext>` beside the
+# original. In csrc/ those copies would break the next build (the listing check below), show in
+# git status and reach check-hip.sh, kernel_report.py and CMake's header install. So a ROCm build
+# hands torch a mirror of csrc/ under build/, and hipify writes its copies there.
+HIPIFY_CSRC = os.path.join(ROOT, "build", "hipify", "csrc")
+
+
+def _write_if_changed(path: str, data: bytes) -> None:
+    """Writes only a changed file, so that ninja recompiles only what changed."""
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            if f.read() == data:
+                return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def mirror_csrc() -> list[str]:
+    """Copies csrc/ into HIPIFY_CSRC (changed files only) and returns the relative paths copied."""
+    copied = []
+    for dirpath, _, names in os.walk(CSRC):
+        for name in names:
+            src = os.path.join(dirpath, name)
+            path = os.path.relpath(src, CSRC)
+            with open(src, "rb") as f:
+                _write_if_changed(os.path.join(HIPIFY_CSRC, path), f.read())
+            copied.append(path)
+    return copied
+
+
+def in_mirror(path: str) -> str:
+    return os.path.join(HIPIFY_CSRC, os.path.relpath(path, CSRC))
+
+
+def prune_mirror(copied: list[str]) -> None:
+    """Removes from the mirror whatever is neither a current copy of csrc/ nor an output of this
+    build's hipify: the copies and hipified files of sources deleted or renamed since."""
+    from torch.utils.hipify import hipify_python
+
+    keep = {os.path.join(HIPIFY_CSRC, p) for p in copied}
+    keep |= {
+        os.path.abspath(result.hipified_path)
+        for result in getattr(hipify_python, "HIPIFY_FINAL_RESULT", {}).values()
+        if getattr(result, "hipified_path", None)
+    }
+    for dirpath, _, names in os.walk(HIPIFY_CSRC, topdown=False):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            if path not in keep:
+                os.remove(path)
+        if dirpath != HIPIFY_CSRC and not os.listdir(dirpath):
+            os.rmdir(dirpath)
+
+
+def hipify_leftovers(paths: set[str]) -> list[str]:
+    """Those of paths that are hipify's in-place copies (`<name>_hip.<ext>` beside `<name>.<ext>`)
+    from a ROCm build by an older setup.py."""
+    leftovers = []
+    for path in paths:
+        root, ext = os.path.splitext(path)
+        if root.endswith("_hip") and os.path.exists(root[: -len("_hip")] + ext):
+            leftovers.append(path)
+    return leftovers
+
+
 def build_simt() -> bool:
     value = os.environ.get("QWEN4EXP_BUILD_SIMT", "0").strip()
     if value not in ("0", "1"):
@@ -185,6 +335,7 @@ def build_extension():
     from torch.utils import cpp_extension
 
     target = choose_target(torch)
+    check_versions(torch, target)
     cpu_sources = kernel_sources("cpu")
     hip_sources = kernel_sources("kernel")
     listed = set(hip_sources) | set(cpu_sources) | set(kernel_sources("cpu_threads"))
@@ -192,6 +343,12 @@ def build_extension():
         os.path.join(CSRC, "cpu", "*.cpp")
     )
     unlisted = set(found) - listed
+    leftovers = hipify_leftovers(unlisted)
+    if leftovers:
+        sys.exit(
+            "csrc/ holds hipify's copies from a ROCm build by an older setup.py: "
+            f"{sorted(map(rel, leftovers))}; delete them (`git clean -n csrc` lists them)"
+        )
     if unlisted:
         sys.exit(f"csrc/kernel_sources.txt does not list {sorted(map(rel, unlisted))}")
     gpu_glue = sorted(glob.glob(os.path.join(CSRC, "gpu", "*.cpp")))
@@ -265,14 +422,23 @@ def build_extension():
     define = f"-DQWEN4EXP_BUILD_INFO_JSON={json.dumps(info_json)}"
     extra["cxx"].append(define)
     print(f"qwen4exp_ext: building {info_json}", flush=True)
+    include_dir = CSRC
+    if target == "rocm":
+        # torch hipifies the sources (and the headers they include) as it builds the extension:
+        # in the mirror, never in csrc/ (HIPIFY_CSRC).
+        copied = mirror_csrc()
+        sources = [rel(in_mirror(os.path.join(ROOT, s))) for s in sources]
+        include_dir = HIPIFY_CSRC
     ext = extension_cls(
         "qwen4exp_ext._kernels",
         sources,
-        include_dirs=[CSRC],
+        include_dirs=[include_dir],
         extra_compile_args=extra,
         extra_link_args=["-fopenmp", *sanitize_flags, *SHARED_LIBSTDCXX],
         py_limited_api=True,
     )
+    if target == "rocm":
+        prune_mirror(copied)
     extensions = [ext]
     if simt:
         extensions += simt_extensions(cpp_extension, hip_sources, opt, sanitize_cxx, sanitize_flags)

@@ -1,0 +1,50 @@
+"""README's "AMD: what is checked" stays true to what setup.py and CI use: every default ROCm
+arch and every arch CI compiles has its row, and the minimum torch and ROCm it states are
+setup.py's."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def constants(path: Path) -> dict[str, object]:
+    """The module-level constant assignments of a file, without running it."""
+    found = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Name):
+                try:
+                    found[target.id] = ast.literal_eval(node.value)
+                except ValueError:
+                    pass
+    return found
+
+
+def amd_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    return text.split("## AMD: what is checked", 1)[1].split("\n## ", 1)[0]
+
+
+def test_every_arch_has_a_row():
+    setup = constants(ROOT / "setup.py")
+    report = constants(ROOT / "tools" / "kernel_report.py")
+    ci_archs = re.search(r"check-hip\.sh ((?:gfx\w+ ?)+)", (ROOT / ".ci" / "run").read_text())
+    archs = set(setup["DEFAULT_ROCM_ARCHS"].split(";")) | set(report["AMD_ARCHS"])
+    archs |= set(ci_archs.group(1).split())
+    rows = set(re.findall(r"^\| (gfx\w+) \|", amd_section(), re.M))
+    assert archs <= rows, f"README's AMD matrix lacks {sorted(archs - rows)}"
+
+
+def test_minimum_versions_are_setups():
+    setup = constants(ROOT / "setup.py")
+    torch_min = ".".join(map(str, setup["MIN_TORCH"]))
+    rocm_min = ".".join(map(str, setup["MIN_ROCM"]))
+    readme = (ROOT / "README.md").read_text()
+    assert f"torch >= {torch_min}, built for\n  ROCm >= {rocm_min}" in readme
+    assert f"built for ROCm < {rocm_min}" in amd_section()
+    assert f'"torch>={torch_min}"' in (ROOT / "pyproject.toml").read_text()
