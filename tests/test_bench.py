@@ -1107,6 +1107,15 @@ def test_vs_vllm_in_the_json_csv_and_table(
     # "vs vllm" is one word in the header, one cell in a row: the row's index counts it once.
     assert printed["with"][column] == f"{r['speedup_vs_vllm']:.2f}"
     assert printed["without"][column] == "-"
+    # tools/gpu_check.sh's summary line, from the same JSON.
+    tool = Path(__file__).resolve().parent.parent / "tools" / "vs_vllm_summary.py"
+    proc = subprocess.run(
+        [sys.executable, str(tool), str(path)], capture_output=True, text=True, check=True
+    )
+    assert proc.stdout.splitlines() == [
+        f"  vs_vllm toy: with {r['speedup_vs_vllm']:.2f}, without -",
+        "    (no GPU here)",
+    ]
 
 
 def _cpu_rows_have_null_vs_vllm(results: list[dict], triton_row) -> None:
