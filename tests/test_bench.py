@@ -841,11 +841,14 @@ def test_host_lookup_writes_every_field_of_every_case(host_lookup_run: dict) -> 
 
 def _gpu_claims(value: object, where: str = "") -> list[str]:
     """Where a result holds something of a GPU: a non-null field named for the link, the
-    pinned tables or vLLM's kernels, or a path or contender of that name."""
+    pinned tables or vLLM's kernels, or a path or contender of that name (a note, which says
+    why such a field is null, claims nothing)."""
     found = []
     if isinstance(value, dict):
         for key, item in value.items():
             here = f"{where}.{key}"
+            if key.endswith("_note"):
+                continue
             if re.search(r"pinned|h2d|vllm", key) and item is not None:
                 found.append(here)
             found += _gpu_claims(item, here)
@@ -1035,3 +1038,216 @@ def test_host_lookup_vllm_lookup_equals_ours(monkeypatch: pytest.MonkeyPatch, fm
     with vllm_triton.interpreter(), host_lookup.lookups_replaced(replaced):
         got = proxy.step(tables.device, batch)
     assert _same_bits(got, want)
+
+
+# --- vLLM's own code as a contender: speedup_vs_vllm on every row vLLM implements ---------------
+
+VS_VLLM_FIELDS = ("vllm_baseline", "speedup_vs_vllm", "vllm_note")
+
+
+def test_speedup_vs_vllm_is_vllms_p50_over_ours() -> None:
+    """The figure follows every speedup here: the contender's p50 over ours (> 1: ours is
+    faster); None where a case names no vLLM baseline. A Case's vllm must be one of its
+    baselines, and needs no note."""
+    from qwen4exp_ext.bench.registry import Case
+    from qwen4exp_ext.bench.timing import Quantiles
+
+    def q(p50: float) -> Quantiles:
+        return Quantiles(p50 * 0.9, p50, p50 * 1.1, p50 * 0.8, p50, 10)
+
+    times = {"ours": q(4.0), "vllm": q(10.0), "other": q(2.0), "oracle": q(50.0)}
+    assert cli.speedup_vs_vllm(times, "vllm") == pytest.approx(2.5)
+    assert cli.speedup_vs_vllm(times, "other") == pytest.approx(0.5)  # ours slower: < 1
+    assert cli.speedup_vs_vllm(times, None) is None
+    fn = lambda: torch.zeros(1)  # noqa: E731
+    base = dict(op="toy", name="c", tokens=1, nbytes=1, ours=fn, oracle=fn, params={})
+    with pytest.raises(ValueError, match="is not a baseline"):
+        Case(**base, baselines={"a": fn}, vllm="vllm")
+    with pytest.raises(ValueError, match="needs no vllm_note"):
+        Case(**base, baselines={"vllm": fn}, vllm="vllm", vllm_note="why")
+
+
+def test_vs_vllm_in_the_json_csv_and_table(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A case that names its vLLM baseline gets speedup_vs_vllm in its row, its CSV row and the
+    table's "vs vllm" column; one that names none gets nulls, its note, blanks and "-"."""
+    from qwen4exp_ext.bench import registry
+    from qwen4exp_ext.bench.registry import Case
+
+    fn = lambda: torch.zeros(4)  # noqa: E731
+    common = dict(op="toy", tokens=4, nbytes=16, ours=fn, oracle=fn, params={})
+    with_vllm = Case(name="with", baselines={"base": fn, "theirs": fn}, vllm="theirs", **common)
+    without = Case(name="without", baselines={"base": fn}, vllm_note="no GPU here", **common)
+    monkeypatch.setitem(registry.OP_MODULES, "toy", "toy")
+    monkeypatch.setattr(cli, "load_cases", lambda op, device: [with_vllm, without])
+    monkeypatch.setattr(cli, "load_sections", lambda op, device: [])
+    path, table = tmp_path / "toy.json", tmp_path / "toy.csv"
+    argv = ["toy", "--quick", "--threads", "1", "--json", str(path), "--csv", str(table)]
+    assert main(argv) == 0
+    r, s = json.loads(path.read_text())["results"]
+    assert r["vllm_baseline"] == "theirs" and r["vllm_note"] is None
+    assert r["speedup_vs_vllm"] == pytest.approx(r["speedups"]["theirs"])
+    assert r["speedup_vs_vllm"] == pytest.approx(
+        r["baselines"]["theirs"]["p50_us"] / r["ours"]["p50_us"]
+    )
+    assert (s["vllm_baseline"], s["speedup_vs_vllm"], s["vllm_note"]) == (None, None, "no GPU here")
+    import csv
+
+    with table.open() as f:
+        rows = list(csv.DictReader(f))
+    assert rows[0]["vllm_baseline"] == "theirs"
+    assert float(rows[0]["speedup_vs_vllm"]) == pytest.approx(r["speedup_vs_vllm"])
+    assert rows[1]["vllm_baseline"] == rows[1]["speedup_vs_vllm"] == ""
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("op "))
+    column = [name for name, _, _ in cli.COLUMNS].index("vs vllm")
+    assert "vs vllm" in header
+    printed = {row.split()[1]: row.split() for row in lines if row.startswith("toy ")}
+    # "vs vllm" is one word in the header, one cell in a row: the row's index counts it once.
+    assert printed["with"][column] == f"{r['speedup_vs_vllm']:.2f}"
+    assert printed["without"][column] == "-"
+    # tools/gpu_check.sh's summary line, from the same JSON.
+    tool = Path(__file__).resolve().parent.parent / "tools" / "vs_vllm_summary.py"
+    proc = subprocess.run(
+        [sys.executable, str(tool), str(path)], capture_output=True, text=True, check=True
+    )
+    assert proc.stdout.splitlines() == [
+        f"  vs_vllm toy: with {r['speedup_vs_vllm']:.2f}, without -",
+        "    (no GPU here)",
+    ]
+
+
+def _cpu_rows_have_null_vs_vllm(results: list[dict], triton_row) -> None:
+    """On a CPU: each row vLLM runs as a Triton kernel (``triton_row(r)``) has a null
+    speedup_vs_vllm and the note why; every row has the three fields."""
+    for r in results:
+        assert all(key in r for key in VS_VLLM_FIELDS), r["case"]
+        if triton_row(r):
+            assert r["vllm_baseline"] is None and r["speedup_vs_vllm"] is None, r["case"]
+            assert "not timed on a CPU" in r["vllm_note"] and "Triton" in r["vllm_note"]
+            assert "vllm" not in r["baselines"] and "vllm_triton" not in r["baselines"]
+
+
+def _skip_on_a_gpu(report: dict) -> None:
+    if report["device_type"] == "cuda":
+        pytest.skip("the CPU's rows: this run was on a GPU")
+
+
+def test_ngram_ids_vs_vllm_on_a_cpu_is_null_with_a_note(ngram_run: dict) -> None:
+    _skip_on_a_gpu(ngram_run["report"])
+    _cpu_rows_have_null_vs_vllm(ngram_run["report"]["results"], lambda r: True)
+
+
+def test_gather_vs_vllm_on_a_cpu(gather_report: tuple[dict, str]) -> None:
+    """A device table's bf16/fp8 lookup in vLLM is F.embedding (+ eager dequantize): the
+    "embedding" baseline, timed on a CPU too; its NVFP4 lookup is a Triton kernel: null."""
+    report, _ = gather_report
+    _skip_on_a_gpu(report)
+    results = report["results"]
+    nvfp4 = [r for r in results if r["case"].endswith("_nvfp4")]
+    assert nvfp4
+    _cpu_rows_have_null_vs_vllm(nvfp4, lambda r: True)
+    for r in results:
+        if r["case"].endswith("_nvfp4"):
+            continue
+        if "hugepages" in r["case"]:
+            assert r["speedup_vs_vllm"] is None and "index_select only" in r["vllm_note"]
+            continue
+        assert r["vllm_baseline"] == "embedding" and r["vllm_note"] is None, r["case"]
+        assert r["speedup_vs_vllm"] == pytest.approx(r["speedups"]["embedding"])
+
+
+def test_gate_and_conv_vs_vllm_on_a_cpu_is_null_with_a_note(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pytest.importorskip("transformers.models.qwen4_exp")
+    if torch.cuda.is_available():
+        pytest.skip("the CPU's rows: this machine has a GPU")
+    monkeypatch.delenv("QWEN4EXP_BENCH_VLLM_INTERPRET", raising=False)
+    _small_gate(monkeypatch)
+    _small_conv(monkeypatch)
+    for op in ("ple_gate", "ple_conv"):
+        results = _quick_report(op, tmp_path)["results"]
+        assert results
+        _cpu_rows_have_null_vs_vllm(results, lambda r: True)
+
+
+def test_host_lookup_vs_vllm_on_a_cpu_is_null_with_a_note(host_lookup_run: dict) -> None:
+    _skip_on_a_gpu(host_lookup_run["report"])
+    for r in host_lookup_run["report"]["results"]:
+        assert r["speedup_vs_vllm"] is None and r["vllm_baseline"] is None
+        assert "not timed on a CPU" in r["vllm_note"] and "vllm_triton" in r["vllm_note"]
+
+
+@require_vllm()
+def test_every_vllm_row_declares_its_contender_as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The case plan as a GPU builds it: with vLLM's kernels under Triton's interpreter
+    ($QWEN4EXP_BENCH_VLLM_INTERPRET=1, the same branch a GPU takes with its compiled kernels),
+    every case of every op that vLLM implements names its vLLM baseline and no note; and small
+    cases' checks pass with vLLM's own kernels in them (so the contenders compute what ours
+    does). gather_rows' pinned cases need a GPU's mapped host memory: their branch
+    runs here on a device table as its own "pinned" one."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter runs on a machine without a GPU")
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    pytest.importorskip("transformers.models.qwen4_exp")
+    from qwen4exp_ext.bench import gather_rows, ngram_gather_rows, ngram_ids, registry
+
+    monkeypatch.setenv(registry.VLLM_INTERPRET_ENV, "1")
+    cpu = torch.device("cpu")
+    vllm = registry.vllm_kernels(cpu)
+    assert vllm.interpreted and vllm.ple is not None and vllm.lookups is not None
+    assert vllm.note is None
+
+    def planned(cases, expected: str = "vllm") -> dict:
+        for case in cases:
+            assert case.vllm == expected and case.vllm_note is None, (case.op, case.name)
+            assert expected in case.baselines
+        return {case.name: case for case in cases}
+
+    monkeypatch.setenv("QWEN4EXP_BENCH_GATHER_ROWS", str(GATHER_ROWS))
+    monkeypatch.setattr(gather_rows, "PREFILL_TOKENS", GATHER_PREFILL)
+    monkeypatch.setattr(ngram_gather_rows, "PREFILL_TOKENS", 64)
+    monkeypatch.setattr(ngram_ids, "PREFILL_SHAPES", ((64, 1),))
+    small = {
+        "ngram_ids": planned(ngram_ids.cases(cpu)),
+        "ngram_gather_rows": planned(ngram_gather_rows.cases(cpu)),
+        "ple_gate": planned(_small_gate(monkeypatch).cases(cpu)),
+        "ple_conv": planned(_small_conv(monkeypatch).cases(cpu)),
+    }
+    gathers = gather_rows.cases(cpu)
+    # A device table: bf16 and fp8 are vLLM's F.embedding, NVFP4 its Triton kernel.
+    planned([c for c in gathers if c.name.endswith("_nvfp4")])
+    eager = ("_bf16", "_fp8", "_repeated", "_dup1024", "_sorted")
+    planned([c for c in gathers if c.name.endswith(eager)], "embedding")
+    for name in ("ngram_ids", "ngram_gather_rows"):
+        assert small[name]["decode_T8"].check() is None, name
+    # Not ple_gate's, ple_conv's nor NVFP4's (bf16 out): Triton's interpreter has no bf16
+    # arithmetic of a GPU's (it truncates fp32 to bf16, triton-lang/triton#8322; the conv's bf16
+    # state comes out as garbage). tests/test_ple_gate.py, test_ple_conv.py and the host_lookup
+    # test above hold vLLM's kernels to ours in fp16 and fp32, and on a GPU the bench's own
+    # check does in bf16.
+    # The pinned branch (a table_for_ref) in every format: vLLM's Triton lookup.
+    gen = torch.Generator().manual_seed(3)
+    for kind in ("bf16", "fp8", "nvfp4"):
+        table = _small_gather_table(gather_rows, kind, gen)
+        ids = torch.randint(0, GATHER_ROWS, (2, 8, NH), generator=gen)
+        case = gather_rows._case("pinned_like", table, ids, "fresh", vllm, table_for_ref=table)
+        assert case.vllm == "vllm" and "vllm" in case.baselines, kind
+        if kind != "nvfp4":  # raw bytes (fp8: then eager dequantize): exact here too
+            assert case.check() is None, kind
+
+
+def _small_gather_table(gather_rows, kind: str, gen: torch.Generator):
+    """A GATHER_ROWS-row table of ``kind`` as gather_rows.cases makes them."""
+    raw = torch.randint(0, 0x70, (GATHER_ROWS, 2 * D), dtype=torch.uint8, generator=gen)
+    scale = torch.tensor([0.0123])
+    if kind == "bf16":
+        return gather_rows._Table(kind, raw.view(torch.bfloat16))
+    if kind == "fp8":
+        return gather_rows._Table(kind, raw[:, :D].contiguous().view(torch.float8_e4m3fn), scale)
+    packed = torch.randint(0, 256, (GATHER_ROWS, D // 2), dtype=torch.uint8, generator=gen)
+    blocks = raw[:, : D // 16].contiguous().view(torch.float8_e4m3fn)
+    return gather_rows._Table(kind, packed, scale, blocks)

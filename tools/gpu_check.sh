@@ -5,7 +5,8 @@
 # the GPU, and the benchmark on the GPU, writing everything into OUTDIR.
 #   usage: tools/gpu_check.sh OUTDIR
 # Files: nvidia-smi.txt, build.log, build_info.json, pytest.log, pytest.xml, memcheck.log,
-#        cmake.log, bench-<op>.log, bench-<date>-<device>-<op>.json, summary.txt
+#        cmake.log, bench-<op>.log, bench-<date>-<device>-<op>.json, summary.txt (each stage's
+#        exit, and per bench op a line of every case's speedup_vs_vllm)
 #
 # Every stage has a time limit, so that a lent GPU's minutes go where they were planned and a
 # hang in one stage still leaves the others' results (a stage cut short exits 124). The defaults
@@ -148,12 +149,16 @@ for op in ${BENCH_OPS:-$all_ops}; do
     bench_status=124
     continue
   fi
+  json="$out/bench-$(date +%F)-$device-$op.json"
   timeout "$left" "$PY" -m qwen4exp_ext.bench "$op" --device cuda --threads all \
     --cases "${BENCH_CASES:-$headline_cases}" --repeat "${BENCH_REPEAT:-100}" ${BENCH_ARGS:-} \
-    --json "$out/bench-$(date +%F)-$device-$op.json" >"$out/bench-$op.log" 2>&1
+    --json "$json" >"$out/bench-$op.log" 2>&1
   op_status=$?
   tail -n 25 "$out/bench-$op.log"
   stage "bench $op ($((SECONDS - t0)) s)" $op_status
+  # The JSON keeps every row whole (speedup_vs_vllm, vllm_baseline, vllm_note among them);
+  # the summary gets one line of the speedup over vLLM's own code per case ("-": not timed).
+  "$PY" "$root/tools/vs_vllm_summary.py" "$json" | tee -a "$summary"
   [ "$op_status" -eq 0 ] || bench_status=$op_status
 done
 echo "== summary ($((SECONDS - start)) s)"

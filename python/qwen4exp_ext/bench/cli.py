@@ -1,18 +1,19 @@
 """Command line of ``qwen4exp-bench`` / ``python -m qwen4exp_ext.bench``.
 
 For every case of every selected op, at each thread count of ``--threads``
-(``torch.set_num_threads``, restored afterwards): check ours against the oracle
-(``reference.py``) and against every baseline (what a user would run without our kernel; see
-``registry.Case``), then time ours, the oracle, the baselines and a same-traffic ``copy_`` side
-by side in one interleaved loop, print one table row (the headline baseline and the speedup over
-it, the oracle's time, the case's compulsory bytes, its minimum time at the HBM peak of each GPU
-in ``PEAK_TBPS``, and on a listed GPU the % of that GPU's datasheet peak that ours reaches), and
-optionally write everything to JSON tagged with the device, torch version, build info and date,
-so results from different machines and commits can be compared later; ``--csv`` writes one row
-per case and thread count, ``--plot`` a PNG of the % of copy bandwidth. After an op's cases come
-its untimed sections (``registry.Section``: e.g. gather_rows' pinned bytes per table format),
-printed as small tables of their own and written to the JSON under "sections". A progress line
-on stderr names the case being checked and timed (rewritten in place on a terminal).
+(``torch.set_num_threads``, restored afterwards): check ours against the oracle (``reference.py``)
+and against every baseline (what a user would run without our kernel; see ``registry.Case``), then
+time ours, the oracle, the baselines and a same-traffic ``copy_`` side by side in one interleaved
+loop, print one table row (the headline baseline and the speedup over it, the speedup over vLLM's
+own code where the case names a ``vllm`` baseline, the oracle's time, the case's compulsory bytes,
+its minimum time at the HBM peak of each GPU in ``PEAK_TBPS``, and on a listed GPU the % of that
+GPU's datasheet peak that ours reaches), and optionally write everything to JSON tagged with the
+device, torch version, build info and date, so results from different machines and commits can be
+compared later; ``--csv`` writes one row per case and thread count, ``--plot`` a PNG of the % of
+copy bandwidth. After an op's cases come its untimed sections (``registry.Section``: e.g.
+gather_rows' pinned bytes per table format), printed as small tables of their own and written to the
+JSON under "sections". A progress line on stderr names the case being checked and timed (rewritten
+in place on a terminal).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -66,6 +67,7 @@ COLUMNS = (
     ("baseline", 12, "s"),
     ("base p50 µs", 12, ".2f"),
     ("speedup", 8, ".2f"),
+    ("vs vllm", 7, "rs"),  # speedup_vs_vllm, "-" where vLLM is not timed (the JSON says why)
     ("oracle p50 µs", 13, ".2f"),
     ("tokens/s", 9, "si"),
     ("GB/s", 8, ".3g"),
@@ -411,6 +413,11 @@ def _run_case(
         "speedup": headline.p50_us / ours.p50_us,
         "speedups": {name: q.p50_us / ours.p50_us for name, q in baselines.items()},
         "speedup_vs_oracle": oracle.p50_us / ours.p50_us,
+        # Over vLLM 0.33.0's own code for the case, where it ran (else null, and the note says
+        # why): what a vLLM user gains by our kernel.
+        "vllm_baseline": case.vllm,
+        "speedup_vs_vllm": speedup_vs_vllm(times, case.vllm),
+        "vllm_note": case.vllm_note,
         "tokens_per_s": {name: case.tokens / (q.p50_us * 1e-6) for name, q in timed.items()},
         "bytes": case.nbytes,
         "copy_bytes": copy_bytes,
@@ -428,6 +435,14 @@ def _run_case(
             raise ValueError(f"{case.op}/{case.name}: derived fields {sorted(clash)} are taken")
         result |= derived
     return result
+
+
+def speedup_vs_vllm(times: Mapping[str, Quantiles], vllm: str | None) -> float | None:
+    """vLLM's p50 over ours, as every speedup here (> 1: ours is faster), from the case's
+    quantiles by contender name; None where the case names no vLLM baseline (``vllm``)."""
+    if vllm is None:
+        return None
+    return times[vllm].p50_us / times["ours"].p50_us
 
 
 def _peak_tbps(device: torch.device) -> float | None:
@@ -563,6 +578,7 @@ def _table_values(result: dict[str, Any]) -> list[object]:
         result["baseline"],
         result["baselines"][result["baseline"]]["p50_us"],
         result["speedup"],
+        "-" if result["speedup_vs_vllm"] is None else f"{result['speedup_vs_vllm']:.2f}",
         result["oracle"]["p50_us"],
         result["tokens_per_s"]["ours"],
         result["gbps"]["ours"],
@@ -616,6 +632,8 @@ def _csv_rows(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[s
         "baseline",
         "baseline_p50_us",
         "speedup",
+        "vllm_baseline",
+        "speedup_vs_vllm",
         "oracle_p50_us",
         "speedup_vs_oracle",
         "tokens_per_s",
@@ -641,6 +659,8 @@ def _csv_rows(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[s
                 "baseline": r["baseline"],
                 "baseline_p50_us": r["baselines"][r["baseline"]]["p50_us"],
                 "speedup": r["speedup"],
+                "vllm_baseline": r["vllm_baseline"] or "",
+                "speedup_vs_vllm": "" if r["speedup_vs_vllm"] is None else r["speedup_vs_vllm"],
                 "oracle_p50_us": r["oracle"]["p50_us"],
                 "speedup_vs_oracle": r["speedup_vs_oracle"],
                 "tokens_per_s": r["tokens_per_s"]["ours"],

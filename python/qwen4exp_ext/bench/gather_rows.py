@@ -41,11 +41,21 @@ looked-up row read (NVFP4: d/2 packed bytes + d/16 scale bytes), the output writ
 repeated and dup1024 ids the rows come from cache, so their GB/s is lookup bandwidth, not DRAM
 traffic.
 
+vLLM 0.33.0's own lookup of each case (``Case.vllm``, for ``speedup_vs_vllm``): of a device
+table, ``Qwen4ExpPLEDeviceEmbedding`` runs ``F.embedding`` (bf16; fp8 then its eager
+``dequantize``), which is the "embedding" baseline, on a CPU too; NVFP4 its Triton
+``_lookup_nvfp4_ple_embedding_kernel`` (baseline "vllm", GPU); of a pinned table,
+``Qwen4ExpPLEPinnedHostEmbedding`` its Triton UVA kernels on the table's device view (baseline
+"vllm": ``_lookup_ple_embedding_from_pinned_kernel``, a raw-byte row copy, for bf16 and fp8, then
+fp8's eager dequantize; the NVFP4 kernel for NVFP4), as ``vllm_triton.lookup_rows`` runs them.
+The check holds them to equal ours exactly. The huge-page case times index_select only.
+
 The CLI's "% copy" column is the share of a same-run copy of the same bytes (CPU: memcpy; GPU:
 device-to-device copy, ~HBM peak). On a GPU the ``pinned_*`` cases read a table in pinned host
-memory (bf16; NVFP4 rows and block scales, both through ``host_table.device_view``), their
-baselines and the oracle the same table resident on the device; compare them with ``h2d_copy``
-(params: the measured host-to-device bandwidth of a pinned copy of the same bytes, GB/s).
+memory (bf16, fp8; NVFP4 rows and block scales, all through ``host_table.device_view``), as do ours
+and vLLM's lookup, the other baselines and the oracle the same table resident on the device; compare
+them with ``h2d_copy`` (params: the measured host-to-device bandwidth of a pinned copy of the same
+bytes, GB/s).
 
 Untimed sections (``sections``):
 
@@ -73,7 +83,8 @@ import torch
 import torch.nn.functional as F
 
 from qwen4exp_ext import ops, reference
-from qwen4exp_ext.bench.registry import Case, Section
+from qwen4exp_ext.bench import vllm_triton
+from qwen4exp_ext.bench.registry import Case, Section, VllmKernels, vllm_kernels
 from qwen4exp_ext.testing import exact_mismatch
 
 NUM_HEADS = 16
@@ -147,6 +158,7 @@ def cases(device: torch.device) -> list[Case]:
         ),
     }
     del raw
+    vllm = vllm_kernels(device)
     more_ids = {REPEATED_DECODE_TOKENS: ("repeated",), PREFILL_TOKENS: PREFILL_ID_PATTERNS}
     out: list[Case] = []
     for kind, table in tables.items():
@@ -154,10 +166,10 @@ def cases(device: torch.device) -> list[Case]:
             phase = "decode" if tokens in DECODE_TOKENS else "prefill"
             name = f"{phase}_T{tokens}_{kind}"
             ids = _id_batches(rows, tokens, table.row_bytes, gen, device)
-            out.append(_case(name, table, ids, "fresh"))
+            out.append(_case(name, table, ids, "fresh", vllm))
             for pattern in more_ids.get(tokens, ()) if kind == "bf16" else ():
                 patterned = _patterned_ids(pattern, ids, rows, gen)
-                out.append(_case(f"{name}_{pattern}", table, patterned, pattern))
+                out.append(_case(f"{name}_{pattern}", table, patterned, pattern, vllm))
     if device.type == "cpu":
         from qwen4exp_ext.host_table import empty_host_table
 
@@ -166,9 +178,9 @@ def cases(device: torch.device) -> list[Case]:
         huge.copy_(bf16)
         ids = _id_batches(rows, PREFILL_TOKENS, HEAD_DIM * 2, gen, device)
         name = f"prefill_T{PREFILL_TOKENS}_bf16_hugepages"
-        out.append(_case(name, _Table("bf16", huge), ids, "fresh", embedding=False))
+        out.append(_case(name, _Table("bf16", huge), ids, "fresh", vllm, embedding=False))
     if device.type == "cuda":
-        out += _pinned_cases([tables["bf16"], tables["nvfp4"]], gen, device)
+        out += _pinned_cases(list(tables.values()), gen, device, vllm)
     return out
 
 
@@ -203,6 +215,7 @@ def _case(
     table: _Table,
     batches: torch.Tensor,
     pattern: str,
+    vllm: VllmKernels,
     table_for_ref: _Table | None = None,
     embedding: bool = True,
 ) -> Case:
@@ -231,6 +244,21 @@ def _case(
         )
 
     runs = _eager_lookups(ref_table, batches, out_dtype, embedding)
+    # vLLM's own lookup: of a device bf16/fp8 table, F.embedding (+ dequantize), timed already;
+    # else its Triton kernels, on the table ours reads (the pinned one's device view).
+    pinned = table_for_ref is not None
+    if not pinned and table.block_scales is None:
+        vllm_fields = {"vllm": "embedding" if embedding else None, "vllm_note": None}
+        if not embedding:
+            vllm_fields["vllm_note"] = (
+                "not timed: this case times index_select only (vLLM's F.embedding lookup of "
+                "the same rows is timed in the case without the suffix)"
+            )
+    else:
+        vllm_run = _vllm_lookup(vllm, table, batches, out_dtype)
+        if vllm_run is not None:
+            runs["vllm"] = vllm_run
+        vllm_fields = vllm.case_fields("vllm" if vllm_run is not None else None)
 
     # One cursor for every contender: each timed call, ours or another's, reads the next batch,
     # so none finds rows another has just pulled into the cache (with fresh ids).
@@ -280,7 +308,37 @@ def _case(
         baselines={who: bind(run) for who, run in runs.items()},
         check=check,
         params=params,
+        **vllm_fields,
     )
+
+
+def _vllm_lookup(
+    vllm: VllmKernels, table: _Table, batches: torch.Tensor, out_dtype: torch.dtype
+) -> Callable[[int], torch.Tensor] | None:
+    """vLLM 0.33.0's Triton lookup of id batch i from ``table`` (``vllm_triton.lookup_rows``)
+    into a preallocated output, or None where its kernels are not here."""
+    if vllm.lookups is None:
+        return None
+    tokens = batches.shape[1]
+    device = batches.device
+    out = torch.full((tokens, NUM_HEADS * HEAD_DIM), -1.0, dtype=out_dtype, device=device)
+    fp8 = table.scale is not None and table.block_scales is None
+    staging = (
+        torch.empty(tokens * NUM_HEADS, HEAD_DIM, dtype=torch.uint8, device=device) if fp8 else None
+    )
+
+    def run(i: int) -> torch.Tensor:
+        return vllm_triton.lookup_rows(
+            vllm.lookups,
+            table.rows,
+            batches[i],
+            out,
+            scale=table.scale,
+            block_scales=table.block_scales,
+            staging=staging,
+        )
+
+    return vllm.wrap(run)
 
 
 def _eager_lookups(
@@ -336,7 +394,7 @@ def _eager_lookups(
     return runs
 
 
-def _pinned_cases(device_tables: list[_Table], gen, device) -> list[Case]:
+def _pinned_cases(device_tables: list[_Table], gen, device, vllm: VllmKernels) -> list[Case]:
     """Tables in pinned host memory, read zero-copy by the GPU (NVFP4: rows and block scales)."""
     from qwen4exp_ext.host_table import device_view
 
@@ -358,6 +416,7 @@ def _pinned_cases(device_tables: list[_Table], gen, device) -> list[Case]:
                 view,
                 ids,
                 "fresh",
+                vllm,
                 table_for_ref=device_table,
             )
             params = {**case.params, "h2d_copy_gbps": round(h2d, 2)}

@@ -42,7 +42,8 @@ presets below scale this.
   is its cost where it saves nothing;
 - ``pipeline`` (CPU, ours there): the CPU tables with the pipeline, whose lookups run when
   started (nothing to overlap them with on a CPU: the same work as ``device``);
-- ``vllm_triton`` (GPU, when vLLM 0.33.0's source is here: ``bench.vllm_triton``, installed or
+- ``vllm_triton`` (GPU, ``Case.vllm``: the row's ``speedup_vs_vllm`` is its step over ours;
+  when vLLM 0.33.0's source is here: ``bench.vllm_triton``, installed or
   carried in ``$QWEN4EXP_VLLM_SOURCE``): ``pinned_sync`` with vLLM's own lookup in place of our
   gather, as its ``Qwen4ExpPLEPinnedHostEmbedding.sync_lookup`` runs it: the Triton UVA row copy
   ``_lookup_ple_embedding_from_pinned_kernel`` (bf16; fp8, then its eager ``.to(bf16) * scale``)
@@ -109,7 +110,7 @@ from qwen4exp_ext.bench.ngram_ids import (
     SEED,
     VOCAB_SIZE,
 )
-from qwen4exp_ext.bench.registry import Case
+from qwen4exp_ext.bench.registry import Case, vllm_kernels
 from qwen4exp_ext.bench.timing import Quantiles
 from qwen4exp_ext.layers import LookupPipeline, PLEBatch, PLELayer, PLEState
 from qwen4exp_ext.layers.ngram_embedding import NGramEmbedding
@@ -138,6 +139,10 @@ ROWS_ENV = "QWEN4EXP_BENCH_HOST_LOOKUP_ROWS"
 EXPOSED_METHOD = (
     "p50 of the path's step minus p50 of the no_lookup step (the device step with every PLE "
     "layer's lookup left out), timed in the same interleaved loop; not measured with events"
+)
+VLLM_CPU_NOTE = (
+    "not timed on a CPU: vLLM 0.33.0's pinned-table lookup (vllm_triton) is a Triton UVA kernel "
+    "reading host memory from a GPU; a CPU has neither the kernel nor the link"
 )
 CPU_NOTE = (
     "CPU: the tables are host memory gathered by the CPU, there is no host-to-device link, so "
@@ -429,49 +434,21 @@ def vllm_rows(
     staging: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The rows of ``ids`` [T, NH] into ``output`` [T, NH·d] as vLLM 0.33.0's
-    ``Qwen4ExpPLEPinnedHostEmbedding`` looks them up (``_lookup`` then ``dequantize``): its
-    Triton row copy, one program per id, of raw bytes (bf16, fp8 into ``staging`` [>= T·NH, d]
-    uint8, then vLLM's eager ``.to(out) * scale.to(out)``), or its NVFP4 decode kernel. The table
-    (the pinned table's device view on a GPU) is passed as bytes: the GPU kernel declares uint8
-    pointers, which Triton's interpreter (the tests) does not apply."""
-    import triton
-
-    flat = ids.reshape(-1)
-    count = flat.numel()
-    if count == 0:
-        return output
-    width = embedding.head_dim
-    rows = output.view(count, width)
-    if embedding.nvfp4:
-        kernels._lookup_nvfp4_ple_embedding_kernel[(count,)](
-            embedding.table,
-            embedding.block_scales.view(torch.uint8),
-            embedding.weight_scale_2,
-            flat,
-            rows,
-            width,
-            embedding.vocab_start,
-            embedding.vocab_end,
-            BLOCK_D=triton.next_power_of_2(width),
-        )
-        return output
-    table = embedding.table.view(torch.uint8)
-    nbytes = table.shape[1]
-    fp8 = embedding.weight_scale is not None
-    target = staging[:count] if fp8 else rows.view(torch.uint8)
-    getattr(kernels, vllm_triton.PINNED_ROW_COPY)[(count,)](
-        table,
-        flat,
-        target,
-        nbytes,
-        embedding.vocab_start,
-        embedding.vocab_end,
-        BLOCK_D=triton.next_power_of_2(nbytes),
+    ``Qwen4ExpPLEPinnedHostEmbedding`` looks them up (``_lookup`` then ``dequantize``):
+    ``vllm_triton.lookup_rows`` on the layer's table (the pinned table's device view on a GPU),
+    fp8 through ``staging`` [>= T·NH, d] uint8."""
+    nvfp4 = embedding.nvfp4
+    return vllm_triton.lookup_rows(
+        kernels,
+        embedding.table,
+        ids,
+        output,
+        scale=embedding.weight_scale_2 if nvfp4 else embedding.weight_scale,
+        block_scales=embedding.block_scales if nvfp4 else None,
+        vocab_start=embedding.vocab_start,
+        vocab_end=embedding.vocab_end,
+        staging=staging,
     )
-    if fp8:
-        values = target.view(embedding.table.dtype).to(output.dtype)
-        torch.mul(values, embedding.weight_scale.to(output.dtype), out=rows)
-    return output
 
 
 def vllm_lookup(kernels: Any, embedding: NGramEmbedding) -> LookupFn:
@@ -528,7 +505,8 @@ def _tables(size: Size, fmt: str, device: torch.device, max_tokens: int) -> _Tab
 def cases(device: torch.device) -> list[Case]:
     size = size_for(device)
     proxy = StepProxy(size, device)
-    kernels = vllm_triton.load_lookup_kernels(interpret=False) if device.type == "cuda" else None
+    # vLLM's pinned lookups run on a GPU only (this op has no pinned tables on a CPU).
+    kernels = vllm_kernels(device).lookups if device.type == "cuda" else None
     out = []
     for fmt in FORMATS:
         tables = _tables(size, fmt, device, proxy.max_tokens)
@@ -669,6 +647,8 @@ def _case(proxy: StepProxy, tables: _Tables, tokens: int, kernels: Any) -> Case:
         check=check,
         references=references,
         derive=_deriver(ours_name, list(paths), lookup_bytes, notes),
+        vllm="vllm_triton" if "vllm_triton" in paths else None,
+        vllm_note=None if "vllm_triton" in paths else (notes[0] if on_gpu else VLLM_CPU_NOTE),
     )
 
 

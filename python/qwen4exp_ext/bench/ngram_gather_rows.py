@@ -9,11 +9,17 @@ batches are R = T requests of one token, prefill T = 8192 in R = 4 chunks with E
 them; each call, whichever contender makes it, takes the next of several input batches, together
 COLD_BYTES of rows, so that its rows are not still cached from an earlier call. The oracle is
 reference.ngram_ids then reference.gather_rows; every contender must equal it exactly.
+
+On a GPU with vLLM 0.33.0's source here, also what vLLM runs for these two steps (baseline
+"vllm", for ``speedup_vs_vllm``): its Triton ``ple_ngram_ids`` into a preallocated ids buffer,
+then its device table's lookup, ``F.embedding`` (``Qwen4ExpPLEDeviceEmbedding``, bf16); on a CPU
+it is not timed (``registry.VLLM_CPU_NOTE``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from qwen4exp_ext import layout, ops, reference
 from qwen4exp_ext.bench.gather_rows import COLD_BYTES, HEAD_DIM, _rows
@@ -26,7 +32,7 @@ from qwen4exp_ext.bench.ngram_ids import (
     SEED,
     VOCAB_SIZE,
 )
-from qwen4exp_ext.bench.registry import Case
+from qwen4exp_ext.bench.registry import Case, VllmKernels, vllm_kernels
 
 INPUT_SEED = 0
 DECODE_TOKENS = (1, 8, 64, 256)
@@ -51,6 +57,7 @@ def cases(device: torch.device) -> list[Case]:
     ]
     constants = [t.to(device) for t in constants]
     head_divmod = ops.ngram_head_divmod(constants[1])
+    vllm = vllm_kernels(device)
     shapes = [(f"decode_T{t}", t, t, 0.0) for t in DECODE_TOKENS]
     shapes.append(
         (
@@ -61,7 +68,7 @@ def cases(device: torch.device) -> list[Case]:
         )
     )
     return [
-        _case(name, tokens, requests, eos_rate, table, constants, head_divmod, gen, device)
+        _case(name, tokens, requests, eos_rate, table, constants, head_divmod, gen, vllm, device)
         for name, tokens, requests, eos_rate in shapes
     ]
 
@@ -75,6 +82,7 @@ def _case(
     constants: list[torch.Tensor],
     head_divmod: torch.Tensor,
     gen: torch.Generator,
+    vllm: VllmKernels,
     device: torch.device,
 ) -> Case:
     row_bytes = table.shape[1] * table.element_size()
@@ -92,6 +100,7 @@ def _case(
         for who in ("ours", "two_ops", "oracle")
     }
     ids = torch.empty(tokens, NGRAM_HEADS, dtype=torch.int64, device=device)
+    vllm_ids = torch.empty(tokens, NGRAM_HEADS, dtype=torch.int64, device=device)
     # One cursor for every contender, as in the gather's cases: each call hashes the next batch,
     # so no call finds its rows cached by the call before it (which would be another contender).
     cursor = [0]
@@ -121,9 +130,20 @@ def _case(
         out["oracle"].copy_(reference.gather_rows(table, row_ids))
         return out["oracle"]
 
+    baselines = {"two_ops": two_ops}
+    vllm_hash = vllm.op("ple_ngram_ids")
+    if vllm_hash is not None:
+
+        def vllm_path() -> torch.Tensor:
+            vllm_hash(*batch(), EOS_TOKEN_ID, HEADS_PER_NGRAM, output=vllm_ids)
+            return F.embedding(vllm_ids, table).view(tokens, width)
+
+        baselines["vllm"] = vllm_path
+
     def check() -> str | None:
         got = None
-        for who, fn in (("ours", ours), ("two_ops", two_ops), ("the oracle", oracle)):
+        contenders = [("ours", ours), *baselines.items(), ("the oracle", oracle)]
+        for who, fn in contenders:
             cursor[0] = 0  # every contender on the first batch
             rows = fn()
             if got is None:
@@ -145,7 +165,8 @@ def _case(
         nbytes=nbytes,
         ours=ours,
         oracle=oracle,
-        baselines={"two_ops": two_ops},
+        baselines=baselines,
         params={"T": tokens, "R": requests, "table_rows": table.shape[0], "id_batches": batches},
         check=check,
+        **vllm.case_fields("vllm" if vllm_hash is not None else None),
     )

@@ -17,6 +17,10 @@ prime head sizes, offsets) are transformers' own, computed from the config, and 
 requires them, and its ids, to equal ours exactly. Decode R = 256 is then [256, 3]: the
 baseline hashes three positions per token where ours hashes one (the context it needs anyway).
 
+On a GPU with vLLM 0.33.0's source here, also vLLM's own Triton ``ple_ngram_ids`` (baseline
+"vllm", into a preallocated output as its layer calls it; ``speedup_vs_vllm``), held to equal
+ours exactly; on a CPU it is not timed (``registry.VLLM_CPU_NOTE``).
+
 The oracle is ``reference.ngram_ids``; ours and the oracle write into preallocated outputs. Ours
 gets the layer's modulo constants (``ops.ngram_head_divmod``), computed once per case as the
 callers compute them once per layer.
@@ -27,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from qwen4exp_ext import layout, ops, reference
-from qwen4exp_ext.bench.registry import Case
+from qwen4exp_ext.bench.registry import Case, VllmKernels, vllm_kernels
 from qwen4exp_ext.testing import exact_mismatch
 
 # Released config, SPEC §1.
@@ -60,11 +64,12 @@ def cases(device: torch.device) -> list[Case]:
         torch.tensor(head_layout.offsets, dtype=torch.int64),
     )
     hashing = _transformers_hashing(device)
+    vllm = vllm_kernels(device)
     shapes = [(f"decode_T{t}", t, t, 0.0) for t in DECODE_TOKENS] + [
         (f"prefill_T{t}_R{r}", t, r, PREFILL_EOS_RATE) for t, r in PREFILL_SHAPES
     ]
     return [
-        _case(name, tokens, requests, eos_rate, constants, hashing, device)
+        _case(name, tokens, requests, eos_rate, constants, hashing, vllm, device)
         for name, tokens, requests, eos_rate in shapes
     ]
 
@@ -119,6 +124,7 @@ def _case(
     eos_rate: float,
     constants: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     hashing: torch.nn.Module,
+    vllm: VllmKernels,
     device: torch.device,
 ) -> Case:
     # Inputs are drawn on the CPU from a fixed seed, so every device hashes the same batch.
@@ -134,6 +140,7 @@ def _case(
     # Distinct sentinels: a kernel that writes nothing cannot match the reference by accident.
     out_ours = torch.full((tokens, NGRAM_HEADS), -1, dtype=torch.int64, device=device)
     out_ref = torch.full((tokens, NGRAM_HEADS), -2, dtype=torch.int64, device=device)
+    out_vllm = torch.full((tokens, NGRAM_HEADS), -3, dtype=torch.int64, device=device)
     args = (*inputs, EOS_TOKEN_ID, HEADS_PER_NGRAM)
     # The layer's modulo constants, computed once as NGramEmbedding and the vLLM shim do.
     head_divmod = ops.ngram_head_divmod(inputs[4])
@@ -153,6 +160,11 @@ def _case(
         ids = hashing(batch, None)  # [R, N-1 + L, NH] flattened to [R, (N-1 + L)·NH]
         return ids.view(requests, -1, NGRAM_HEADS)[:, context_len:].reshape(tokens, NGRAM_HEADS)
 
+    baselines = {"transformers": transformers}
+    vllm_ids = vllm.op("ple_ngram_ids")
+    if vllm_ids is not None:
+        baselines["vllm"] = lambda: vllm_ids(*args, output=out_vllm)
+
     def check() -> str | None:
         theirs = (
             hashing.layer_multipliers,
@@ -164,9 +176,10 @@ def _case(
             if not torch.equal(mine, hf.to(mine)):
                 return f"{what}: ours {mine.tolist()}, transformers {hf.tolist()}"
         got = ours().clone()
-        return exact_mismatch(got, oracle(), "ids", against="the oracle") or exact_mismatch(
-            got, transformers(), "ids", against="transformers"
-        )
+        problem = exact_mismatch(got, oracle(), "ids", against="the oracle")
+        for who, fn in baselines.items():
+            problem = problem or exact_mismatch(got, fn(), "ids", against=who)
+        return problem
 
     nbytes = sum(t.numel() * t.element_size() for t in (*inputs, head_divmod, out_ours))
     eos_count = int((input_ids == EOS_TOKEN_ID).sum())
@@ -177,7 +190,8 @@ def _case(
         nbytes=nbytes,
         ours=ours,
         oracle=oracle,
-        baselines={"transformers": transformers},
+        baselines=baselines,
         params={"T": tokens, "R": requests, "eos_tokens": eos_count},
         check=check,
+        **vllm.case_fields("vllm" if vllm_ids is not None else None),
     )

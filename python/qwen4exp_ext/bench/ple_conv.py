@@ -20,8 +20,9 @@ spec write-back keeps old[o+1:o+S] ++ chunk). "conv1d_fp32": the same with the w
 weights upcast to fp32 for the convolution (rounded to bf16 before SiLU): on an AVX2 CPU,
 torch's bf16 depthwise dilated conv1d can take a slow path (at decode R = 64 on Zen 3, 32x the
 fp32 one), and a user who noticed would upcast; on the AVX-512 CPUs measured (Zen 4, Zen 5, a
-Xeon) the bf16 one is the faster. On a GPU with vLLM importable, also vLLM's own Triton
-``ple_conv`` ("vllm"). The oracle is ``reference.ple_conv``.
+Xeon) the bf16 one is the faster. On a GPU with vLLM 0.33.0's source here, every case (each mode,
+both layouts) also times vLLM's own Triton ``ple_conv`` ("vllm", for ``speedup_vs_vllm``). The
+oracle is ``reference.ple_conv``.
 
 ple_conv works in place (residual, conv_state): each contender owns its copies, and the timed
 calls keep advancing them, as a server's steps do. The check runs every contender once from
@@ -41,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen4exp_ext import ops, reference
-from qwen4exp_ext.bench.registry import Case, vllm_ple_op
+from qwen4exp_ext.bench.registry import Case, vllm_kernels
 from qwen4exp_ext.testing import close_mismatch, exact_mismatch, tolerance
 
 # Released config, SPEC §1.
@@ -71,10 +72,14 @@ def cases(device: torch.device) -> list[Case]:
         1,
     )
     shapes.append(prefill)
-    vllm_conv = vllm_ple_op("ple_conv") if device.type == "cuda" else None
-    out = [_case(*shape, "SD", device, vllm_conv) for shape in shapes]
+    vllm = vllm_kernels(device)
+    vllm_conv = vllm.op("ple_conv")
+    fields = vllm.case_fields("vllm" if vllm_conv is not None else None)
+    out = [_case(*shape, "SD", device, vllm_conv, fields) for shape in shapes]
     dim_first = [s for s in shapes if s[0] == f"decode_R{DIM_FIRST_DECODE_REQUESTS}"] + [prefill]
-    out += [_case(name + "_ds", *rest, "DS", device, vllm_conv) for name, *rest in dim_first]
+    out += [
+        _case(name + "_ds", *rest, "DS", device, vllm_conv, fields) for name, *rest in dim_first
+    ]
     return out
 
 
@@ -176,6 +181,7 @@ def _case(
     layout: str,
     device: torch.device,
     vllm_conv,
+    vllm_fields: dict,
 ) -> Case:
     gen = torch.Generator().manual_seed(INPUT_SEED)
     tokens = sum(lengths)
@@ -244,4 +250,5 @@ def _case(
             "state_layout": layout,
         },
         check=check,
+        **vllm_fields,
     )

@@ -10,14 +10,23 @@ A case may also time ``references`` beside its contenders (reference points that
 output of the op: a step with the lookups left out, a host-to-device copy) and ``derive`` its
 own figures from every timed function's quantiles (``host_lookup``: exposed lookup time,
 overhead, bandwidths).
+
+A case whose step vLLM 0.33.0 also implements names, in ``vllm``, the baseline that is vLLM's
+own code for it (its Triton kernel, or the eager torch it runs), and the CLI derives
+``speedup_vs_vllm`` from it; where vLLM's code cannot run here (its Triton kernels on a CPU, no
+vLLM source on a GPU), ``vllm_note`` says why instead. ``vllm_kernels(device)`` gives an op's
+module both: the kernels for the device, or the note.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import os
+import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -70,10 +79,19 @@ class Case:
     # each baseline's name, "oracle", each reference's name, "copy"), merged into the result
     # (new keys only). A "summary" string among them is also printed under the case's row.
     derive: Callable[[Mapping[str, Quantiles]], Mapping[str, object]] | None = None
+    # The baseline that is vLLM 0.33.0's own code for this case (the CLI derives
+    # "speedup_vs_vllm" from it), or None: then ``vllm_note`` says why vLLM is not timed (its
+    # Triton kernels need a GPU; no vLLM source here; vLLM has no counterpart of the case).
+    vllm: str | None = None
+    vllm_note: str | None = None
 
     def __post_init__(self) -> None:
         if not self.baselines:
             raise ValueError(f"{self.op}/{self.name}: a case needs at least one baseline")
+        if self.vllm is not None and self.vllm not in self.baselines:
+            raise ValueError(f"{self.op}/{self.name}: vllm {self.vllm!r} is not a baseline")
+        if self.vllm is not None and self.vllm_note is not None:
+            raise ValueError(f"{self.op}/{self.name}: a vllm baseline needs no vllm_note")
         clash = set(self.baselines) & set(RESERVED)
         if clash:
             raise ValueError(f"{self.op}/{self.name}: baseline names {sorted(clash)} are taken")
@@ -112,9 +130,78 @@ def load_sections(op: str, device: torch.device) -> list[Section]:
     return [] if sections is None else sections(device)
 
 
-def vllm_ple_op(name: str):
-    """vLLM 0.33.0's own Triton PLE op ``name`` (``ple_gate``, ``ple_conv``) for the GPU: from
-    the installed vLLM, else from its source (``bench.vllm_triton``: a copy carried in
+# Where vLLM's kernels are not timed, and why (a row's "vllm_note").
+VLLM_CPU_NOTE = (
+    "not timed on a CPU: vLLM 0.33.0 runs this as a Triton kernel on a GPU, and Triton's CPU "
+    "interpreter, the only way to run it here, is far too slow to time"
+)
+VLLM_MISSING_NOTE = (
+    "not timed: no vLLM 0.33.0 source here (install vLLM, or carry `python -m "
+    "qwen4exp_ext.bench.vllm_triton DIR` here and set $QWEN4EXP_VLLM_SOURCE=DIR)"
+)
+# Tests only: with this set to 1, vllm_kernels on a CPU gives vLLM's kernels under Triton's
+# interpreter, so that an op's cases are built (and checked) as on a GPU; never timed so.
+VLLM_INTERPRET_ENV = "QWEN4EXP_BENCH_VLLM_INTERPRET"
+
+
+@dataclass(frozen=True)
+class VllmKernels:
+    """vLLM 0.33.0's Triton PLE kernels for one device: ``ple`` (``ple_ngram_ids``,
+    ``ple_gate``, ``ple_conv``) and ``lookups`` (``vllm_triton.load_lookup_kernels``), each None
+    where it cannot run here, ``note`` then saying why; ``interpreted``: defined for Triton's
+    CPU interpreter (tests), so every call must run through ``wrap``."""
+
+    ple: types.ModuleType | None
+    lookups: types.ModuleType | None
+    note: str | None
+    interpreted: bool = False
+
+    def case_fields(self, baseline: str | None) -> dict[str, str | None]:
+        """A Case's ``vllm`` and ``vllm_note``: ``baseline`` where the case built vLLM's
+        contender under that name, else (None) this device's note on why it could not."""
+        return {"vllm": baseline, "vllm_note": None if baseline is not None else self.note}
+
+    def op(self, name: str) -> Callable[..., Any] | None:
+        """vLLM's PLE op ``name``, ready to call on this device, or None."""
+        return None if self.ple is None else self.wrap(getattr(self.ple, name))
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (which launches vLLM's kernels), run under the interpreter if they need it."""
+        if not self.interpreted:
+            return fn
+        from qwen4exp_ext.bench import vllm_triton
+
+        def interpreted(*args: Any, **kwargs: Any) -> Any:
+            with vllm_triton.interpreter():
+                return fn(*args, **kwargs)
+
+        return interpreted
+
+
+def vllm_kernels(device: torch.device) -> VllmKernels:
+    """vLLM's kernels for ``device``: on a GPU from the installed vLLM or its source
+    (``bench.vllm_triton``), None with VLLM_MISSING_NOTE where neither is here; on a CPU none,
+    with VLLM_CPU_NOTE (unless $QWEN4EXP_BENCH_VLLM_INTERPRET=1: the tests' interpreter)."""
+    if device.type == "cuda":
+        return _vllm_kernels(interpret=False)
+    if os.environ.get(VLLM_INTERPRET_ENV) == "1":
+        return _vllm_kernels(interpret=True)
+    return VllmKernels(None, None, VLLM_CPU_NOTE)
+
+
+@functools.cache
+def _vllm_kernels(interpret: bool) -> VllmKernels:
+    from qwen4exp_ext.bench import vllm_triton
+
+    ple = vllm_ple_module() if not interpret else vllm_triton.load(interpret=True)
+    lookups = vllm_triton.load_lookup_kernels(interpret=interpret)
+    missing = ple is None or lookups is None
+    return VllmKernels(ple, lookups, VLLM_MISSING_NOTE if missing else None, interpret)
+
+
+def vllm_ple_module() -> types.ModuleType | None:
+    """vLLM 0.33.0's own Triton PLE ops (``ple_ngram_ids``, ``ple_gate``, ``ple_conv``) for the
+    GPU: from the installed vLLM, else from its source (``bench.vllm_triton``: a copy carried in
     ``$QWEN4EXP_VLLM_SOURCE`` where vLLM is not installed); None when neither is here."""
     try:
         from vllm.models.qwen4_exp.common.ops import ple
@@ -122,4 +209,4 @@ def vllm_ple_op(name: str):
         from qwen4exp_ext.bench import vllm_triton
 
         ple = vllm_triton.load(interpret=False)
-    return None if ple is None else getattr(ple, name)
+    return ple

@@ -40,6 +40,10 @@ import types
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 VLLM_VERSION = "0.33.0"
 SOURCE_ENV = "QWEN4EXP_VLLM_SOURCE"
@@ -255,6 +259,67 @@ def load_lookup_kernels(interpret: bool = True) -> types.ModuleType | None:
     with interpreter() if interpret else contextlib.nullcontext():
         exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - vLLM's source
     return module
+
+
+def lookup_rows(
+    kernels: types.ModuleType,
+    table: torch.Tensor,
+    ids: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    scale: torch.Tensor | None = None,
+    block_scales: torch.Tensor | None = None,
+    vocab_start: int = 0,
+    vocab_end: int | None = None,
+    staging: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The rows of ``ids`` (any shape, int64) into ``output`` [..., ids' heads · d] as vLLM 0.33.0
+    looks them up with ``load_lookup_kernels``' kernels: a pinned table's bf16 or fp8 rows by its
+    Triton row copy (``Qwen4ExpPLEEmbeddingMethod.lookup_from_pinned``), one program per id, of
+    raw bytes (fp8: into ``staging`` [>= ids, d] uint8, then its eager ``dequantize``,
+    ``.to(out) * scale.to(out)``); NVFP4 (``block_scales`` given; ``table`` the packed uint8
+    rows, ``scale`` the global one) by its decode kernel, which vLLM runs for device and pinned
+    tables alike. Ids outside [vocab_start, vocab_end) give zero rows. ``table`` may be a pinned
+    table's device view; it is passed as bytes, as the GPU kernel declares uint8 pointers
+    (Triton's interpreter does not apply them)."""
+    import torch
+    import triton
+
+    flat = ids.reshape(-1)
+    count = flat.numel()
+    if count == 0:
+        return output
+    vocab_end = table.shape[0] if vocab_end is None else vocab_end
+    if block_scales is not None:
+        width = table.shape[1] * 2
+        kernels._lookup_nvfp4_ple_embedding_kernel[(count,)](
+            table,
+            block_scales.view(torch.uint8),
+            scale,
+            flat,
+            output.view(count, width),
+            width,
+            vocab_start,
+            vocab_end,
+            BLOCK_D=triton.next_power_of_2(width),
+        )
+        return output
+    raw = table.view(torch.uint8)
+    nbytes = raw.shape[1]
+    target = staging[:count] if scale is not None else output.view(count, -1).view(torch.uint8)
+    getattr(kernels, PINNED_ROW_COPY)[(count,)](
+        raw,
+        flat,
+        target,
+        nbytes,
+        vocab_start,
+        vocab_end,
+        BLOCK_D=triton.next_power_of_2(nbytes),
+    )
+    if scale is not None:
+        values = target.view(table.dtype).to(output.dtype)
+        torch.mul(values, scale.to(output.dtype), out=output.view(count, -1))
+    return output
 
 
 def main(argv: list[str] | None = None) -> int:
