@@ -16,21 +16,51 @@
 # The kernels built on wave reductions (REDUCING below) must keep cross-lane instructions (DPP,
 # ds_swizzle/permute/bpermute, permlane) in every one of their AMD functions: a wave size that
 # silently fell back to 1 would leave none.
+# Every kernel must also be free of calls into the AMD device libraries (__ocml_*/__ockl_*): the
+# libraries are linked into the code object, so a call left in the assembly means they were not.
 #   usage: tools/check-hip.sh [ARCH ...]     (default: gfx90a gfx940)
 # QWEN4EXP_HIP_ASM_DIR=DIR keeps each kernel's assembly (macros removed) as DIR/<kernel>-<arch>.s.
+# QWEN4EXP_HIP_CLANG=CLANG compiles with that clang as HIP (clang -x hip) instead of hipcc: a
+# current LLVM for the targets ROCm 5.2 lacks (Debian's clang++-19 targets gfx942, MI300X; not
+# gfx950), with Debian's HIP headers (hipcc's package) and its ROCm device libraries
+# (rocm-device-libs; QWEN4EXP_ROCM_DEVICE_LIBS=DIR names another bitcode directory). Those libraries
+# are ROCm 5.2's, which has no oclc_isa_version_<arch>.bc for a newer arch: it is made here, the
+# one constant it holds (the ISA version, 9402 for gfx942) in the layout of gfx940's file.
+#   e.g. QWEN4EXP_HIP_CLANG=clang++-19 tools/check-hip.sh gfx942
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 archs=("$@")
 [ ${#archs[@]} -gt 0 ] || archs=(gfx90a gfx940)
-command -v hipcc >/dev/null || { echo "check-hip: hipcc not found (apt-get install hipcc)"; exit 1; }
-# Debian's hipcc targets NVIDIA when it finds nvcc; we want the AMD path.
-export HIP_PLATFORM=amd
+out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT
+if [ -n "${QWEN4EXP_HIP_CLANG:-}" ]; then
+  clang="$(command -v "$QWEN4EXP_HIP_CLANG")" || { echo "check-hip: $QWEN4EXP_HIP_CLANG not found"; exit 1; }
+  llvm_bin="$(dirname "$(readlink -f "$clang")")"
+  libs="${QWEN4EXP_ROCM_DEVICE_LIBS:-/usr/lib/$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)/amdgcn/bitcode}"
+  [ -f "$libs/ocml.bc" ] || { echo "check-hip: no ROCm device libraries in $libs (apt-get install rocm-device-libs)"; exit 1; }
+  mkdir -p "$out/device-libs"
+  ln -s "$libs"/*.bc "$out/device-libs/"
+  for arch in "${archs[@]}"; do
+    isa="${arch#gfx}"
+    [ -f "$out/device-libs/oclc_isa_version_$isa.bc" ] && continue
+    # gfx<major><minor><stepping>, the last two one hex digit each: 942 -> 9402, 90a -> 9010.
+    version=$(( ${isa:0:${#isa}-2} * 1000 + 16#${isa: -2:1} * 100 + 16#${isa: -1} ))
+    "$llvm_bin/llvm-dis" "$libs/oclc_isa_version_940.bc" -o - | sed "s/i32 9400,/i32 $version,/" |
+      "$llvm_bin/llvm-as" -o "$out/device-libs/oclc_isa_version_$isa.bc"
+  done
+  compiler=("$clang" -x hip --rocm-device-lib-path="$out/device-libs")
+  compiler_name="$(basename "$QWEN4EXP_HIP_CLANG")"
+else
+  command -v hipcc >/dev/null || { echo "check-hip: hipcc not found (apt-get install hipcc)"; exit 1; }
+  # Debian's hipcc targets NVIDIA when it finds nvcc; we want the AMD path.
+  export HIP_PLATFORM=amd
+  compiler=(hipcc)
+  compiler_name=hipcc
+fi
 # Kernels whose reductions run on wave shuffles (csrc/hip/block_reduce.h).
 REDUCING=(ple_gate)
 # (v_readlane/v_readfirstlane are not among them: the compiler emits those for uniform values.)
 CROSS_LANE='ds_swizzle|ds_bpermute|ds_permute|_dpp|v_permlane|row_shr|row_bcast|quad_perm'
-out="$(mktemp -d)"
-trap 'rm -rf "$out"' EXIT
 cat >"$out/without_wavefront_macros.h" <<'EOF'
 #include <hip/hip_runtime.h>
 #undef __AMDGCN_WAVEFRONT_SIZE
@@ -48,19 +78,19 @@ for src in "$root"/csrc/hip/*.hip; do
   name="$(basename "$src" .hip)"
   work="$out/$name"
   mkdir -p "$work"
-  if hipcc "${arch_flags[@]}" "${flags[@]}" -c -fsyntax-only "$src" 2>"$work/log"; then
-    echo "check-hip: ok   hipcc ${arch_flags[*]} -fsyntax-only $name.hip, wavefront macros present"
+  if "${compiler[@]}" "${arch_flags[@]}" "${flags[@]}" -c -fsyntax-only "$src" 2>"$work/log"; then
+    echo "check-hip: ok   $compiler_name ${arch_flags[*]} -fsyntax-only $name.hip, wavefront macros present"
   else
     cat "$work/log"
-    echo "check-hip: FAIL hipcc ${arch_flags[*]} -fsyntax-only $name.hip (wavefront macros present)"
+    echo "check-hip: FAIL $compiler_name ${arch_flags[*]} -fsyntax-only $name.hip (wavefront macros present)"
     status=1
   fi
   # One compile for every arch: the host side is compiled once, not once per arch. --save-temps
   # keeps the AMD assembly, one file per arch.
-  if ! (cd "$work" && hipcc "${arch_flags[@]}" "${flags[@]}" --save-temps \
+  if ! (cd "$work" && "${compiler[@]}" "${arch_flags[@]}" "${flags[@]}" --save-temps \
       -include "$out/without_wavefront_macros.h" -c "$src" -o kernel.o 2>"$work/log"); then
     cat "$work/log"
-    echo "check-hip: FAIL hipcc ${arch_flags[*]} $name.hip (wavefront macros removed)"
+    echo "check-hip: FAIL $compiler_name ${arch_flags[*]} $name.hip (wavefront macros removed)"
     status=1
     continue
   fi
@@ -76,6 +106,12 @@ for src in "$root"/csrc/hip/*.hip; do
     # What ROCm 7.2 compiles is the kernel report's AMD input (tools/kernel_report.py --amd-asm).
     if [ -n "${QWEN4EXP_HIP_ASM_DIR:-}" ]; then
       mkdir -p "$QWEN4EXP_HIP_ASM_DIR" && cp "$asm" "$QWEN4EXP_HIP_ASM_DIR/$name-$arch.s"
+    fi
+    if grep -E '__o(ckl|cml)_' "$asm" >/dev/null; then
+      grep -oE '__o(ckl|cml)_[A-Za-z0-9_]+' "$asm" | sort -u | sed 's/^/   device-library call left: /'
+      echo "check-hip: FAIL $name.hip for $arch calls the device libraries (not linked)"
+      status=1
+      continue
     fi
     if [[ " ${REDUCING[*]} " == *" $name "* ]]; then
       # Cross-lane instructions per kernel (a kernel's code runs from its label to .Lfunc_end).
@@ -95,7 +131,7 @@ for src in "$root"/csrc/hip/*.hip; do
       fi
       note=" ($kernels kernels, each with cross-lane reductions)"
     fi
-    echo "check-hip: ok   hipcc --offload-arch=$arch $name.hip, wavefront macros removed$note"
+    echo "check-hip: ok   $compiler_name --offload-arch=$arch $name.hip, wavefront macros removed, no device-library calls$note"
   done
 done
 exit $status

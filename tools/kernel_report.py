@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """What each GPU kernel costs the hardware, from its machine code, and the gates CI holds it to.
 
-For every kernel of csrc/hip/*.hip, on AMD gfx90a and gfx940 (Debian's hipcc, --save-temps) and
+For every kernel of csrc/hip/*.hip, on AMD gfx90a and gfx940 (Debian's hipcc, ROCm 5.2), gfx942
+(MI300X, Debian's clang-19 with the ROCm device libraries linked: a current LLVM for the real
+target; ROCm 5.2 has no gfx942), all from check-hip.sh's --save-temps assembly, and
 NVIDIA sm_90 (nvcc -Xptxas -v, and the PTX): registers, static LDS / shared memory, scratch
 (private segment; NVIDIA stack frame) and spills, occupancy (AMD: waves per SIMD, as the
 compiler computes it for the kernel's launch bounds and LDS; NVIDIA: resident warps per SM,
@@ -11,14 +13,16 @@ has in flight (issued and not yet waited for by an s_waitcnt vmcnt, counted in p
 where that is 1 or 2, a thread waits for each load before it issues the next, and only the
 other waves hide the memory latency.
 
-Gates (``--check``): no scratch and no spill anywhere, and every kernel at or above the
-occupancy floor stated for its op in FLOORS. Torch-free: it needs hipcc and nvcc only.
+Gates (``--check``): no scratch and no spill anywhere, no call left in an AMD kernel (the device
+libraries' functions are linked in and inlined), and every kernel at or above the occupancy floor
+stated for its op in FLOORS, on every arch. Torch-free: it needs hipcc, clang-19 and nvcc only.
 
     tools/kernel_report.py [--amd-asm DIR] [--text PATH] [--json PATH] [--check]
 
 ``--amd-asm DIR`` reads the AMD assembly that ``QWEN4EXP_HIP_ASM_DIR=DIR tools/check-hip.sh``
-kept (``<kernel>-<arch>.s``), as CI does; without it, the report runs check-hip.sh itself, so
-that the AMD code it reads is always compiled as check-hip.sh compiles it (one set of flags).
+kept (``<kernel>-<arch>.s``, for every arch of AMD_ARCHS), as CI does; without it, the report
+runs check-hip.sh itself (with QWEN4EXP_HIP_CLANG for clang-19's archs), so that the AMD code it
+reads is always compiled as check-hip.sh compiles it (one set of flags).
 """
 
 from __future__ import annotations
@@ -36,17 +40,25 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HIP_DIR = ROOT / "csrc" / "hip"
-AMD_ARCHS = ("gfx90a", "gfx940")
+# Each AMD arch and the compiler check-hip.sh builds it with: hipcc, or the clang it is given as
+# QWEN4EXP_HIP_CLANG (ROCm 5.2's hipcc has no gfx942).
+AMD_ARCHS = ("gfx90a", "gfx940", "gfx942")
+AMD_COMPILER = {"gfx90a": "hipcc", "gfx940": "hipcc", "gfx942": "clang++-19"}
+AMD_COMPILER_LABEL = {
+    "hipcc": "Debian's hipcc, ROCm 5.2",
+    "clang++-19": "Debian's clang-19, ROCm device libraries linked",
+}
 NVIDIA_ARCH = "sm_90"
 
 # The occupancy each op's kernels must keep, per vendor: AMD in waves per SIMD (of 8 on
-# gfx90a/gfx940 with 512 VGPRs), NVIDIA in resident warps per SM (of 64 on sm_90). These are the
-# levels the kernels reach today, held as a floor so that no change lowers them unseen; the
-# roofline restructuring of issue #13 raised them, together with these numbers (the conv's
-# per-mode kernels went from 3 to 4, 24 to 32; with one row per block and its own decode kernel,
-# from 4 to 7 on AMD: 8 but for the bf16 decode of K = 4, dilation = 3 on gfx940; the gather's
-# vector kernel, with its loads issued without branches between them, from 4-5 to 8: 6 for NVFP4
-# tables into fp16 and bf16).
+# gfx90a/gfx940/gfx942 with 512 VGPRs; the ple_gate and ple_conv kernels ask the AMD compilers
+# for their floor: QWEN4EXP_AMD_MIN_WAVES, csrc/common/platform.h), NVIDIA in resident warps per
+# SM (of 64 on sm_90). These are the levels the kernels reach today, held as a floor so that no
+# change lowers them unseen; the roofline restructuring of issue #13 raised them, together with
+# these numbers (the conv's per-mode kernels went from 3 to 4, 24 to 32; with one row per block
+# and its own decode kernel, from 4 to 7 on AMD: 8 but for the bf16 decode of K = 4, dilation = 3
+# on gfx940; the gather's vector kernel, with its loads issued without branches between them,
+# from 4-5 to 8: 6 for NVFP4 tables into fp16 and bf16). gfx942 (clang-19) holds the same floors.
 FLOORS = {
     "amd": {"gather_rows": 6, "ngram_ids": 8, "ple_conv": 7, "ple_gate": 4},
     "nvidia": {"gather_rows": 32, "ngram_ids": 32, "ple_conv": 32, "ple_gate": 32},
@@ -75,6 +87,8 @@ class Kernel:
     loads: dict[int, int] = field(default_factory=dict)  # bits -> count
     stores: dict[int, int] = field(default_factory=dict)
     loads_in_flight: int = 0  # AMD: see the module docstring; 0 on NVIDIA (PTX has no waits)
+    calls: int = 0  # AMD: calls left in the kernel's code (s_swappc); 0 on NVIDIA
+    compiler: str = ""
     problems: list[str] = field(default_factory=list)
 
 
@@ -103,6 +117,7 @@ def kernel_sources() -> list[Path]:
 AMD_WIDTH = {"dwordx4": 128, "dwordx3": 96, "dwordx2": 64, "dword": 32}
 AMD_ACCESS = re.compile(r"^\s+(?:global|buffer|flat)_(load|store)_(\w+)")
 AMD_VMCNT = re.compile(r"^\s+s_waitcnt\b.*\bvmcnt\((\d+)\)")
+AMD_CALL = re.compile(r"^\s+s_swappc_b64\b")
 
 
 def amd_width(suffix: str) -> int:
@@ -117,11 +132,15 @@ def amd_width(suffix: str) -> int:
 
 
 def compile_amd(asm_dir: Path) -> None:
-    """Every kernel's AMD assembly into asm_dir, by check-hip.sh (its flags, macros removed)."""
-    run(
-        ["bash", str(ROOT / "tools" / "check-hip.sh"), *AMD_ARCHS],
-        env={**os.environ, "QWEN4EXP_HIP_ASM_DIR": str(asm_dir)},
-    )
+    """Every kernel's AMD assembly into asm_dir, by check-hip.sh (its flags, macros removed), one
+    run per compiler."""
+    for compiler in dict.fromkeys(AMD_COMPILER.values()):
+        archs = [arch for arch in AMD_ARCHS if AMD_COMPILER[arch] == compiler]
+        env = {**os.environ, "QWEN4EXP_HIP_ASM_DIR": str(asm_dir)}
+        env.pop("QWEN4EXP_HIP_CLANG", None)
+        if compiler != "hipcc":
+            env["QWEN4EXP_HIP_CLANG"] = compiler
+        run(["bash", str(ROOT / "tools" / "check-hip.sh"), *archs], env=env)
 
 
 def parse_amd(asm: Path, op: str, arch: str) -> list[Kernel]:
@@ -153,7 +172,9 @@ def parse_amd(asm: Path, op: str, arch: str) -> list[Kernel]:
         loads: dict[int, int] = {}
         stores: dict[int, int] = {}
         pending = in_flight = 0  # loads issued and not yet waited for, and the most of them
+        calls = 0
         for line in code[name]:
+            calls += bool(AMD_CALL.match(line))
             m = AMD_ACCESS.match(line)
             if m and amd_width(m.group(2)):
                 table = loads if m.group(1) == "load" else stores
@@ -182,6 +203,8 @@ def parse_amd(asm: Path, op: str, arch: str) -> list[Kernel]:
                 loads=dict(sorted(loads.items())),
                 stores=dict(sorted(stores.items())),
                 loads_in_flight=in_flight,
+                calls=calls,
+                compiler=AMD_COMPILER[arch],
             )
         )
     return kernels
@@ -293,6 +316,7 @@ def parse_nvidia(log: str, ptx: str, op: str) -> list[Kernel]:
                 block_threads=threads,
                 loads=dict(sorted(loads.items())),
                 stores=dict(sorted(stores.items())),
+                compiler="nvcc",
             )
         )
     return kernels
@@ -310,6 +334,8 @@ def check(kernels: list[Kernel]) -> int:
             k.problems.append(f"{k.spills} spills")
         if k.scalar_spills:
             k.problems.append(f"{k.scalar_spills} SGPR spills")
+        if k.calls:
+            k.problems.append(f"{k.calls} calls")
         floor = FLOORS[k.vendor][k.op]
         if k.occupancy < floor:
             unit = "waves/SIMD" if k.vendor == "amd" else "warps/SM"
@@ -329,7 +355,12 @@ def render(kernels: list[Kernel]) -> str:
         rows = [k for k in kernels if k.arch == arch]
         amd = rows[0].vendor == "amd"
         occ = "waves/SIMD" if amd else "warps/SM"
-        out.append(f"== {arch} ({'hipcc --save-temps' if amd else 'nvcc -Xptxas -v, PTX'})")
+        how = (
+            f"{AMD_COMPILER_LABEL[rows[0].compiler]}: {rows[0].compiler} --save-temps"
+            if amd
+            else "nvcc -Xptxas -v, PTX"
+        )
+        out.append(f"== {arch} ({how})")
         out.append(
             f"{'op':<12} {'regs':>4} {'sgpr':>4} {'shared':>6} {'scratch':>7} {'spill':>5} "
             f"{'sspill':>6} {occ:>10} {'inflight':>8}  {'loads (bits:n)':<26} "
@@ -380,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     report = render(kernels)
     summary = (
         f"kernel-report: {len(kernels)} kernels, {failed} failing a gate (no scratch, no spill, "
-        "occupancy floors of tools/kernel_report.py FLOORS)"
+        "no AMD call, occupancy floors of tools/kernel_report.py FLOORS)"
     )
     print(report + summary)
     if args.text:

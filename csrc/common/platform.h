@@ -107,6 +107,17 @@ using hipError_t = cudaError_t;
 #define QWEN4EXP_WAVE_SIZE 0
 #endif
 
+// QWEN4EXP_AMD_MIN_WAVES(n), on a kernel after its __launch_bounds__: on AMD, at least n waves per
+// SIMD (amdgpu_waves_per_eu: the register allocator keeps the kernel within the VGPRs that leave
+// room for n waves, 512/n on gfx9, rather than take more and lower the occupancy). Where a kernel
+// needs more than that, the compiler spills, which the kernel report's gates catch. A kernel's n is
+// its op's AMD floor in tools/kernel_report.py (FLOORS). Nothing on nvcc or in the emulator.
+#if defined(QWEN4EXP_HIP) && defined(__HIP__)
+#define QWEN4EXP_AMD_MIN_WAVES(n) __attribute__((amdgpu_waves_per_eu(n)))
+#else
+#define QWEN4EXP_AMD_MIN_WAVES(n)
+#endif
+
 // Shared memory, declared the same way for all three (a GPU compile gets plain __shared__; the
 // emulator gives every block its own 0xFF-filled copy, so a read before any write shows):
 //   QWEN4EXP_SHARED(float[64], scratch);      a static __shared__ object (any type)

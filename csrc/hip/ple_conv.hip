@@ -28,6 +28,7 @@
 // of bounds, whatever the indices hold.
 #include <type_traits>
 
+#include "block_reduce.h"
 #include "../common/dispatch.h"
 #include "../common/ple_conv.h"
 
@@ -35,6 +36,9 @@ namespace qwen4exp {
 namespace {
 
 constexpr int kThreads = 256;
+// The fewest waves per SIMD on AMD for every conv kernel: the op's floor in
+// tools/kernel_report.py (FLOORS), held by register allocation (QWEN4EXP_AMD_MIN_WAVES).
+constexpr int kAmdMinWaves = 7;
 
 // This thread's first channel: block row y holds channels [y·kThreads·VEC, (y+1)·kThreads·VEC).
 // The launcher refuses more than kMaxGridY block rows, so it is below 2^27, and so is its byte
@@ -103,6 +107,10 @@ QWEN4EXP_DEVICE T* byte_offset(T* base, uint32_t bytes) {
   return reinterpret_cast<T*>(reinterpret_cast<Byte*>(base) + bytes);
 }
 
+// A packed vector's values in fp32. 16-bit elements go through block_reduce.h's widen: fp16 by the
+// device's conversion instruction, exact like float_types.h's integer emulation (whose branches
+// took the fp16 prefill kernel of K = 4 to 76 VGPRs on gfx942, below the occupancy floor); a
+// signalling NaN comes out quiet, as it would from the arithmetic that follows.
 template <typename T, int VEC>
 QWEN4EXP_DEVICE void unpack_floats(const Packed<T, VEC>& v, float (&out)[VEC]) {
   if constexpr (VEC == 1) {
@@ -115,7 +123,7 @@ QWEN4EXP_DEVICE void unpack_floats(const Packed<T, VEC>& v, float (&out)[VEC]) {
       if constexpr (sizeof(T) == 4) {
         out[i] = bits_to_float(word[i]);
       } else {
-        out[i] = to_float(T{static_cast<uint16_t>(word[i / 2] >> (16 * (i % 2)))});
+        out[i] = widen(T{static_cast<uint16_t>(word[i / 2] >> (16 * (i % 2)))});
       }
     }
   }
@@ -226,7 +234,8 @@ constexpr int kWindowChunk = 8;
 // (kK = 0). VEC > 1 only where the launcher found the state's channel stride 1 and its entries
 // aligned, so that an entry's VEC channels are one access.
 template <typename T, typename W, int VEC, int kK, int kDil>
-__global__ void __launch_bounds__(kThreads) ple_conv_decode_kernel(PleConvParams p, int64_t first) {
+__global__ void __launch_bounds__(kThreads) QWEN4EXP_AMD_MIN_WAVES(kAmdMinWaves)
+    ple_conv_decode_kernel(PleConvParams p, int64_t first) {
   using P = Packed<T, VEC>;
   const unsigned c0 = first_channel<VEC>();
   if (c0 >= p.channels) return;
@@ -337,7 +346,7 @@ constexpr int kModelKernel = 4;
 constexpr int kModelDilation = 3;
 
 // Tap k's weight of channel c0 + v from a thread's packed run of VEC·kK weights (as 32-bit
-// words: channel-major, tap-minor).
+// words: channel-major, tap-minor), widened as unpack_floats does.
 template <typename T, int VEC, int kK>
 QWEN4EXP_DEVICE float packed_weight(const uint32_t (&words)[VEC * kK * sizeof(T) / 4], int v,
                                     int k) {
@@ -345,7 +354,7 @@ QWEN4EXP_DEVICE float packed_weight(const uint32_t (&words)[VEC * kK * sizeof(T)
   if constexpr (sizeof(T) == 4) {
     return bits_to_float(words[e]);
   } else {
-    return to_float(T{static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2)))});
+    return widen(T{static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2)))});
   }
 }
 
@@ -355,7 +364,7 @@ QWEN4EXP_DEVICE float packed_weight(const uint32_t (&words)[VEC * kK * sizeof(T)
 // first S) loads the kK rows and its weights at once, then sums them. (Spec chunks are shorter
 // than S.)
 template <typename T, typename W, int VEC, ConvMode kMode, int kK>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads) QWEN4EXP_AMD_MIN_WAVES(kAmdMinWaves)
     ple_conv_outputs_kernel(PleConvParams p, int64_t first) {
   static_assert(kMode != ConvMode::kDecode, "decode has its own kernel");
   static_assert(kK == 0 || (std::is_same_v<T, W> && VEC > 1), "kK > 0 reads packed weights");
@@ -468,7 +477,7 @@ constexpr int kWriteBackChunk = 4;
 // threads rather than wider ones. The entries go through registers a chunk at a time, each chunk
 // loaded whole before any of it is stored, and are copied bit for bit.
 template <typename T, ConvMode kMode>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads) QWEN4EXP_AMD_MIN_WAVES(kAmdMinWaves)
     ple_conv_write_back_kernel(PleConvParams p, int64_t first) {
   const unsigned c = first_channel<1>();
   if (c >= p.channels) return;

@@ -29,6 +29,9 @@ namespace qwen4exp {
 namespace {
 
 constexpr int kThreads = 256;
+// The fewest waves per SIMD on AMD: the op's floor in tools/kernel_report.py (FLOORS), held by
+// register allocation (QWEN4EXP_AMD_MIN_WAVES).
+constexpr int kAmdMinWaves = 4;
 constexpr int kSlots = 2;  // 16-byte chunks of each row a lane holds per tile
 
 // log2 of the threads per (token, stream) for rows of `chunks` 16-byte chunks.
@@ -52,6 +55,16 @@ QWEN4EXP_DEVICE uint32_t bits_of(T x) {
   }
 }
 
+// Element i of a zero-initialised chunk set to the bits of a T.
+template <typename T>
+QWEN4EXP_DEVICE void set_element(Chunk& chunk, int i, uint32_t bits) {
+  if constexpr (sizeof(T) == 4) {
+    chunk.word[i] = bits;
+  } else {
+    chunk.word[i / 2] |= bits << (16 * (i % 2));
+  }
+}
+
 // Chunk c of a row of H elements, all zero bits (+0) where c is not the lane's (c >= chunks) and
 // for the elements past H (which leaves every sum as it is: the sums start at +0). kWhole: H is a
 // multiple of VEC and the rows are 16-byte aligned, so a chunk is one 128-bit access.
@@ -67,14 +80,17 @@ QWEN4EXP_DEVICE Chunk load_chunk(const T* row, int c, int chunks, int H) {
     out.word[2] = raw.z;
     out.word[3] = raw.w;
   } else {
+    // Element by element from one address, the offsets immediates. Only a row's last chunk can
+    // end past H: the others load every element without a test (one branch per chunk, not per
+    // element; per-element tests and addresses took the AMD kernels to 140-170 VGPRs).
+    const T* src = row + c * VEC;
+    const int n = H - c * VEC;
+    if (n >= VEC) {
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      const uint32_t bits = c * VEC + i < H ? bits_of(row[c * VEC + i]) : 0u;
-      if constexpr (sizeof(T) == 4) {
-        out.word[i] = bits;
-      } else {
-        out.word[i / 2] |= bits << (16 * (i % 2));
-      }
+      for (int i = 0; i < VEC; ++i) set_element<T>(out, i, bits_of(src[i]));
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) set_element<T>(out, i, i < n ? bits_of(src[i]) : 0u);
     }
   }
   return out;
@@ -121,9 +137,16 @@ QWEN4EXP_DEVICE void store_chunk(T* row, int c, int chunks, int H, const float (
     raw.w = word[3];
     *reinterpret_cast<uint4*>(row + c * VEC) = raw;
   } else {
+    T* dst = row + c * VEC;  // as load_chunk: one address, one test unless the chunk ends past H
+    const int n = H - c * VEC;
+    if (n >= VEC) {
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      if (c * VEC + i < H) row[c * VEC + i] = narrow<T>(in[i]);
+      for (int i = 0; i < VEC; ++i) dst[i] = narrow<T>(in[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        if (i < n) dst[i] = narrow<T>(in[i]);
+      }
     }
   }
 }
@@ -163,6 +186,19 @@ QWEN4EXP_DEVICE ChunkWeights<T, W> load_weights(const W* w, int c, int chunks, i
 #pragma unroll
       for (int i = 0; i < 4; ++i) out.value[l * 4 + i] = 1.0f + element<W>(chunk, i);
     }
+  } else if constexpr (VEC == 8) {
+    // fp32 weights of 16-bit rows, eight a chunk: as load_chunk, one address and one test unless
+    // the chunk ends past H (per-element tests took these kernels past 128 VGPRs on gfx942). Four
+    // a chunk (fp32 rows) stay tested one by one, which hipcc (ROCm 5.2) keeps in fewer registers.
+    const W* src = w + c * VEC;
+    const int n = H - c * VEC;
+    if (n >= VEC) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) out.value[i] = 1.0f + widen(src[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) out.value[i] = i < n ? 1.0f + widen(src[i]) : 1.0f;
+    }
   } else {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
@@ -179,7 +215,8 @@ QWEN4EXP_DEVICE float gate_of(float d, float magnitude) {
 
 // One (token, stream) per group of 2^group_log2 threads; at most kMaxGridX blocks.
 template <typename T, typename W, bool kWhole, bool kVllm>
-__global__ void __launch_bounds__(kThreads) ple_gate_kernel(PleGateParams p, int group_log2) {
+__global__ void __launch_bounds__(kThreads) QWEN4EXP_AMD_MIN_WAVES(kAmdMinWaves)
+    ple_gate_kernel(PleGateParams p, int group_log2) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));
   constexpr int kWaves = kThreads / kWaveSize;
   QWEN4EXP_SHARED(float[4 * kWaves], scratch);
