@@ -387,32 +387,16 @@ def lookups_replaced(replacements: Sequence[tuple[NGramEmbedding, LookupFn]]) ->
             del embedding._lookup_local
 
 
-def _hashing(embedding: NGramEmbedding) -> tuple:
-    return (
-        embedding.layer_multipliers,
-        embedding.ngram_heads_vocab_sizes,
-        embedding.ngram_heads_offsets,
-        embedding.eos_token_id,
-        embedding.heads_per_ngram,
-    )
-
-
 def reference_lookup(embedding: NGramEmbedding) -> LookupFn:
     """The lookup by the spec's plain-PyTorch statement (the oracle's)."""
 
     def lookup(input_ids, query_start_loc, ngram_context, *, output, **_: Any) -> torch.Tensor:
         ids = reference.ngram_ids(
-            input_ids.reshape(-1), query_start_loc, ngram_context, *_hashing(embedding)
+            input_ids.reshape(-1), query_start_loc, ngram_context, *embedding._hashing()
         )
-        rows = reference.gather_rows(
-            embedding.table,
-            ids,
-            **embedding._dequant(),
-            vocab_start=embedding.vocab_start,
-            vocab_end=embedding.vocab_end,
-            out_dtype=embedding.out_dtype,
-        )
-        return output.copy_(rows)
+        gather = embedding._gather_args(None)
+        del gather["output"], gather["max_blocks"]  # the kernel's, not the spec's
+        return output.copy_(reference.gather_rows(embedding.table, ids, **gather))
 
     return lookup
 
@@ -466,7 +450,7 @@ def vllm_lookup(kernels: Any, embedding: NGramEmbedding) -> LookupFn:
             input_ids.reshape(-1),
             query_start_loc,
             ngram_context,
-            *_hashing(embedding),
+            *embedding._hashing(),
             head_divmod=embedding.ngram_heads_divmod,
             output=ids_output,
         )
@@ -536,7 +520,7 @@ def _hashed(embedding: NGramEmbedding, batch: PLEBatch, tokens: torch.Tensor) ->
         tokens.reshape(-1),
         qsl_all,
         context,
-        *_hashing(embedding),
+        *embedding._hashing(),
         head_divmod=embedding.ngram_heads_divmod,
     )
     return ids.reshape(copies, count, -1)

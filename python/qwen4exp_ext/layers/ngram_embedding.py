@@ -289,14 +289,7 @@ class NGramEmbedding(nn.Module):
     def lookup(self, ngram_ids: torch.Tensor, *, reduce: bool = True) -> torch.Tensor:
         """Rows of precomputed ids [T, NH] → [T, D_e] (this rank's partial sum if not reduced)."""
         self._check_complete()
-        out = ops.gather_rows(
-            self.table,
-            ngram_ids,
-            **self._dequant(),
-            vocab_start=self.vocab_start,
-            vocab_end=self.vocab_end,
-            out_dtype=self.out_dtype,
-        )
+        out = ops.gather_rows(self.table, ngram_ids, **self._gather_args(None))
         return self._reduced(out, reduce)
 
     def forward(
