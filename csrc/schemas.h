@@ -1,7 +1,7 @@
 // The schemas of the kernel ops, in one place: torch.ops.qwen4exp (csrc/bindings.cpp) and each
 // SIMT emulator library, torch.ops.qwen4exp_simt32/64 (csrc/simt/glue.cpp), define them from here,
 // so the emulated ops cannot differ from the real ones in signature. Backends register their
-// kernels in their own files (TORCH_LIBRARY_IMPL at the end of csrc/cpu/*.cpp and
+// kernels in their own files (TORCH_LIBRARY_IMPL in csrc/cpu_ops.cpp and at the end of
 // csrc/gpu/*.cpp); the Python door with the fake (meta) implementations is
 // python/qwen4exp_ext/ops.py.
 #pragma once

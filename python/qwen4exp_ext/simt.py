@@ -1,12 +1,12 @@
 """The GPU kernels run on the CPU: the SIMT emulator (csrc/simt), for tests and debugging.
 
-``simt.ops(64)`` (CDNA's 64-wide waves) and ``simt.ops(32)`` (RDNA's and NVIDIA's) return the
-four kernel ops with exactly :mod:`qwen4exp_ext.ops`' signatures, argument checks and errors, for
-CPU tensors; each call runs the HIP kernel of ``csrc/hip`` through the GPU build's own host glue
-and launcher, on an emulated GPU: the threads of a block are fibers that meet at
-``__syncthreads`` and wave shuffles, lanes run in a seeded shuffled order, and shared memory
-starts as 0xFF bytes. Like a GPU, it reads index data only on the device: bad
-``query_start_loc``/slot/token indices are skipped rather than rejected, unless
+``simt.ops(64)`` (CDNA's 64-wide waves) and ``simt.ops(32)`` (RDNA's and NVIDIA's) return the kernel
+ops (those csrc/schemas.h defines, as :class:`qwen4exp_ext.ops.KernelOps`) with exactly
+:mod:`qwen4exp_ext.ops`' signatures, argument checks and errors, for CPU tensors; each call runs the
+HIP kernel of ``csrc/hip`` through the GPU build's own host glue and launcher, on an emulated GPU:
+the threads of a block are fibers that meet at ``__syncthreads`` and wave shuffles, lanes run in a
+seeded shuffled order, and shared memory starts as 0xFF bytes. Like a GPU, it reads index data only
+on the device: bad ``query_start_loc``/slot/token indices are skipped rather than rejected, unless
 :func:`qwen4exp_ext.debug_checks` is on. Its ops live in their own libraries,
 ``torch.ops.qwen4exp_simt32`` and ``torch.ops.qwen4exp_simt64``.
 
