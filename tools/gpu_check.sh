@@ -19,7 +19,8 @@
 #   MEMCHECK_TESTS (default: the GPU kernel tests that cover every kernel and layout),
 #   MEMCHECK_SECONDS (default 150; 0 skips), CMAKE_SECONDS (default 200, beside the tests; 0 skips)
 #   BENCH_OPS      ops to bench (default all, BENCH_FIRST's first), BENCH_CASES (--cases regex; default the headline
-#                  shapes, prefill T = 8192 and decode T = 64 / R = 64; "." for every case),
+#                  shapes, prefill T = 8192 and decode T = 64 / R = 64, as the bench's
+#                  registry.HEADLINE_CASES; "." for every case),
 #   BENCH_SECONDS  (default 200, all ops together), BENCH_REPEAT (timed calls per contender,
 #                  default 100: the H200 took 5-8 s a case at that), BENCH_ARGS (more arguments)
 # The bench's "vllm" baselines are vLLM 0.33.0's Triton kernels: from an installed vLLM, else
@@ -133,7 +134,8 @@ fi
 # --threads all: host threads do not change GPU kernel times; "1,all" would double the run.
 device="$("$PY" -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "-"))')"
 t0=$SECONDS
-headline_cases='prefill_T8192|decode_T64|decode_R64'
+# The headline shapes (prefill T = 8192, decode T = 64 / R = 64): the bench's own subset.
+headline_cases="$("$PY" -c 'from qwen4exp_ext.bench.registry import HEADLINE_CASES; print(HEADLINE_CASES)')"
 bench_seconds="${BENCH_SECONDS:-200}"
 bench_status=0
 # One process and one JSON per op, each given the time the others left: an op that crashes or

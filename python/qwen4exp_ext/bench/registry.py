@@ -42,6 +42,12 @@ OP_MODULES: dict[str, str] = {
     "host_lookup": "qwen4exp_ext.bench.host_lookup",
 }
 
+# The headline shapes of every op, by phase: decode at T = 64 tokens (ple_conv: R = 64 requests
+# of one token) and prefill at T = 8192, as ``re.search`` patterns on case names; HEADLINE_CASES
+# (every variant of those shapes) is what tools/gpu_check.sh benches.
+HEADLINE_PHASES: dict[str, str] = {"decode": "decode_T64|decode_R64", "prefill": "prefill_T8192"}
+HEADLINE_CASES = "|".join(HEADLINE_PHASES.values())
+
 # Contender names the CLI owns; a baseline may not take one.
 RESERVED = ("ours", "oracle", "copy")
 
