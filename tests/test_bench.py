@@ -5,6 +5,7 @@ No timing thresholds: shared CI machines are too noisy for them; the numbers onl
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import io
@@ -22,6 +23,7 @@ import qwen4exp_ext
 from qwen4exp_ext import ops
 from qwen4exp_ext.bench import cli, vllm_triton
 from qwen4exp_ext.bench.cli import QUICK_REPEAT, main
+from qwen4exp_ext.bench.registry import HEADLINE_CASES, HEADLINE_PHASES
 from qwen4exp_ext.testing import exact_mismatch
 from vllm_support import require_vllm, run_python
 
@@ -295,6 +297,183 @@ def test_cases_filter(tmp_path: Path) -> None:
     assert exc.value.code == 2
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         assert main(["ngram_ids", "--quick", "--threads", "1", "--cases", "no_such_case"]) == 2
+
+
+# Every op's case names on a CPU (the GPU adds gather_rows' pinned_* cases), as the bench builds
+# them: what the default selection is tested on without building the inputs (about 35 s here).
+CPU_CASES = {
+    "ngram_ids": sorted(NGRAM_IDS_CASES),
+    "gather_rows": [
+        f"{phase}_T{t}_{kind}"
+        for kind in ("bf16", "fp8", "nvfp4")
+        for phase, t in (("decode", 1), ("decode", 8), ("decode", 64), ("decode", 256))
+        + (("prefill", 8192),)
+    ]
+    + ["decode_T64_bf16_repeated", "prefill_T8192_bf16_repeated", "prefill_T8192_bf16_dup1024"]
+    + ["prefill_T8192_bf16_sorted", "prefill_T8192_bf16_hugepages"],
+    "ngram_gather_rows": [
+        "decode_T1",
+        "decode_T8",
+        "decode_T64",
+        "decode_T256",
+        "prefill_T8192_R4",
+    ],
+    "ple_gate": [
+        f"{name}{fast}"
+        for name in ("decode_T1", "decode_T8", "decode_T64", "decode_T256")
+        + ("spec_q2_R64", "spec_q4_R64", "prefill_T8192")
+        for fast in ("", "_fast")
+    ],
+    "ple_conv": ["decode_R1", "decode_R8", "decode_R64", "decode_R256", "spec_q2_R64"]
+    + ["spec_q4_R64", "prefill_T8192_R4", "decode_R64_ds", "prefill_T8192_R4_ds"],
+    "host_lookup": [
+        f"{phase}_T{t}_{fmt}"
+        for fmt in ("bf16", "fp8", "nvfp4")
+        for phase, t in (("decode", 1), ("decode", 64), ("decode", 256), ("prefill", 8192))
+    ],
+}
+# Of those, every variant of the headline shapes (formats, id patterns, the fast gate, the
+# dim-first conv state): what tools/gpu_check.sh benches, registry.HEADLINE_CASES.
+HEADLINE_VARIANTS = {
+    "ngram_ids": {"decode_T64", "prefill_T8192_R4"},
+    "gather_rows": {
+        f"{shape}_{variant}"
+        for shape in ("decode_T64", "prefill_T8192")
+        for variant in ("bf16", "fp8", "nvfp4", "bf16_repeated")
+    }
+    | {f"prefill_T8192_bf16_{v}" for v in ("dup1024", "sorted", "hugepages")},
+    "ngram_gather_rows": {"decode_T64", "prefill_T8192_R4"},
+    "ple_gate": {"decode_T64", "decode_T64_fast", "prefill_T8192", "prefill_T8192_fast"},
+    "ple_conv": {"decode_R64", "decode_R64_ds", "prefill_T8192_R4", "prefill_T8192_R4_ds"},
+    "host_lookup": {
+        f"{p}_{f}" for p in ("decode_T64", "prefill_T8192") for f in ("bf16", "fp8", "nvfp4")
+    },
+}
+# The representative subset: each op's headline case of each phase, in its default format and
+# layout (the first of its cases at that shape).
+HEADLINE = {
+    "ngram_ids": {"decode_T64", "prefill_T8192_R4"},
+    "gather_rows": {"decode_T64_bf16", "prefill_T8192_bf16"},
+    "ngram_gather_rows": {"decode_T64", "prefill_T8192_R4"},
+    "ple_gate": {"decode_T64", "prefill_T8192"},
+    "ple_conv": {"decode_R64", "prefill_T8192_R4"},
+    "host_lookup": {"decode_T64_bf16", "prefill_T8192_bf16"},
+}
+
+
+def _selection(argv: list[str]) -> tuple[argparse.Namespace, dict[str, set[str]]]:
+    """The parsed arguments and the cases of CPU_CASES the run would time, by op."""
+    args, _ = cli._parse_args(argv)
+    ops_ = args.ops or list(cli.OP_MODULES)
+    return args, {op: set(cli.selected_case_names(args, CPU_CASES[op])) for op in ops_}
+
+
+def test_case_names_cover_every_op() -> None:
+    assert set(CPU_CASES) == set(cli.OP_MODULES)
+    assert all(len(set(names)) == len(names) for names in CPU_CASES.values())
+
+
+def test_default_selection_is_the_headline_cases_of_every_op() -> None:
+    """No op and no --cases: each op's headline case of each phase (decode T = 64 or R = 64,
+    prefill T = 8192) and no other, at both thread counts on a CPU."""
+    args, selected = _selection([])
+    assert args.subset
+    assert selected == HEADLINE
+    for op, names in selected.items():
+        for phase, pattern in HEADLINE_PHASES.items():
+            assert sum(bool(re.search(pattern, n)) for n in names) == 1, (op, phase)
+    if not torch.cuda.is_available():
+        assert cli._parse_args([])[1] == THREADS
+    assert cli._parse_args(["--threads", "1"])[1] == [1]
+    # gpu_check.sh's --cases: every variant of those shapes, the subset's among them.
+    args, variants = _selection(["--cases", HEADLINE_CASES])
+    assert not args.subset and variants == HEADLINE_VARIANTS
+    assert all(HEADLINE[op] <= variants[op] for op in HEADLINE)
+
+
+def test_full_and_explicit_selections_pick_every_case() -> None:
+    """--full, or naming ops, runs every case (of the ops named); --cases still filters; --full
+    with --cases is a usage error."""
+    args, selected = _selection(["--full"])
+    assert not args.subset
+    assert selected == {op: set(names) for op, names in CPU_CASES.items()}
+    args, selected = _selection(["ngram_ids", "ple_conv"])
+    assert not args.subset and selected == {
+        op: set(CPU_CASES[op]) for op in ("ngram_ids", "ple_conv")
+    }
+    args, selected = _selection(["--cases", "^decode_T1$"])
+    assert not args.subset
+    assert {op: names for op, names in selected.items() if names} == {
+        "ngram_ids": {"decode_T1"},
+        "ngram_gather_rows": {"decode_T1"},
+        "ple_gate": {"decode_T1"},
+    }
+    with pytest.raises(SystemExit) as exc, contextlib.redirect_stderr(io.StringIO()):
+        cli._parse_args(["--full", "--cases", "decode"])
+    assert exc.value.code == 2
+
+
+def _result(op: str, case: str, threads: int, speedup: float, pct: float) -> dict:
+    return {
+        "op": op,
+        "case": case,
+        "threads": threads,
+        "baseline": "index_select" if op == "gather_rows" else "transformers",
+        "speedup": speedup,
+        "pct_of_copy": pct,
+    }
+
+
+def test_summary_has_one_line_per_op_with_both_figures() -> None:
+    """From the results alone: per op, the first decode and first prefill headline case, its
+    speedup over the headline baseline and its % of copy at each thread count."""
+    results = [
+        _result("ngram_ids", "decode_T1", 1, 9.0, 9.0),  # not a headline case
+        _result("ngram_ids", "decode_T64", 1, 10.0, 20.0),
+        _result("ngram_ids", "decode_T64", 2, 15.0, 30.0),
+        _result("ngram_ids", "prefill_T8192_R4", 1, 3.0, 40.0),
+        _result("ngram_ids", "prefill_T8192_R4", 2, 5.5, 60.25),
+        _result("gather_rows", "decode_T64_bf16", 1, 2.0, 50.0),
+        _result("gather_rows", "decode_T64_fp8", 1, 7.0, 70.0),  # a later variant: left out
+        _result("gather_rows", "prefill_T8192_bf16", 2, 1.5, 80.0),  # its 1-thread check failed
+    ]
+    lines = cli.summary_lines(results, ["ngram_ids", "gather_rows", "ple_gate"], [1, 2])
+    assert len(lines) == 4
+    assert lines[0].startswith("summary (1 / 2 threads): ")
+    assert "headline baseline" in lines[0] and "% copy" in lines[0]
+    assert (
+        lines[1].split()
+        == (
+            "ngram_ids decode_T64 10.00x / 15.00x transformers, 20.0 / 30.0 % copy;"
+            " prefill_T8192_R4 3.00x / 5.50x transformers, 40.0 / 60.2 % copy"
+        ).split()
+    )
+    assert (
+        lines[2].split()
+        == (
+            "gather_rows decode_T64_bf16 2.00x / - index_select, 50.0 / - % copy;"
+            " prefill_T8192_bf16 - / 1.50x index_select, - / 80.0 % copy"
+        ).split()
+    )
+    assert lines[3].split()[0] == "ple_gate" and "no headline case ran" in lines[3]
+    gpu = cli.summary_lines([_result("ple_gate", "prefill_T8192", 8, 4.0, 90.0)], ["ple_gate"], [8])
+    assert gpu[0].startswith("summary (8 threads): ")
+    assert gpu[1].split() == "ple_gate prefill_T8192 4.00x transformers, 90.0 % copy".split()
+
+
+def test_a_run_ends_with_its_summary(ngram_run: dict) -> None:
+    """The last lines of a run: the summary of its headline cases, from the figures it printed."""
+    lines = ngram_run["stdout"].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("summary ("))
+    assert (
+        lines[start + 1 :]
+        == cli.summary_lines(ngram_run["report"]["results"], ["ngram_ids"], THREADS)[1:]
+    )
+    assert len(lines) == start + 2
+    by_case = {(r["case"], r["threads"]): r for r in ngram_run["report"]["results"]}
+    for case in ("decode_T64", "prefill_T8192_R4"):
+        figures = " / ".join(f"{by_case[case, n]['speedup']:.2f}x" for n in THREADS)
+        assert f"{case} {figures} transformers" in lines[-1]
 
 
 def test_references_and_derived_fields(

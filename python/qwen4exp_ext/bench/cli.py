@@ -14,6 +14,11 @@ copy bandwidth. After an op's cases come its untimed sections (``registry.Sectio
 gather_rows' pinned bytes per table format), printed as small tables of their own and written to the
 JSON under "sections". A progress line on stderr names the case being checked and timed (rewritten
 in place on a terminal).
+
+With no op and no ``--cases``, a run is the representative subset: each op's headline case of
+each phase (``registry.headline_case_names``: decode T = 64, prefill T = 8192) on a shorter
+budget per case; ``--full`` runs every case. Every
+run ends with a summary, one line per op, from the results it collected (``summary_lines``).
 """
 
 from __future__ import annotations
@@ -41,7 +46,14 @@ import torch
 import qwen4exp_ext
 from qwen4exp_ext import ops
 from qwen4exp_ext.bench import vllm_triton
-from qwen4exp_ext.bench.registry import OP_MODULES, Case, Section, load_cases, load_sections
+from qwen4exp_ext.bench.registry import (
+    OP_MODULES,
+    Case,
+    Section,
+    headline_case_names,
+    load_cases,
+    load_sections,
+)
 from qwen4exp_ext.bench.timing import Quantiles, roofline_copy, time_interleaved
 from qwen4exp_ext.testing import exact_mismatch
 
@@ -51,6 +63,13 @@ QUICK_REPEAT = 10
 # DEFAULT_REPEAT): the eager baselines of the big shapes take seconds per call on a CPU, the
 # kernels microseconds, and a fixed count would make the default run take hours.
 CASE_BUDGET_S = 4.0
+# The same for the representative subset (no op, no --cases, no --full: each op's headline
+# cases, at DEFAULT_THREADS on a CPU), which should end in about three minutes on a 2-core
+# machine. The decode cases reach DEFAULT_REPEAT rounds well within a second; the prefill cases'
+# eager oracle and baselines take seconds a call on a CPU, so there MIN_REPEAT rounds, not this
+# budget, set the time (on 2026-12-05 a 2-core EPYC VM, compiling CI beside it, took 453 s, most
+# of it ple_gate's and ple_conv's prefill oracles).
+SUBSET_CASE_BUDGET_S = 1.0
 MIN_REPEAT = 5
 DEFAULT_THREADS = "1,all"
 
@@ -85,17 +104,19 @@ class CheckFailed(Exception):
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; 0 on success, 1 if a check fails (argparse exits 2 on bad usage)."""
     args, thread_counts = _parse_args(argv)
-    device = torch.device(
-        "cuda"
-        if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-        else "cpu"
-    )
+    device = _device(args)
     repeat: int | None = args.repeat or (QUICK_REPEAT if args.quick else None)
+    budget_s = SUBSET_CASE_BUDGET_S if args.subset else CASE_BUDGET_S
     # A tenth of the run, at least two rounds: enough to settle caches, clocks and the allocator.
     # (With repeat=None each case warms up and sizes its own run: _auto_repeat.)
     warmup = max(2, repeat // 10) if repeat is not None else 2
 
-    shown = repeat if repeat is not None else f"auto ({CASE_BUDGET_S:g} s per case)"
+    shown = repeat if repeat is not None else f"auto ({budget_s:g} s per case)"
+    if args.subset:
+        print(
+            "the representative subset: each op's headline case at decode T = 64 (ple_conv: "
+            "R = 64) and prefill T = 8192; --full runs every case"
+        )
     print(
         f"device: {_device_name(device)} ({device.type}), torch {torch.__version__}, "
         f"repeat {shown}, warmup {warmup}, threads {','.join(map(str, thread_counts))}"
@@ -110,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "repeat": shown,
         "warmup": warmup,
         "cases": args.cases.pattern,
+        "subset": args.subset,  # the representative subset: no op, no --cases, no --full
         "check_failures": failures,
     }
     environment = _environment(device)
@@ -121,9 +143,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             report = {**environment, **run_info, "complete": complete}
             _write_json(args.json, report | {"results": results, "sections": sections})
 
-    for op in args.ops or list(OP_MODULES):
+    selected_ops = args.ops or list(OP_MODULES)
+    for op in selected_ops:
         progress.show(f"[{op}] building cases...")
-        cases = [c for c in load_cases(op, device) if args.cases.search(c.name)]
+        cases = load_cases(op, device)
+        chosen = set(selected_case_names(args, [c.name for c in cases]))
+        cases = [c for c in cases if c.name in chosen]
         total = len(cases) * len(thread_counts)
         done = 0
         for case in cases:
@@ -134,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 try:
                     with _num_threads(threads):
-                        result = _run_case(case, device, warmup, repeat, args.check)
+                        result = _run_case(case, device, warmup, repeat, args.check, budget_s)
                 except CheckFailed as err:
                     # Reported, never timed; the other cases still run (on a lent GPU, one
                     # wrong case must not cost the whole run's figures) and the exit is 1.
@@ -169,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         print(f"wrote {args.json}")
     _write_tables(args, device, results)
+    print()
+    print("\n".join(summary_lines(results, selected_ops, thread_counts)))
     if failures:
         print(f"{len(failures)} case(s) failed their check and were not timed", file=sys.stderr)
         return 1
@@ -179,6 +206,16 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[in
     """The command line, checked (argparse exits 2 on bad usage), and its thread counts."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.full and args.cases is not None:
+        parser.error("--full runs every case: give it or --cases, not both")
+    # No op and no --cases: the representative subset, unless --full.
+    args.subset = not args.full and not args.ops and args.cases is None
+    if args.cases is None:
+        args.cases = ""
+    if args.threads is None:
+        # A GPU kernel's time does not depend on the host's threads: the subset times it once.
+        on_gpu = _device(args).type == "cuda"
+        args.threads = "all" if args.subset and on_gpu else DEFAULT_THREADS
     unknown = [op for op in args.ops if op not in OP_MODULES]
     if unknown:
         parser.error(f"unknown op(s) {', '.join(unknown)}; choose from {', '.join(OP_MODULES)}")
@@ -204,6 +241,23 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[in
                 "(pip install matplotlib, or the package's [test] extra)"
             )
     return args, thread_counts
+
+
+def selected_case_names(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
+    """Of one op's case names, those the run times: in the subset its headline cases
+    (``registry.headline_case_names``), else those that --cases matches (all by default)."""
+    if args.subset:
+        return headline_case_names(names)
+    return [n for n in names if args.cases.search(n)]
+
+
+def _device(args: argparse.Namespace) -> torch.device:
+    """The device of --device: auto is a GPU where torch sees one."""
+    return torch.device(
+        "cuda"
+        if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        else "cpu"
+    )
 
 
 def _write_json(path: Path, report: dict[str, Any]) -> None:
@@ -235,7 +289,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     # Validated by hand: argparse rejects an empty nargs="*" list against choices on Python 3.11.
     parser.add_argument(
-        "ops", nargs="*", metavar="OP", help=f"ops to run (default: all): {', '.join(OP_MODULES)}"
+        "ops",
+        nargs="*",
+        metavar="OP",
+        help=f"ops to run, every case of each (default: all ops; without --cases or --full only "
+        f"their headline cases): {', '.join(OP_MODULES)}",
+    )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="run every case of every op (default without an op or --cases: the representative "
+        "subset, each op's headline case at decode T = 64 and prefill T = 8192)",
     )
     parser.add_argument(
         "--device",
@@ -266,17 +330,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--threads",
-        default=DEFAULT_THREADS,
         metavar="N[,N...]",
         help="torch thread counts to run every case at, comma-separated; 'all' is torch's "
-        f"default ({torch.get_num_threads()} here) (default: {DEFAULT_THREADS})",
+        f"default ({torch.get_num_threads()} here) (default: {DEFAULT_THREADS}; the subset on "
+        "a GPU: all)",
     )
     parser.add_argument(
         "--cases",
-        default="",
         metavar="REGEX",
         help="run only the cases whose name matches (re.search), e.g. 'prefill' or "
-        "'T8192_bf16$' (default: every case)",
+        "'T8192_bf16$' (default: every case of the ops named, else the subset, see --full)",
     )
     parser.add_argument(
         "--quick",
@@ -287,7 +350,8 @@ def _parser() -> argparse.ArgumentParser:
         "--repeat",
         type=int,
         metavar="N",
-        help=f"timed calls per contender (default: as many as fit {CASE_BUDGET_S:g} s per case, "
+        help="timed calls per contender (default: as many as fit "
+        f"{CASE_BUDGET_S:g} s per case, {SUBSET_CASE_BUDGET_S:g} s in the subset, "
         f"{MIN_REPEAT} to {DEFAULT_REPEAT})",
     )
     parser.add_argument(
@@ -357,8 +421,10 @@ class _Progress:
             self.shown = False
 
 
-def _auto_repeat(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int) -> int:
-    """Runs the warm-up rounds and returns how many rounds fit CASE_BUDGET_S (timed on the last
+def _auto_repeat(
+    fns: dict[str, Callable[[], object]], device: torch.device, warmup: int, budget_s: float
+) -> int:
+    """Runs the warm-up rounds and returns how many rounds fit ``budget_s`` (timed on the last
     warm-up round), clamped to [MIN_REPEAT, DEFAULT_REPEAT]."""
     round_s = 0.0
     for _ in range(warmup):
@@ -368,11 +434,16 @@ def _auto_repeat(fns: dict[str, Callable[[], object]], device: torch.device, war
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         round_s = time.perf_counter() - start
-    return max(MIN_REPEAT, min(DEFAULT_REPEAT, int(CASE_BUDGET_S / max(round_s, 1e-9))))
+    return max(MIN_REPEAT, min(DEFAULT_REPEAT, int(budget_s / max(round_s, 1e-9))))
 
 
 def _run_case(
-    case: Case, device: torch.device, warmup: int, repeat: int | None, check: bool
+    case: Case,
+    device: torch.device,
+    warmup: int,
+    repeat: int | None,
+    check: bool,
+    budget_s: float = CASE_BUDGET_S,
 ) -> dict[str, Any]:
     if check:
         _check(case)
@@ -385,7 +456,7 @@ def _run_case(
         "copy": copy,
     }
     if repeat is None:
-        repeat = _auto_repeat(fns, device, warmup)
+        repeat = _auto_repeat(fns, device, warmup, budget_s)
         warmup = 0  # done
     times = time_interleaved(fns, device, warmup, repeat)
     ours, oracle, copy_t = times["ours"], times["oracle"], times["copy"]
@@ -435,6 +506,38 @@ def _run_case(
             raise ValueError(f"{case.op}/{case.name}: derived fields {sorted(clash)} are taken")
         result |= derived
     return result
+
+
+def summary_lines(
+    results: Sequence[dict[str, Any]], ops_: Sequence[str], thread_counts: Sequence[int]
+) -> list[str]:
+    """The run's conclusion, from its results (nothing more is timed): a heading, then one line
+    per op of ``ops_``: for each phase of ``registry.HEADLINE_PHASES``, the op's first case that
+    ran and matches it (``registry.headline_case_names``), its speedup over the headline
+    baseline and ours as a % of the same-run copy, at each thread count ("-" where that count
+    has no result, e.g. a failed check)."""
+    counts = " / ".join(map(str, thread_counts))
+    plural = "thread" if list(thread_counts) == [1] else "threads"
+    lines = [
+        f"summary ({counts} {plural}): ours against the headline baseline (speedup) and "
+        "against a same-run copy of the same bytes (% copy)"
+    ]
+    width = max(map(len, ops_), default=0)
+    for op in ops_:
+        ran = [r for r in results if r["op"] == op]
+        parts = []
+        for name in headline_case_names(dict.fromkeys(r["case"] for r in ran)):
+            by_threads = {r["threads"]: r for r in ran if r["case"] == name}
+            row = [by_threads.get(n) for n in thread_counts]
+            baseline = next(r["baseline"] for r in row if r is not None)
+            speedups = " / ".join("-" if r is None else f"{r['speedup']:.2f}x" for r in row)
+            copies = " / ".join("-" if r is None else f"{r['pct_of_copy']:.1f}" for r in row)
+            parts.append(f"{name} {speedups} {baseline}, {copies} % copy")
+        text = (
+            "; ".join(parts) or "no headline case ran (decode T = 64 or R = 64, prefill T = 8192)"
+        )
+        lines.append(f"  {op.ljust(width)}  {text}")
+    return lines
 
 
 def speedup_vs_vllm(times: Mapping[str, Quantiles], vllm: str | None) -> float | None:

@@ -23,8 +23,9 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import re
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,9 +45,20 @@ OP_MODULES: dict[str, str] = {
 
 # The headline shapes of every op, by phase: decode at T = 64 tokens (ple_conv: R = 64 requests
 # of one token) and prefill at T = 8192, as ``re.search`` patterns on case names; HEADLINE_CASES
-# (every variant of those shapes) is what tools/gpu_check.sh benches.
+# (every variant of those shapes: formats, id patterns, layouts) is what tools/gpu_check.sh
+# benches. An op's headline case of a phase is the first of its cases that matches (its
+# default format and layout): the bench's representative subset and its summary.
 HEADLINE_PHASES: dict[str, str] = {"decode": "decode_T64|decode_R64", "prefill": "prefill_T8192"}
 HEADLINE_CASES = "|".join(HEADLINE_PHASES.values())
+
+
+def headline_case_names(names: Iterable[str]) -> list[str]:
+    """Of one op's case names, in its order, the first that matches each of HEADLINE_PHASES
+    (none for a phase that no name matches)."""
+    names = list(names)
+    found = (next((n for n in names if re.search(p, n)), None) for p in HEADLINE_PHASES.values())
+    return [n for n in found if n is not None]
+
 
 # Contender names the CLI owns; a baseline may not take one.
 RESERVED = ("ours", "oracle", "copy")
