@@ -444,21 +444,21 @@ def test_summary_has_one_line_per_op_with_both_figures() -> None:
     assert (
         lines[1].split()
         == (
-            "ngram_ids decode_T64 10.00x / 15.00x transformers, 20.0 / 30.0 % copy;"
+            "ngram_ids: decode_T64 10.00x / 15.00x transformers, 20.0 / 30.0 % copy;"
             " prefill_T8192_R4 3.00x / 5.50x transformers, 40.0 / 60.2 % copy"
         ).split()
     )
     assert (
         lines[2].split()
         == (
-            "gather_rows decode_T64_bf16 2.00x / - index_select, 50.0 / - % copy;"
+            "gather_rows: decode_T64_bf16 2.00x / - index_select, 50.0 / - % copy;"
             " prefill_T8192_bf16 - / 1.50x index_select, - / 80.0 % copy"
         ).split()
     )
-    assert lines[3].split()[0] == "ple_gate" and "no headline case ran" in lines[3]
+    assert lines[3].split()[0] == "ple_gate:" and "no headline case ran" in lines[3]
     gpu = cli.summary_lines([_result("ple_gate", "prefill_T8192", 8, 4.0, 90.0)], ["ple_gate"], [8])
     assert gpu[0].startswith("summary (8 threads): ")
-    assert gpu[1].split() == "ple_gate prefill_T8192 4.00x transformers, 90.0 % copy".split()
+    assert gpu[1].split() == "ple_gate: prefill_T8192 4.00x transformers, 90.0 % copy".split()
 
 
 def test_a_run_ends_with_its_summary(ngram_run: dict) -> None:

@@ -536,7 +536,8 @@ def summary_lines(
         text = (
             "; ".join(parts) or "no headline case ran (decode T = 64 or R = 64, prefill T = 8192)"
         )
-        lines.append(f"  {op.ljust(width)}  {text}")
+        # "op:", not a table row's "op": a reader of the table (or a test) tells them apart.
+        lines.append(f"  {(op + ':').ljust(width + 1)}  {text}")
     return lines
 
 
