@@ -27,6 +27,7 @@ from torch import nn
 from qwen4exp_ext import ops
 from qwen4exp_ext.reference import FP8_DTYPES
 
+from . import prefetch
 from .ngram_embedding import (
     NGramEmbedding,
     Placement,
@@ -238,14 +239,7 @@ class PLELayer(nn.Module):
                     "this forward's; start it with the same input_ids tensor the layer gets"
                 )
             return emb.finalize_prefetch()
-        num_tokens = input_ids.numel()
-        rows = emb._lookup_local(
-            input_ids,
-            query_start_loc,
-            ngram_context,
-            output=slot.rows[:num_tokens],
-            ids_output=slot.ids[:num_tokens],
-        )
+        rows = prefetch.lookup_into_slot(emb, slot, input_ids, query_start_loc, ngram_context)
         return emb._reduced(rows, reduce=True)
 
     # --- lookups started ahead (layers/prefetch.py) ----------------------------------------------

@@ -43,6 +43,8 @@ How it runs:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -55,7 +57,14 @@ from qwen4exp_ext import ops
 if TYPE_CHECKING:
     from .ngram_embedding import NGramEmbedding
 
-__all__ = ["LookupPipeline", "PrefetchSlot", "default_max_blocks", "side_stream"]
+__all__ = [
+    "LookupPipeline",
+    "PrefetchSlot",
+    "default_max_blocks",
+    "launch_on_side_stream",
+    "lookup_into_slot",
+    "side_stream",
+]
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 _side_streams_lock = threading.Lock()
@@ -72,10 +81,32 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
         return stream
 
 
+@functools.cache
 def default_max_blocks(device: torch.device) -> int:
-    """Half the SMs (NVIDIA) or CUs (AMD) of ``device``: the side stream's grid cap."""
+    """Half the SMs (NVIDIA) or CUs (AMD) of ``device``: the side stream's grid cap (asked of
+    the driver once per device, not on every step)."""
     count = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, count // 2)
+
+
+@contextlib.contextmanager
+def launch_on_side_stream(
+    device: torch.device, inputs: Sequence[torch.Tensor], stream: torch.cuda.Stream | None = None
+):
+    """Makes ``stream`` (default: :func:`side_stream` of ``device``) current, after everything
+    queued so far on the current stream: the step's ids are written and the previous step's
+    reads of the buffers the lookups write are done. Outside a graph capture, ``inputs`` are
+    recorded on it, so the caching allocator does not hand their memory to another tensor while
+    the side stream may still read it (graph memory is static: nothing to record in a capture).
+    Yields the stream."""
+    if stream is None:
+        stream = side_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    if not torch.cuda.is_current_stream_capturing():
+        for tensor in inputs:
+            tensor.record_stream(stream)
+    with torch.cuda.stream(stream):
+        yield stream
 
 
 @dataclass
@@ -216,53 +247,44 @@ def start(
                 f"{slot.rows.device}; nothing was started"
             )
         embedding._check_complete()
-    on_gpu = input_ids.device.type == "cuda"
-    if on_gpu and stream is None:
-        stream = side_stream(input_ids.device)
-    if on_gpu and max_blocks is None:
-        max_blocks = default_max_blocks(input_ids.device)
     source = (input_ids.data_ptr(), num_tokens)
     # A failed launch must not leave a layer looking started with the rows of another step.
     for slot in slots:
         slot.state = "idle"
-    if not on_gpu:
+    on_gpu = input_ids.device.type == "cuda"
+    if on_gpu and max_blocks is None:
+        max_blocks = default_max_blocks(input_ids.device)
+    inputs = (input_ids, query_start_loc, ngram_context)
+    side = (
+        launch_on_side_stream(input_ids.device, inputs, stream)
+        if on_gpu
+        else contextlib.nullcontext()
+    )
+    with side as stream:
         for embedding, slot in zip(embeddings, slots, strict=True):
-            _launch_one(embedding, slot, input_ids, query_start_loc, ngram_context, 0, dedupe)
-            slot.num_tokens, slot.source, slot.state = num_tokens, source, "started"
-        return
-    current = torch.cuda.current_stream(input_ids.device)
-    capturing = torch.cuda.is_current_stream_capturing()
-    # The side stream starts after everything queued so far: the step's ids are written and the
-    # previous step's reads of these buffers are done.
-    stream.wait_stream(current)
-    if not capturing:
-        # The caching allocator must not hand the ids' memory to another tensor while the side
-        # stream may still read it (graph memory is static: nothing to record in a capture).
-        for tensor in (input_ids, query_start_loc, ngram_context):
-            tensor.record_stream(stream)
-    with torch.cuda.stream(stream):
-        for embedding, slot in zip(embeddings, slots, strict=True):
-            _launch_one(
-                embedding, slot, input_ids, query_start_loc, ngram_context, max_blocks or 0, dedupe
-            )
-            slot.event.record(stream)
+            lookup_into_slot(embedding, slot, *inputs, max_blocks=max_blocks or 0, dedupe=dedupe)
+            if slot.event is not None:
+                slot.event.record(stream)
             slot.num_tokens, slot.source, slot.state = num_tokens, source, "started"
 
 
-def _launch_one(
+def lookup_into_slot(
     embedding: NGramEmbedding,
     slot: PrefetchSlot,
     input_ids: torch.Tensor,
     query_start_loc: torch.Tensor,
     ngram_context: torch.Tensor,
-    max_blocks: int,
-    dedupe: bool,
-) -> None:
+    *,
+    max_blocks: int = 0,
+    dedupe: bool = False,
+) -> torch.Tensor:
+    """This rank's rows of the tokens, looked up on the current stream into ``slot``'s buffers
+    (not reduced over vocabulary shards); its state is the caller's to set."""
+    num_tokens = input_ids.numel()
     if dedupe:
         _launch_deduplicated(embedding, slot, input_ids, query_start_loc, ngram_context, max_blocks)
-        return
-    num_tokens = input_ids.numel()
-    embedding._lookup_local(
+        return slot.rows[:num_tokens]
+    return embedding._lookup_local(
         input_ids,
         query_start_loc,
         ngram_context,

@@ -139,13 +139,9 @@ class StepLookups:
         # Constants computed now, on this stream (a first call copies sizes to the host).
         divmods = [head_divmod(layer.ple_embedding.ngram_heads_vocab_sizes) for layer in ple_layers]
         device = input_ids.device
-        stream = pipeline.side_stream(device)
         max_blocks = pipeline.default_max_blocks(device)
-        current = torch.cuda.current_stream(device)
-        stream.wait_stream(current)
-        for tensor in (input_ids, query_start_loc, ngram_context):
-            tensor.record_stream(stream)
-        with torch.cuda.stream(stream):
+        inputs = (input_ids, query_start_loc, ngram_context)
+        with pipeline.launch_on_side_stream(device, inputs) as stream:
             for layer, slot, divmod in zip(ple_layers, slots, divmods, strict=True):
                 embedding = layer.ple_embedding
                 ids = slot.ids[:num_tokens]
