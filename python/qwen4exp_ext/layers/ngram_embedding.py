@@ -389,22 +389,12 @@ class NGramEmbedding(nn.Module):
 
     def _checkpoint_shard_rows(self, shard_index: int) -> tuple[int, int]:
         """(first global row, row count) of checkpoint shard ``shard_index``."""
-        if shard_index >= self.split_ngram_parts:
-            raise ValueError(
-                f"PLE embedding shard index {shard_index} exceeds "
-                f"split_ngram_parts={self.split_ngram_parts}"
-            )
-        shard_size = -(-self.num_rows // self.split_ngram_parts)
-        start = shard_index * shard_size
-        return start, max(0, min(shard_size, self.num_rows - start))
+        return checkpoint_shard_rows(self.num_rows, self.split_ngram_parts, shard_index)
 
     @staticmethod
     def _shard_name(name: str) -> tuple[int, str] | None:
         """(index, leaf) of ``ngram_embedding.shard_<index>.<leaf>``, leaf in SHARD_LEAVES."""
-        if not name.startswith(SHARD_PREFIX):
-            return None
-        text, _, leaf = name[len(SHARD_PREFIX) :].partition(".")
-        return (int(text), leaf) if text.isdigit() and leaf in SHARD_LEAVES else None
+        return shard_name(name)
 
     def _owned_rows(self, global_start: int, count: int) -> tuple[int, int]:
         """The global rows [lo, hi) of checkpoint rows [global_start, global_start + count) that
@@ -687,6 +677,28 @@ class NGramEmbedding(nn.Module):
                     self._copy_rows(lo, piece[lo - start : hi - start], target)
 
         return read
+
+
+def shard_name(name: str) -> tuple[int, str] | None:
+    """(index, leaf) of a checkpoint name ``ngram_embedding.shard_<index>.<leaf>``, leaf in
+    SHARD_LEAVES; None for any other name. Shared with the table-file packer (table_tool)."""
+    if not name.startswith(SHARD_PREFIX):
+        return None
+    text, _, leaf = name[len(SHARD_PREFIX) :].partition(".")
+    return (int(text), leaf) if text.isdigit() and leaf in SHARD_LEAVES else None
+
+
+def checkpoint_shard_rows(num_rows: int, parts: int, shard_index: int) -> tuple[int, int]:
+    """(first global row, row count) of checkpoint shard ``shard_index`` of a table of
+    ``num_rows`` rows split in ``parts`` (split_ngram_parts): ceil(num_rows / parts) rows each,
+    the last shorter (and any after it empty)."""
+    if shard_index >= parts:
+        raise ValueError(
+            f"PLE embedding shard index {shard_index} exceeds split_ngram_parts={parts}"
+        )
+    shard_size = -(-num_rows // parts)
+    start = shard_index * shard_size
+    return start, max(0, min(shard_size, num_rows - start))
 
 
 def _refresh_head_divmod_after_load(module: NGramEmbedding, incompatible_keys: Any) -> None:
