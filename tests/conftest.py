@@ -7,11 +7,13 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 
 from qwen4exp_ext.bench import vllm_triton
@@ -138,3 +140,19 @@ def run_cpp_check(tmp_path, name: str, *flags: str, sources: tuple[str, ...] = (
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("ok "), result.stdout
     return result.stdout
+
+
+@pytest.fixture
+def one_process_group():
+    """A gloo world of one process, for vocabulary-shard tests: a shard's reduce then sums one
+    partial (itself)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(
+            "gloo", init_method="file://" + os.path.join(tmp, "store"), rank=0, world_size=1
+        )
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

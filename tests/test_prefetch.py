@@ -7,76 +7,20 @@ step replays with changing ids."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-from types import SimpleNamespace
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from conftest import devices
-from ngram_support import CONFIG
-from qwen4exp_ext.layers import LookupPipeline, NGramEmbedding, PLELayer, PLEState
-
-NVFP4_CONFIG = SimpleNamespace(**{**vars(CONFIG), "ple_embed_dim": 128})  # head dim 32
-FORMATS = ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e4m3fnuz", "nvfp4"]
-# (request lengths) of the batches: odd, one empty request, one token, none at all.
-BATCHES = {"odd": [5, 0, 13, 1], "one": [1], "empty": []}
-
-
-def _batch(lengths, device, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    qsl = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()])
-    tokens = int(qsl[-1])
-    input_ids = torch.randint(0, CONFIG.vocab_size, (tokens,), generator=gen)
-    if tokens > 3:
-        input_ids[3] = CONFIG.eos_token_id
-    context = torch.randint(0, CONFIG.vocab_size, (len(lengths), 2), generator=gen)
-    return input_ids.to(device), qsl.to(torch.int32).to(device), context.to(device)
-
-
-def _fill(module: NGramEmbedding, seed: int) -> None:
-    """Random table bytes (and scales) for any format: every fp8 code, NaN included."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        weight = module.weight
-        if weight.dtype.is_floating_point and weight.element_size() > 1:
-            weight.copy_(torch.randn(weight.shape, generator=gen).to(weight.dtype))
-        else:
-            raw = torch.randint(0, 256, weight.shape, dtype=torch.uint8, generator=gen)
-            weight.view(torch.uint8).copy_(raw)
-        if module.nvfp4:
-            bits = torch.randint(
-                1, 0x60, module.weight_scale.shape, dtype=torch.uint8, generator=gen
-            )
-            module.weight_scale.view(torch.uint8).copy_(bits)
-            module.weight_scale_2.fill_(0.37)
-        elif module.weight_scale is not None:
-            module.weight_scale.fill_(0.0123)
-
-
-def _embedding(table_format, device, *, layer_index=1, max_tokens=32, shard=None, seed=0):
-    config = NVFP4_CONFIG if table_format == "nvfp4" else CONFIG
-    placement = "cpu" if device == "cpu" else "device"
-    module = NGramEmbedding(
-        config,
-        layer_index,
-        placement=placement,
-        device=device,
-        dtype=table_format,
-        shard=shard,
-        max_tokens=max_tokens,
-    )
-    _fill(module, seed)
-    return module
-
-
-def _same(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Bit for bit (NaN rows of fp8 tables included)."""
-    assert got.shape == want.shape and got.dtype == want.dtype
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
-    assert torch.equal(got.contiguous().view(bits), want.contiguous().view(bits))
+from lookup_support import (
+    BATCHES,
+    CONFIG,
+    FORMATS,
+    make_batch,
+    make_embedding,
+    ple_layers,
+    same_bits,
+)
+from qwen4exp_ext.layers import LookupPipeline, NGramEmbedding, PLEState
 
 
 @pytest.mark.parametrize("device", devices())
@@ -84,14 +28,14 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("lengths", list(BATCHES.values()), ids=list(BATCHES))
 def test_prefetched_rows_equal_forward(device, table_format, lengths):
     """One embedding's start_prefetch / finalize_prefetch equals its forward, bit for bit."""
-    module = _embedding(table_format, device)
-    batch = _batch(lengths, device)
+    module = make_embedding(table_format, device)
+    batch = make_batch(lengths, device)
     want = module(*batch)
     module.start_prefetch(*batch)
     assert module.prefetch_pending
     got = module.finalize_prefetch()
     assert not module.prefetch_pending
-    _same(got, want)
+    same_bits(got, want)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -99,17 +43,17 @@ def test_a_pipeline_of_several_layers_equals_each_forward(device):
     """Three layers of different formats and layer indices, started once per step, several
     steps of different sizes; finalized out of order."""
     layers = [
-        _embedding("bfloat16", device, layer_index=0, seed=1),
-        _embedding("float8_e4m3fn", device, layer_index=1, seed=2),
-        _embedding("float32", device, layer_index=3, seed=3),
+        make_embedding("bfloat16", device, layer_index=0, seed=1),
+        make_embedding("float8_e4m3fn", device, layer_index=1, seed=2),
+        make_embedding("float32", device, layer_index=3, seed=3),
     ]
     pipeline = LookupPipeline(layers)
     for step, lengths in enumerate(([5, 0, 13, 1], [1, 1, 1], [32], [2, 7])):
-        batch = _batch(lengths, device, seed=step)
+        batch = make_batch(lengths, device, seed=step)
         wants = [layer(*batch) for layer in layers]
         pipeline.start_prefetch(*batch)
         for index in (2, 0, 1):
-            _same(pipeline.finalize_prefetch(index), wants[index])
+            same_bits(pipeline.finalize_prefetch(index), wants[index])
 
 
 def _repeating_batch(device):
@@ -130,16 +74,18 @@ def _repeating_batch(device):
 def test_deduplicated_lookups_equal_forward(device, table_format, lengths):
     """``dedupe=True`` (each distinct row read once) gives forward's rows bit for bit, over
     steps of several sizes (the buffers are reused)."""
-    layers = [_embedding(table_format, device, layer_index=i, seed=i) for i in (0, 3)]
+    layers = [make_embedding(table_format, device, layer_index=i, seed=i) for i in (0, 3)]
     pipeline = LookupPipeline(layers, dedupe=True)
     for seed in range(3):
         batch = (
-            _repeating_batch(device) if lengths == "repeating" else _batch(lengths, device, seed)
+            _repeating_batch(device)
+            if lengths == "repeating"
+            else make_batch(lengths, device, seed)
         )
         wants = [layer(*batch) for layer in layers]
         pipeline.start_prefetch(*batch)
         for index in (1, 0):
-            _same(pipeline.finalize_prefetch(index), wants[index])
+            same_bits(pipeline.finalize_prefetch(index), wants[index])
 
 
 def test_deduplicated_lookups_read_each_distinct_row_once(monkeypatch):
@@ -147,7 +93,7 @@ def test_deduplicated_lookups_read_each_distinct_row_once(monkeypatch):
     a zero row), and for nothing else."""
     from qwen4exp_ext import ops
 
-    layer = _embedding("bfloat16", "cpu")
+    layer = make_embedding("bfloat16", "cpu")
     batch = _repeating_batch("cpu")
     ids = layer._ngram_ids(*batch).reshape(-1)
     asked = []
@@ -165,36 +111,21 @@ def test_deduplicated_lookups_read_each_distinct_row_once(monkeypatch):
     assert sorted(read.tolist()) == sorted(ids.unique().tolist())
 
 
-@pytest.fixture
-def one_process_group():
-    """A gloo world of one process: a shard's reduce then sums one partial (itself)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group(
-            "gloo", init_method="file://" + os.path.join(tmp, "store"), rank=0, world_size=1
-        )
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("table_format", ["bfloat16", "float8_e4m3fn", "nvfp4"])
 @pytest.mark.parametrize("dedupe", [False, True])
 def test_vocabulary_shards_prefetch_their_own_rows(one_process_group, table_format, dedupe):
     """Each rank's prefetched rows equal its forward (rows of other ranks read zero)."""
     for rank in range(3):
-        module = _embedding(table_format, "cpu", shard=(rank, 3), seed=rank)
-        for batch in (_batch([5, 0, 13, 1], "cpu"), _repeating_batch("cpu")):
+        module = make_embedding(table_format, "cpu", shard=(rank, 3), seed=rank)
+        for batch in (make_batch([5, 0, 13, 1], "cpu"), _repeating_batch("cpu")):
             want = module(*batch)
             LookupPipeline([module], dedupe=dedupe).start_prefetch(*batch)
-            _same(module.finalize_prefetch(), want)
+            same_bits(module.finalize_prefetch(), want)
 
 
 def test_finalize_without_a_start_twice_or_too_large_raises_and_writes_nothing():
-    module = _embedding("bfloat16", "cpu", max_tokens=8)
-    small = _batch([3, 2], "cpu")
+    module = make_embedding("bfloat16", "cpu", max_tokens=8)
+    small = make_batch([3, 2], "cpu")
     with pytest.raises(RuntimeError, match="no lookup was started; call start_prefetch first"):
         module.finalize_prefetch()
     module.start_prefetch(*small)
@@ -204,21 +135,21 @@ def test_finalize_without_a_start_twice_or_too_large_raises_and_writes_nothing()
     # A batch larger than the buffers: nothing is launched, the buffers keep the last rows.
     rows_before = module.prefetch_slot.rows.clone()
     with pytest.raises(ValueError, match="9 tokens but the prefetch buffers hold 8"):
-        module.start_prefetch(*_batch([9], "cpu"))
+        module.start_prefetch(*make_batch([9], "cpu"))
     assert torch.equal(module.prefetch_slot.rows, rows_before)
     with pytest.raises(RuntimeError, match="already finalized"):
         module.finalize_prefetch()
     module.start_prefetch(*small)
-    _same(module.finalize_prefetch(), first)
+    same_bits(module.finalize_prefetch(), first)
 
 
 def test_a_pipeline_checks_every_layer_before_launching_any():
-    big = _embedding("bfloat16", "cpu", max_tokens=16, layer_index=0)
-    small = _embedding("bfloat16", "cpu", max_tokens=4, layer_index=1)
+    big = make_embedding("bfloat16", "cpu", max_tokens=16, layer_index=0)
+    small = make_embedding("bfloat16", "cpu", max_tokens=4, layer_index=1)
     pipeline = LookupPipeline([big, small])
     before = big.prefetch_slot.rows.clone()
     with pytest.raises(ValueError, match="5 tokens but the prefetch buffers hold 4"):
-        pipeline.start_prefetch(*_batch([5], "cpu"))
+        pipeline.start_prefetch(*make_batch([5], "cpu"))
     assert torch.equal(big.prefetch_slot.rows, before)
     assert not big.prefetch_pending and not small.prefetch_pending
 
@@ -226,7 +157,7 @@ def test_a_pipeline_checks_every_layer_before_launching_any():
 def test_errors_name_what_is_missing():
     without = NGramEmbedding(CONFIG, 1, placement="cpu")
     with pytest.raises(RuntimeError, match="no prefetch buffers; build it .* with max_tokens"):
-        without.start_prefetch(*_batch([2], "cpu"))
+        without.start_prefetch(*make_batch([2], "cpu"))
     with pytest.raises(RuntimeError, match="no prefetch buffers"):
         LookupPipeline([without])
     with pytest.raises(TypeError, match="NGramEmbedding or PLELayer"):
@@ -234,49 +165,14 @@ def test_errors_name_what_is_missing():
     with pytest.raises(ValueError, match="max_tokens must be positive"):
         NGramEmbedding(CONFIG, 1, placement="cpu", max_tokens=0)
     with pytest.raises(ValueError, match="max_blocks must be positive"):
-        LookupPipeline([_embedding("bfloat16", "cpu")], max_blocks=0)
-    other = _embedding("bfloat16", "cpu", layer_index=2)
-    pipeline = LookupPipeline([_embedding("bfloat16", "cpu")])
+        LookupPipeline([make_embedding("bfloat16", "cpu")], max_blocks=0)
+    other = make_embedding("bfloat16", "cpu", layer_index=2)
+    pipeline = LookupPipeline([make_embedding("bfloat16", "cpu")])
     with pytest.raises(ValueError, match="not part of this pipeline"):
         pipeline.finalize_prefetch(other)
 
 
 # --- PLELayer ----------------------------------------------------------------------------------
-
-
-def _ple_config(table_format):
-    base = NVFP4_CONFIG if table_format == "nvfp4" else CONFIG
-    return SimpleNamespace(
-        **vars(base), hidden_size=8, hc_count=2, ple_conv_kernel_size=4, rms_norm_eps=1e-6
-    )
-
-
-def _ple_layers(device, table_format, max_tokens):
-    """Two PLE layers (dense indices 0 and 2, conv states 0 and 1) with random weights, and
-    their twins without max_tokens (fresh outputs, no prefetch): same weights."""
-    config = _ple_config(table_format)
-    kwargs = dict(
-        dtype=torch.bfloat16,
-        table_dtype=table_format,
-        placement="cpu" if device == "cpu" else "device",
-        device=device,
-    )
-    layers, twins = [], []
-    for state_index, layer_index in enumerate((0, 2)):
-        layer = PLELayer(
-            config, layer_index, state_index=state_index, max_tokens=max_tokens, **kwargs
-        )
-        _fill(layer.ple_embedding, layer_index)
-        gen = torch.Generator().manual_seed(layer_index)
-        with torch.no_grad():
-            for name, param in layer.named_parameters():
-                if not name.startswith("ple_embedding"):
-                    param.copy_(torch.randn(param.shape, generator=gen).to(param.dtype) * 0.3)
-        twin = PLELayer(config, layer_index, state_index=state_index, **kwargs)
-        twin.load_state_dict(layer.state_dict())
-        layers.append(layer)
-        twins.append(twin)
-    return config, layers, twins
 
 
 def _state(config, device):
@@ -300,7 +196,7 @@ SCHEDULE = [[("a", 5), ("b", 3)], [("a", 1), ("b", 1), ("c", 7)], [("c", 1)], [(
 def test_ple_layers_with_a_pipeline_equal_layers_without(device, table_format):
     """Two PLE layers whose lookups start at step entry (and that write into their own buffers)
     give what layers without either give, bit for bit, over chunked prefills and decodes."""
-    config, layers, twins = _ple_layers(device, table_format, max_tokens=16)
+    config, layers, twins = ple_layers(device, table_format, max_tokens=16)
     pipeline = LookupPipeline(layers)
     ours, theirs = _state(config, device), _state(config, device)
     gen = torch.Generator().manual_seed(9)
@@ -320,7 +216,7 @@ def test_ple_layers_with_a_pipeline_equal_layers_without(device, table_format):
             got = layer(got, batch.input_ids, batch).clone()
             assert not layer.ple_embedding.prefetch_pending
             want = twin(want, twin_batch.input_ids, twin_batch)
-            _same(got, want)
+            same_bits(got, want)
         ours.commit(batch)
         theirs.commit(twin_batch)
 
@@ -329,7 +225,7 @@ def test_ple_layers_with_a_pipeline_equal_layers_without(device, table_format):
 def test_ple_layer_buffers_keep_their_addresses(device):
     """With max_tokens, a forward writes its output and intermediates into the layer's own
     buffers, the same memory every call (as graphs need); without a prefetch, too."""
-    config, (layer, _), (twin, _) = _ple_layers(device, "bfloat16", max_tokens=16)
+    config, (layer, _), (twin, _) = ple_layers(device, "bfloat16", max_tokens=16)
     gen = torch.Generator().manual_seed(3)
     addresses = set()
     for tokens in (16, 3, 9):
@@ -338,9 +234,9 @@ def test_ple_layer_buffers_keep_their_addresses(device):
         hidden = hidden.to(device)
         out = layer(hidden, ids)
         addresses.add(out.data_ptr())
-        _same(out, twin(hidden, ids))
+        same_bits(out, twin(hidden, ids))
         layer.start_prefetch(ids)
-        _same(layer(hidden, ids), twin(hidden, ids))
+        same_bits(layer(hidden, ids), twin(hidden, ids))
     assert len(addresses) == 1
     with pytest.raises(ValueError, match="17 tokens, but the layer was built for max_tokens"):
         layer(
@@ -350,7 +246,7 @@ def test_ple_layer_buffers_keep_their_addresses(device):
 
 
 def test_a_forward_refuses_a_lookup_started_for_other_tokens():
-    _, (layer, _), _ = _ple_layers("cpu", "bfloat16", max_tokens=8)
+    _, (layer, _), _ = ple_layers("cpu", "bfloat16", max_tokens=8)
     ids = torch.arange(4)
     layer.start_prefetch(ids)
     hidden = torch.zeros(4, layer.hc_hidden_size, dtype=torch.bfloat16)
@@ -373,8 +269,8 @@ def test_gpu_a_delayed_side_stream_still_gives_exact_rows(dedupe):
     layer's event, so the rows are exact (the buffer holds NaN until the lookup writes it)."""
     from qwen4exp_ext.layers.prefetch import side_stream
 
-    layers = [_embedding("bfloat16", "cuda", layer_index=i, seed=i) for i in range(3)]
-    batch = _batch([5, 0, 13, 1], "cuda")
+    layers = [make_embedding("bfloat16", "cuda", layer_index=i, seed=i) for i in range(3)]
+    batch = make_batch([5, 0, 13, 1], "cuda")
     wants = [layer(*batch) for layer in layers]
     for layer in layers:
         layer.prefetch_slot.rows.fill_(float("nan"))
@@ -384,22 +280,22 @@ def test_gpu_a_delayed_side_stream_still_gives_exact_rows(dedupe):
     pipeline = LookupPipeline(layers, dedupe=dedupe)
     pipeline.start_prefetch(*batch)
     for index in (1, 0, 2):
-        _same(pipeline.finalize_prefetch(index).clone(), wants[index])
+        same_bits(pipeline.finalize_prefetch(index).clone(), wants[index])
 
 
 @needs_gpu
 def test_gpu_the_side_stream_waits_for_ids_written_by_a_slow_main_stream():
     """The ids are written on the main stream after a spin: the side stream must wait for them
     (wait_stream), or it hashes the previous step's ids."""
-    layer = _embedding("float8_e4m3fn", "cuda")
-    first, second = _batch([7, 2], "cuda", seed=1), _batch([7, 2], "cuda", seed=2)
+    layer = make_embedding("float8_e4m3fn", "cuda")
+    first, second = make_batch([7, 2], "cuda", seed=1), make_batch([7, 2], "cuda", seed=2)
     want = layer(*second)
     ids = first[0].clone()
     torch.cuda.synchronize()
     torch.cuda._sleep(SPIN_CYCLES)
     ids.copy_(second[0])
     layer.start_prefetch(ids, *second[1:])
-    _same(layer.finalize_prefetch().clone(), want)
+    same_bits(layer.finalize_prefetch().clone(), want)
 
 
 @needs_gpu
@@ -407,9 +303,9 @@ def test_gpu_the_side_stream_waits_for_ids_written_by_a_slow_main_stream():
 def test_gpu_a_captured_step_replays_with_changing_ids(dedupe):
     """Lookups captured with the step (a side branch of the graph): every replay reads the
     static ids and writes exact rows into the fixed buffers."""
-    layers = [_embedding(f, "cuda", layer_index=i, seed=i) for i, f in enumerate(FORMATS[:4])]
+    layers = [make_embedding(f, "cuda", layer_index=i, seed=i) for i, f in enumerate(FORMATS[:4])]
     pipeline = LookupPipeline(layers, dedupe=dedupe)
-    static = [t.clone() for t in _batch([9, 4, 3], "cuda", seed=0)]
+    static = [t.clone() for t in make_batch([9, 4, 3], "cuda", seed=0)]
     pipeline.start_prefetch(*static)  # eager warm-up: allocations, constants
     [pipeline.finalize_prefetch(i) for i in range(len(layers))]
     torch.cuda.synchronize()
@@ -418,10 +314,10 @@ def test_gpu_a_captured_step_replays_with_changing_ids(dedupe):
         pipeline.start_prefetch(*static)
         outs = [pipeline.finalize_prefetch(i) for i in range(len(layers))]
     for seed in (1, 2, 3):
-        batch = _batch([9, 4, 3], "cuda", seed=seed)
+        batch = make_batch([9, 4, 3], "cuda", seed=seed)
         for buffer, value in zip(static, batch, strict=True):
             buffer.copy_(value)
         graph.replay()
         torch.cuda.synchronize()
         for layer, out in zip(layers, outs, strict=True):
-            _same(out, layer(*batch))
+            same_bits(out, layer(*batch))
