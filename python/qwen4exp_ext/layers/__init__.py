@@ -6,6 +6,7 @@ from .hyper_connection import GatedResidual, HyperConnection, HyperConnectionCon
 from .ngram_embedding import NGramEmbedding
 from .ple_layer import PLELayer
 from .prefetch import LookupPipeline
+from .staged import StagedLookupPipeline, StagedStep
 from .state import PLEBatch, PLEState, get_ple_mamba_state_dtype, get_ple_mamba_state_shape
 
 __all__ = [
@@ -17,6 +18,8 @@ __all__ = [
     "PLEBatch",
     "PLELayer",
     "PLEState",
+    "StagedLookupPipeline",
+    "StagedStep",
     "get_ple_mamba_state_dtype",
     "get_ple_mamba_state_shape",
 ]

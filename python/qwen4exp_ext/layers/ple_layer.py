@@ -32,6 +32,7 @@ from .ngram_embedding import (
     NGramEmbedding,
     Placement,
     TableDtype,
+    TableReader,
     safetensors_dtype,
 )
 from .state import PLEBatch, _text_config, ple_conv_state_len
@@ -87,6 +88,9 @@ class PLELayer(nn.Module):
         shard: tuple[int, int] | None = None,
         process_group: Any = None,
         max_tokens: int | None = None,
+        table_path: str | Path | None = None,
+        table_reader: TableReader = "mmap",
+        io_threads: int = 0,
     ) -> None:
         super().__init__()
         config = _text_config(config)
@@ -113,6 +117,9 @@ class PLELayer(nn.Module):
             shard=shard,
             process_group=process_group,
             max_tokens=max_tokens,
+            table_path=table_path,
+            table_reader=table_reader,
+            io_threads=io_threads,
         )
         self.kv_proj = nn.Linear(
             self.embed_dim,
@@ -167,7 +174,10 @@ class PLELayer(nn.Module):
         hidden: torch.Tensor,
         input_ids: torch.Tensor | None = None,
         batch: PLEBatch | None = None,
+        embeddings: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``embeddings``: the tokens' n-gram rows [T, D_e] when they were looked up elsewhere
+        (a :class:`~.staged.StagedStep`'s ``rows``); otherwise looked up here."""
         if hidden.dim() != 2 or hidden.shape[1] != self.hc_hidden_size:
             raise ValueError(
                 f"hidden must be [T, {self.hc_hidden_size}], got {tuple(hidden.shape)}"
@@ -194,7 +204,13 @@ class PLELayer(nn.Module):
                 f"PLELayer: {num_tokens} tokens, but the layer was built for max_tokens = "
                 f"{self.max_tokens}"
             )
-        embeddings = self._embeddings(input_ids, qsl, context)
+        if embeddings is None:
+            embeddings = self._embeddings(input_ids, qsl, context)
+        elif tuple(embeddings.shape) != (num_tokens, self.embed_dim):
+            raise ValueError(
+                f"embeddings must be [{num_tokens}, {self.embed_dim}], got "
+                f"{tuple(embeddings.shape)}"
+            )
         if embeddings.dtype != hidden.dtype:
             embeddings = embeddings.to(hidden.dtype)
         kv_weight = self.kv_proj.weight.to(hidden.dtype)

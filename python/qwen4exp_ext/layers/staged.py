@@ -1,0 +1,370 @@
+"""PLE lookups staged by CPU threads: for tables the GPU cannot read itself.
+
+A table in ordinary host memory or in a file (``placement="cpu"`` or ``"file"``) cannot be read
+zero-copy by the GPU: its rows have to be gathered by the CPU into pinned staging buffers and
+copied to the device. The token ids of a step are on the host when the step is prepared, so the
+whole lookup (hash, gather, copy) can run on a CPU thread ahead of the model, as ROCm's ATOM does
+for DeepSeek's Engram rows and SGLang for rows streamed from NVMe:
+
+    pipeline = StagedLookupPipeline([layer_a, layer_b], max_tokens=8192, device="cuda")
+    step = pipeline.submit(input_ids, query_start_loc, ngram_context)   # host tensors
+    ...                                          # the worker hashes and gathers meanwhile
+    rows_a = step.rows(0)                        # waits for layer a's rows only
+    ...
+    step.release()                               # its buffers may be refilled
+    pipeline.close()                             # joins the worker (also: ``with pipeline:``)
+
+How it runs:
+
+- **One worker thread, layers in order.** ``submit`` copies the step's inputs into the step's
+  slot and returns; the worker hashes each layer's ids (``ngram_ids``, or the fused CPU lookup)
+  and gathers its rows into that layer's staging buffer with the CPU kernels (torch's intra-op
+  threads), decoded to the embedding's dtype there; on a GPU it then queues one
+  asynchronous host-to-device copy of the layer's rows on a copy stream and records an event.
+  ``rows(l)`` waits for layer l only: the first PLE layer does not wait for the deeper ones.
+- **Double-buffered.** Steps alternate between two slots (buffers of every layer), so step n+1
+  is prepared while step n's rows are read. A slot is refilled only after the step that used it
+  was released (``release`` or leaving ``with step:``): ``submit`` waits for that (and raises
+  ``TimeoutError`` after ``timeout`` seconds, when given). On a GPU the copy stream also waits on
+  the event that ``release`` records on the consumer's stream before overwriting the device
+  rows, and the worker waits for a staging buffer's previous copy to finish before refilling it.
+- **Decoded on the CPU.** fp8 and NVFP4 rows are decoded to bf16 by the CPU gather itself (in
+  SIMD registers, at the cost of a plain copy: the gather is bound by its random reads), not
+  copied raw and decoded by a GPU kernel: that would save PCIe bytes (2x for fp8, 3.6x for
+  NVFP4) on a copy engine that overlaps the model anyway, at the price of one more kernel per
+  layer on the GPU and a second device buffer. ``qwen4exp-bench host_lookup`` measures the CPU
+  side of both (``staged_decode`` against ``staged_raw``).
+- **Errors** (a short read of a file table, a table freed under the pipeline) are raised by
+  ``rows`` of the failed layer and of every later layer of that step, never as partial rows; the
+  other slot's rows, a previous step's, are untouched.
+
+On a CPU-only machine the rows are delivered in the staging buffers themselves (``device`` =
+CPU): the same calls, with the overlap of the worker thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .prefetch import _embedding_of
+
+__all__ = ["StagedLookupPipeline", "StagedStep"]
+
+SLOTS = 2  # double buffering: one step read, the next prepared
+
+
+@dataclass
+class _Slot:
+    """One step's buffers for every layer, and where that step stands."""
+
+    input_ids: torch.Tensor  # [max_tokens] int64, host
+    query_start_loc: torch.Tensor  # [max_tokens + 1] int32 (the batch's dtype), host
+    ngram_context: torch.Tensor | None
+    staging: list[torch.Tensor]  # per layer [max_tokens, D_e], host (pinned on a GPU)
+    ids: list[torch.Tensor]  # per layer [max_tokens, NH] int64, host
+    device_rows: list[torch.Tensor] | None  # per layer [max_tokens, D_e] on the GPU
+    copied: list[torch.cuda.Event] | None  # per layer: its host-to-device copy is done
+    released: torch.cuda.Event | None  # recorded on the consumer's stream by release()
+    step: StagedStep | None = None  # the step using the slot, until released
+
+
+class StagedStep:
+    """One submitted step: its rows per layer, as the worker finishes them."""
+
+    def __init__(self, pipeline: StagedLookupPipeline, slot: _Slot, number: int, tokens: int):
+        self._pipeline = pipeline
+        self._slot = slot
+        self.number = number
+        self.num_tokens = tokens
+        self._ready = 0  # layers whose rows are complete (and queued to the GPU)
+        self._error: BaseException | None = None
+        self._released = False
+
+    def rows(self, layer: int | Any, timeout: float | None = None) -> torch.Tensor:
+        """Layer ``layer``'s rows [T, D_e] (an index into the pipeline's modules, or the
+        module), as its embedding's ``forward`` returns them, on the pipeline's device. Waits
+        for that layer only (on a GPU: the current stream waits on its copy's event). Valid
+        until :meth:`release`. Raises the worker's error if this layer's lookup failed."""
+        index = self._pipeline._index(layer)
+        if self._released:
+            raise RuntimeError(f"StagedStep {self.number} was released; its rows are gone")
+        with self._pipeline._cond:
+            done = self._pipeline._cond.wait_for(
+                lambda: self._ready > index or self._error is not None, timeout
+            )
+            if not done:
+                raise TimeoutError(
+                    f"StagedStep {self.number}: layer {index}'s rows not ready after {timeout} s"
+                )
+            if self._ready <= index:
+                error = self._error
+                raise RuntimeError(
+                    f"StagedStep {self.number}: no rows for layer {index}: the lookup of layer "
+                    f"{self._ready} failed ({type(error).__name__}: {error})"
+                ) from error
+        slot, tokens = self._slot, self.num_tokens
+        embedding = self._pipeline.embeddings[index]
+        if slot.device_rows is None:
+            rows = slot.staging[index][:tokens]
+        else:
+            device = slot.device_rows[index].device
+            torch.cuda.current_stream(device).wait_event(slot.copied[index])
+            rows = slot.device_rows[index][:tokens]
+        return embedding._reduced(rows, reduce=True)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Waits until every layer's rows are ready (or raises the worker's error)."""
+        self.rows(len(self._pipeline.embeddings) - 1, timeout)
+
+    def release(self) -> None:
+        """Hands the step's buffers back for a later step (idempotent). On a GPU, work queued so
+        far on the current stream (the reads of these rows) finishes before they are refilled."""
+        if self._released:
+            return
+        self._released = True
+        self._pipeline._release(self)
+
+    def __enter__(self) -> StagedStep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass
+class _Job:
+    step: StagedStep
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] = field(repr=False)
+
+
+class StagedLookupPipeline:
+    """The CPU-staged lookups of PLE layers with host or file tables (module docstring).
+
+    ``modules``: :class:`~.ple_layer.PLELayer` or :class:`~.ngram_embedding.NGramEmbedding`
+    modules whose tables the CPU reads (placement ``"cpu"`` or ``"file"``), in layer order.
+    ``max_tokens``: the most tokens of a step. ``device``: where the rows are delivered (default
+    the CPU; a CUDA/ROCm device: pinned staging and one copy per layer)."""
+
+    def __init__(
+        self,
+        modules: Iterable[Any],
+        *,
+        max_tokens: int,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.modules = list(modules)
+        self.embeddings = [_embedding_of(module) for module in self.modules]
+        if not self.embeddings:
+            raise ValueError("StagedLookupPipeline needs at least one layer")
+        for embedding in self.embeddings:
+            if not embedding.host_table:
+                raise ValueError(
+                    "StagedLookupPipeline reads host tables (placement 'cpu' or 'file'); a "
+                    f"{embedding.placement!r} table is read by its device: use LookupPipeline"
+                )
+        self.max_tokens = int(max_tokens)
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        self.device = torch.device("cpu" if device is None else device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be the CPU or a CUDA/ROCm device, got {self.device}")
+        on_gpu = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device=self.device) if on_gpu else None
+        self._slots = [self._make_slot(on_gpu) for _ in range(SLOTS)]
+        self._cond = threading.Condition()
+        self._jobs: list[_Job] = []
+        self._submitted = 0
+        self._closed = False
+        self._worker = threading.Thread(
+            target=_work,
+            args=(weakref.ref(self), self._cond, self._jobs),
+            daemon=True,
+            name="qwen4exp-staged-lookups",
+        )
+        self._worker.start()
+        # The worker holds no reference to the pipeline between jobs: when the pipeline is
+        # dropped without close(), this stops and joins it.
+        self._finalizer = weakref.finalize(self, _stop, self._cond, self._jobs, self._worker)
+
+    def _make_slot(self, on_gpu: bool) -> _Slot:
+        n = self.max_tokens
+        pin = on_gpu
+
+        def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
+
+        return _Slot(
+            input_ids=host(n, dtype=torch.int64),
+            query_start_loc=host(n + 1, dtype=torch.int32),
+            ngram_context=None,
+            staging=[host(n, e.embedding_dim, dtype=e.out_dtype) for e in self.embeddings],
+            ids=[torch.zeros(n, e.ngram_heads, dtype=torch.int64) for e in self.embeddings],
+            device_rows=(
+                [
+                    torch.zeros(n, e.embedding_dim, dtype=e.out_dtype, device=self.device)
+                    for e in self.embeddings
+                ]
+                if on_gpu
+                else None
+            ),
+            copied=[torch.cuda.Event() for _ in self.embeddings] if on_gpu else None,
+            released=torch.cuda.Event() if on_gpu else None,
+        )
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def _index(self, layer: int | Any) -> int:
+        if isinstance(layer, int):
+            if not -len(self.embeddings) <= layer < len(self.embeddings):
+                raise IndexError(f"layer {layer} out of range ({len(self.embeddings)} layers)")
+            return layer % len(self.embeddings)
+        embedding = _embedding_of(layer)
+        for index, candidate in enumerate(self.embeddings):
+            if candidate is embedding:
+                return index
+        raise ValueError("that layer is not part of this pipeline")
+
+    def submit(
+        self,
+        input_ids: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        ngram_context: torch.Tensor,
+        *,
+        timeout: float | None = None,
+    ) -> StagedStep:
+        """Starts the lookups of one step (host tensors, as ``NGramEmbedding.forward`` takes
+        them; copied here, so the caller may reuse them at once) and returns its handle. Waits
+        while the slot it needs is still held by the step two before (``release``)."""
+        if self._closed:
+            raise RuntimeError("StagedLookupPipeline.submit: the pipeline is closed")
+        inputs = (input_ids.reshape(-1), query_start_loc, ngram_context)
+        for name, tensor in zip(
+            ("input_ids", "query_start_loc", "ngram_context"), inputs, strict=True
+        ):
+            if tensor.device.type != "cpu":
+                raise ValueError(
+                    f"StagedLookupPipeline.submit: {name} must be on the host (the step's ids "
+                    f"are there when it is prepared), got {tensor.device}"
+                )
+        tokens = inputs[0].numel()
+        if tokens > self.max_tokens:
+            raise ValueError(
+                f"StagedLookupPipeline.submit: the batch has {tokens} tokens but the buffers "
+                f"hold {self.max_tokens} (max_tokens); nothing was started"
+            )
+        slot = self._slots[self._submitted % SLOTS]
+        with self._cond:
+            if not self._cond.wait_for(lambda: slot.step is None or self._closed, timeout):
+                raise TimeoutError(
+                    f"StagedLookupPipeline.submit: step {slot.step.number}'s buffers are still "
+                    f"held after {timeout} s; release() each step when its rows are read"
+                )
+            if self._closed:
+                raise RuntimeError("StagedLookupPipeline.submit: the pipeline is closed")
+            input_ids, query_start_loc, ngram_context = inputs
+            slot.input_ids[:tokens].copy_(input_ids)
+            qsl = slot.query_start_loc
+            if qsl.dtype != query_start_loc.dtype or qsl.numel() < query_start_loc.numel():
+                qsl = slot.query_start_loc = torch.zeros(
+                    max(self.max_tokens + 1, query_start_loc.numel()),
+                    dtype=query_start_loc.dtype,
+                    pin_memory=slot.device_rows is not None,
+                )
+            qsl[: query_start_loc.numel()].copy_(query_start_loc)
+            slot.ngram_context = ngram_context.clone()
+            step = StagedStep(self, slot, self._submitted, tokens)
+            slot.step = step
+            self._submitted += 1
+            job_inputs = (
+                slot.input_ids[:tokens],
+                qsl[: query_start_loc.numel()],
+                slot.ngram_context,
+            )
+            self._jobs.append(_Job(step, job_inputs))
+            self._cond.notify_all()
+        return step
+
+    def _release(self, step: StagedStep) -> None:
+        slot = step._slot
+        if slot.released is not None:
+            slot.released.record(torch.cuda.current_stream(self.device))
+        with self._cond:
+            if slot.step is step:
+                slot.step = None
+            self._cond.notify_all()
+
+    def _run(self, job: _Job) -> None:
+        """The worker's part of one step: every layer in order (see the module docstring)."""
+        step = job.step
+        slot = step._slot
+        tokens = step.num_tokens
+        input_ids, query_start_loc, ngram_context = job.inputs
+        for index, embedding in enumerate(self.embeddings):
+            try:
+                if slot.copied is not None:
+                    slot.copied[index].synchronize()  # the last copy out of this staging is done
+                staging = slot.staging[index][:tokens]
+                embedding._lookup_local(
+                    input_ids,
+                    query_start_loc,
+                    ngram_context,
+                    output=staging,
+                    ids_output=slot.ids[index][:tokens],
+                )
+                if slot.device_rows is not None:
+                    stream = self._copy_stream
+                    stream.wait_event(slot.released)  # the last reads of the device rows
+                    with torch.cuda.stream(stream):
+                        slot.device_rows[index][:tokens].copy_(staging, non_blocking=True)
+                    slot.copied[index].record(stream)
+            except BaseException as error:  # noqa: BLE001 - handed to the consumer
+                with self._cond:
+                    step._error = error
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                step._ready = index + 1
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stops the worker after the steps already submitted and joins it (idempotent)."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> StagedLookupPipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _work(pipeline_ref: weakref.ref, cond: threading.Condition, jobs: list) -> None:
+    """The worker thread: runs submitted jobs in order; stops on ``None`` (from :func:`_stop`)."""
+    while True:
+        with cond:
+            cond.wait_for(lambda: bool(jobs))
+            job = jobs.pop(0)
+        if job is None:
+            return
+        pipeline = pipeline_ref()
+        if pipeline is None:
+            return
+        pipeline._run(job)
+        del pipeline, job  # hold no reference to the pipeline while waiting
+
+
+def _stop(cond: threading.Condition, jobs: list, worker: threading.Thread) -> None:
+    with cond:
+        jobs.append(None)
+        cond.notify_all()
+    if worker is not threading.current_thread():
+        worker.join()

@@ -1,0 +1,241 @@
+"""The CPU-staged lookup pipeline (python/qwen4exp_ext/layers/staged.py): rows equal each
+layer's ``forward`` bit for bit (every format, odd and empty batches, several layers, shards);
+the double buffer never refills a slot that a slow consumer still reads; a slow worker is waited
+for, layer by layer; a failed lookup raises for its layer and the later ones and leaves the
+previous step's rows intact; no thread outlives the pipeline."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+import torch
+
+from lookup_support import (
+    BATCHES,
+    FORMATS,
+    make_batch,
+    make_embedding,
+    ple_layers,
+    same_bits,
+)
+from qwen4exp_ext.layers import StagedLookupPipeline
+
+STEPS = ([5, 0, 13, 1], [1], [], [32], [2, 7])
+
+
+def _workers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "qwen4exp-staged-lookups"]
+
+
+@pytest.mark.parametrize("table_format", FORMATS)
+@pytest.mark.parametrize("lengths", list(BATCHES.values()), ids=list(BATCHES))
+def test_staged_rows_equal_forward(table_format, lengths):
+    module = make_embedding(table_format, "cpu")
+    batch = make_batch(lengths, "cpu")
+    want = module(*batch)
+    with StagedLookupPipeline([module], max_tokens=32) as pipeline, pipeline.submit(*batch) as step:
+        same_bits(step.rows(0), want)
+        same_bits(step.rows(module), want)
+
+
+def test_several_layers_over_many_steps_each_equal_forward():
+    """Three layers of different formats; five steps of different sizes, one consumed while the
+    next is prepared; layers read out of order."""
+    layers = [
+        make_embedding("bfloat16", "cpu", layer_index=0, seed=1),
+        make_embedding("nvfp4", "cpu", layer_index=2, seed=2),
+        make_embedding("float8_e4m3fnuz", "cpu", layer_index=3, seed=3),
+    ]
+    batches = [make_batch(lengths, "cpu", seed=s) for s, lengths in enumerate(STEPS)]
+    wants = [[layer(*batch) for layer in layers] for batch in batches]
+    with StagedLookupPipeline(layers, max_tokens=32) as pipeline:
+        step = pipeline.submit(*batches[0])
+        for number in range(len(batches)):
+            following = pipeline.submit(*batches[number + 1]) if number + 1 < len(batches) else None
+            for index in (2, 0, 1):
+                same_bits(step.rows(index), wants[number][index])
+            step.release()
+            step = following
+
+
+def test_inputs_are_copied_at_submit():
+    """The caller may overwrite its ids right after submit."""
+    module = make_embedding("bfloat16", "cpu")
+    batch = make_batch([5, 0, 13, 1], "cpu")
+    want = module(*batch)
+    with StagedLookupPipeline([module], max_tokens=32) as pipeline:
+        step = pipeline.submit(*batch)
+        batch[0].fill_(3)
+        batch[2].fill_(1)
+        same_bits(step.rows(0), want)
+
+
+@pytest.mark.parametrize("table_format", ["bfloat16", "float8_e4m3fn", "nvfp4"])
+def test_vocabulary_shards_stage_their_own_rows(one_process_group, table_format):
+    for rank in range(3):
+        module = make_embedding(table_format, "cpu", shard=(rank, 3), seed=rank)
+        batch = make_batch([5, 0, 13, 1], "cpu")
+        with StagedLookupPipeline([module], max_tokens=32) as pipeline:
+            with pipeline.submit(*batch) as step:
+                same_bits(step.rows(0), module(*batch))
+
+
+def test_a_slow_consumer_keeps_its_rows_until_it_releases_them():
+    """Step 0 is held while steps 1 and 2 are submitted: step 2 needs step 0's slot, so its
+    submit waits until step 0 is released, and step 0's rows stay as they were meanwhile."""
+    module = make_embedding("bfloat16", "cpu")
+    batches = [make_batch([13, 2], "cpu", seed=s) for s in range(3)]
+    wants = [module(*batch) for batch in batches]
+    with StagedLookupPipeline([module], max_tokens=32) as pipeline:
+        first = pipeline.submit(*batches[0])
+        held = first.rows(0)
+        same_bits(held, wants[0])
+        second = pipeline.submit(*batches[1])
+        third: list = []
+        submitter = threading.Thread(target=lambda: third.append(pipeline.submit(*batches[2])))
+        submitter.start()
+        time.sleep(0.3)  # the consumer is slow
+        assert not third, "step 2 was submitted into the slot step 0 still holds"
+        same_bits(held, wants[0])
+        same_bits(second.rows(0), wants[1])
+        first.release()
+        submitter.join(timeout=10)
+        assert third
+        same_bits(third[0].rows(0), wants[2])
+        with pytest.raises(RuntimeError, match="was released"):
+            first.rows(0)
+        second.release()
+        third[0].release()
+
+
+def test_submit_times_out_while_the_slot_is_held():
+    module = make_embedding("bfloat16", "cpu")
+    batch = make_batch([3], "cpu")
+    with StagedLookupPipeline([module], max_tokens=8) as pipeline:
+        held = pipeline.submit(*batch)
+        pipeline.submit(*batch)
+        with pytest.raises(TimeoutError, match="step 0's buffers are still held"):
+            pipeline.submit(*batch, timeout=0.05)
+        held.release()
+        pipeline.submit(*batch, timeout=5)
+
+
+def test_a_slow_worker_is_waited_for_layer_by_layer(monkeypatch):
+    """The second layer's lookup is slow: its rows are waited for (and are right), while the
+    first layer's rows are handed out before the second layer is done."""
+    layers = [
+        make_embedding("bfloat16", "cpu", layer_index=0),
+        make_embedding("float32", "cpu", seed=4),
+    ]
+    batch = make_batch([5, 0, 13, 1], "cpu")
+    wants = [layer(*batch) for layer in layers]
+    gate = threading.Event()
+    lookup = layers[1]._lookup_local
+
+    def slow_lookup(*args, **kwargs):
+        assert gate.wait(timeout=10)
+        time.sleep(0.1)
+        return lookup(*args, **kwargs)
+
+    monkeypatch.setattr(layers[1], "_lookup_local", slow_lookup)
+    with StagedLookupPipeline(layers, max_tokens=32) as pipeline:
+        step = pipeline.submit(*batch)
+        same_bits(step.rows(0), wants[0])  # not blocked behind layer 1
+        with pytest.raises(TimeoutError, match="layer 1's rows not ready"):
+            step.rows(1, timeout=0.05)
+        gate.set()
+        same_bits(step.rows(1), wants[1])
+        step.release()
+
+
+def test_a_failed_lookup_raises_for_its_layer_and_the_later_ones(monkeypatch):
+    """Layer 1 fails in step 1: step 1's layer 0 rows are fine, layers 1 and 2 raise (no partial
+    rows), and step 0's rows, in the other slot, are untouched; the next step works again."""
+    layers = [make_embedding("bfloat16", "cpu", layer_index=i, seed=i) for i in range(3)]
+    batches = [make_batch([5, 0, 13, 1], "cpu", seed=s) for s in range(3)]
+    wants = [[layer(*batch) for layer in layers] for batch in batches]
+    lookup = layers[1]._lookup_local
+    fail = threading.Event()
+
+    def failing(*args, **kwargs):
+        if fail.is_set():
+            raise OSError("/data/ple/layer1.table: pread failed: Input/output error")
+        return lookup(*args, **kwargs)
+
+    monkeypatch.setattr(layers[1], "_lookup_local", failing)
+    with StagedLookupPipeline(layers, max_tokens=32) as pipeline:
+        step0 = pipeline.submit(*batches[0])
+        step0.wait()
+        fail.set()
+        step1 = pipeline.submit(*batches[1])
+        same_bits(step1.rows(0), wants[1][0])
+        for index in (1, 2):
+            with pytest.raises(
+                RuntimeError, match="lookup of layer 1 failed.*layer1.table: pread failed"
+            ):
+                step1.rows(index)
+        for index in range(3):
+            same_bits(step0.rows(index), wants[0][index])
+        step0.release()
+        step1.release()
+        fail.clear()
+        with pipeline.submit(*batches[2]) as step2:
+            for index in range(3):
+                same_bits(step2.rows(index), wants[2][index])
+
+
+def test_misuse_raises_and_starts_nothing():
+    module = make_embedding("bfloat16", "cpu", max_tokens=8)
+    with pytest.raises(ValueError, match="at least one layer"):
+        StagedLookupPipeline([], max_tokens=8)
+    with pytest.raises(ValueError, match="max_tokens must be positive"):
+        StagedLookupPipeline([module], max_tokens=0)
+    with pytest.raises(TypeError, match="takes NGramEmbedding or PLELayer"):
+        StagedLookupPipeline([torch.nn.Linear(2, 2)], max_tokens=8)
+    pipeline = StagedLookupPipeline([module], max_tokens=8)
+    with pytest.raises(ValueError, match="9 tokens but the buffers hold 8"):
+        pipeline.submit(*make_batch([9], "cpu"))
+    with pytest.raises(IndexError, match="layer 3 out of range"):
+        pipeline.submit(*make_batch([2], "cpu")).rows(3)
+    with pytest.raises(ValueError, match="not part of this pipeline"):
+        pipeline.submit(*make_batch([2], "cpu")).rows(make_embedding("bfloat16", "cpu"))
+    pipeline.close()
+    with pytest.raises(RuntimeError, match="the pipeline is closed"):
+        pipeline.submit(*make_batch([2], "cpu"))
+
+
+def test_no_worker_outlives_its_pipeline():
+    module = make_embedding("bfloat16", "cpu")
+    pipeline = StagedLookupPipeline([module], max_tokens=8)
+    worker = pipeline._worker
+    assert worker.is_alive() and worker in _workers()
+    pipeline.close()
+    pipeline.close()  # idempotent
+    assert not worker.is_alive()
+    # Dropped without close(): the finalizer stops and joins the worker.
+    pipeline = StagedLookupPipeline([module], max_tokens=8)
+    worker = pipeline._worker
+    step = pipeline.submit(*make_batch([3], "cpu"))
+    step.wait()
+    del pipeline, step
+    gc.collect()
+    worker.join(timeout=5)
+    assert not worker.is_alive()
+
+
+def test_a_ple_layer_takes_staged_rows():
+    """PLELayer.forward(embeddings=step.rows(i)) equals the layer's own lookup."""
+    _, _, (layer, _) = ple_layers("cpu", "float8_e4m3fn", None)
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(19, layer.hc_hidden_size, generator=gen).to(layer.dtype)
+    input_ids = torch.randint(0, 97, (19,), generator=gen)
+    want = layer(hidden, input_ids)
+    qsl, context = layer._one_sequence(input_ids.numel(), input_ids.device)
+    with StagedLookupPipeline([layer], max_tokens=64) as pipeline:
+        with pipeline.submit(input_ids, qsl, context) as step:
+            same_bits(layer(hidden, input_ids, embeddings=step.rows(0)), want)
+    with pytest.raises(ValueError, match="embeddings must be"):
+        layer(hidden, input_ids, embeddings=torch.zeros(1, 1))
