@@ -8,7 +8,14 @@ The table ([R_pad, d], R_pad = 320,001,536 rows for the released layer) can be p
 - ``"pinned"``: in host memory of exactly its size, registered once and read by the GPU over
   PCIe (:func:`qwen4exp_ext.host_table.pinned_host_table`,
   :func:`~qwen4exp_ext.host_table.device_view`); ids and outputs live on the GPU;
-- ``"cpu"``: in host memory on huge pages, gathered by the CPU kernel.
+- ``"cpu"``: in host memory on huge pages, gathered by the CPU kernel;
+- ``"file"``: in a table file on disk (``table_path``, written by ``qwen4exp-table pack``;
+  :mod:`qwen4exp_ext.table_file`), never held whole in RAM, read by the CPU through a memory
+  mapping or with ``O_DIRECT`` reads (``table_reader``; :mod:`qwen4exp_ext.table_readers`).
+
+A GPU reads a ``"pinned"`` table itself; the rows of a ``"cpu"`` or ``"file"`` table reach a
+GPU through :class:`~qwen4exp_ext.layers.staged.StagedLookupPipeline` (CPU threads gather them
+into pinned staging ahead of the layer, one copy per layer).
 
 Its storage is fp32/bf16/fp16, fp8 (with a per-tensor scale) or NVFP4 in vLLM's layout: packed
 E2M1 codes ``weight`` (uint8 [R, d/2]), e4m3 block scales ``weight_scale`` ([R, d/16], placed
@@ -20,7 +27,9 @@ With ``shard=(rank, world_size)`` this rank holds only its block of rows
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -31,12 +40,17 @@ from torch import nn
 from qwen4exp_ext import layout, ops, sharding
 from qwen4exp_ext.host_table import device_view, empty_host_table, pinned_host_table
 from qwen4exp_ext.reference import FP8_DTYPES, NVFP4_BLOCK
+from qwen4exp_ext.table_file import TableFileHeader, expected_header, write_header
+from qwen4exp_ext.table_readers import READERS, FileTable, TableReader
 
 from . import prefetch
 
 __all__ = ["NGramEmbedding"]
 
-Placement = Literal["device", "pinned", "cpu"]
+Placement = Literal["device", "pinned", "cpu", "file"]
+PLACEMENTS = ("device", "pinned", "cpu", "file")
+# Placements whose table the CPU reads (StagedLookupPipeline's tables).
+HOST_PLACEMENTS = ("cpu", "file")
 # Where forward hashes and gathers in one op (ops.ngram_gather_rows) rather than ngram_ids then
 # gather_rows: the table's device types where the bench measured the fused op faster than the
 # two (qwen4exp-bench ngram_gather_rows; results/README.md). On the CPU it was 1.85x at decode
@@ -73,6 +87,12 @@ class NGramEmbedding(nn.Module):
     ``max_tokens`` (the most tokens of a step) gives the layer the fixed buffers of
     :meth:`start_prefetch` / :meth:`finalize_prefetch`, the lookup started ahead of the layer
     (:mod:`qwen4exp_ext.layers.prefetch`).
+
+    ``placement="file"`` reads the table from ``table_path`` (the layer's table file; its header
+    must match this layer, format, width and row count) with ``table_reader`` ``"mmap"`` (the
+    page cache keeps what fits) or ``"direct"`` (``O_DIRECT`` reads, ``io_threads`` in flight;
+    0: the default). Its rows and scales come from the file: ``load_weights`` refuses table
+    rows. The file stays open until the module is garbage-collected or :meth:`close_table`.
     """
 
     def __init__(
@@ -88,11 +108,22 @@ class NGramEmbedding(nn.Module):
         process_group: Any = None,
         reduce: Literal["all_reduce", "reduce_scatter"] = "all_reduce",
         max_tokens: int | None = None,
+        table_path: str | Path | None = None,
+        table_reader: TableReader = "mmap",
+        io_threads: int = 0,
     ) -> None:
         super().__init__()
         self._read_geometry(config)
-        if placement not in ("device", "pinned", "cpu"):
-            raise ValueError(f"placement must be 'device', 'pinned' or 'cpu', got {placement!r}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        if (placement == "file") != (table_path is not None):
+            raise ValueError(
+                "placement='file' needs table_path (the layer's table file), and table_path "
+                f"is only for placement='file' (got placement={placement!r}, "
+                f"table_path={table_path!r})"
+            )
+        if table_reader not in READERS:
+            raise ValueError(f"table_reader must be one of {READERS}, got {table_reader!r}")
         dtype = _table_dtype(dtype)
         self.nvfp4 = dtype == NVFP4
         if self.nvfp4 and self.head_dim % NVFP4_BLOCK:
@@ -133,7 +164,16 @@ class NGramEmbedding(nn.Module):
 
         compute_device = _compute_device(placement, device)
         self._register_hash_buffers(multipliers, heads, compute_device)
-        self._allocate_table(compute_device)
+        self.file_table: FileTable | None = None
+        # What this layer's table file must say (table_file.py): checked against a file read,
+        # written by save_table_file.
+        self.table_file_header = expected_header(config, layer_index, dtype)
+        if placement == "file":
+            self._open_table_file(
+                FileTable(table_path, self.table_file_header, table_reader, io_threads)
+            )
+        else:
+            self._allocate_table(compute_device)
         # Set when a streamed load failed after writing rows (see load_weights).
         self._incomplete_load: str | None = None
         self.prefetch_slot = self._allocate_prefetch_slot(max_tokens, compute_device)
@@ -253,11 +293,86 @@ class NGramEmbedding(nn.Module):
             device_view(block_scales) if pinned and block_scales is not None else None
         )
 
+    def _open_table_file(self, file_table: FileTable) -> None:
+        """Reads a ``"file"`` table through ``file_table``: no table parameter (its rows are
+        the file's), the scale from the file's header, and with the mmap reader the views of
+        this rank's rows over the mapping that the kernels read."""
+        self.file_table = file_table
+        header = file_table.header
+        self.weight = None
+        scale = torch.tensor([1.0 if header.scale is None else header.scale], dtype=torch.float32)
+        if self.nvfp4:
+            self.weight_scale = None  # the block scales: in the file, beside each row's codes
+            self.register_buffer("weight_scale_2", scale)
+        elif self.table_dtype in FP8_DTYPES:
+            self.register_buffer("weight_scale", scale)
+            self.weight_scale_2 = None
+        else:
+            self.weight_scale = self.weight_scale_2 = None
+        self._device_table = self._device_block_scales = None
+        self._file_values = self._file_block_scales = None
+        self._local_positions = torch.empty(0, dtype=torch.int64)
+        if file_table.reader == "mmap":
+            rows = file_table.rows[self.vocab_start : self.vocab_end]
+            self._file_values = file_table.value_view(rows)
+            self._file_block_scales = file_table.block_scale_view(rows)
+
+    def close_table(self) -> None:
+        """Closes a ``"file"`` table (its descriptor; its mapping once no tensor views it): the
+        module refuses to run afterwards. Nothing to do for other placements."""
+        if self.file_table is not None:
+            self._file_values = self._file_block_scales = None
+            self.file_table.close()
+
+    def save_table_file(self, path: str | Path, chunk_rows: int = 1 << 16) -> TableFileHeader:
+        """Writes this layer's whole table (every row: an unsharded module) and its scale to a
+        table file that ``placement="file"`` reads, ``chunk_rows`` rows at a time; the file
+        appears complete or not at all (a temporary file renamed). Returns its header.
+        ``qwen4exp-table pack`` writes the same file from a checkpoint."""
+        if self.file_table is not None:
+            raise ValueError("save_table_file: this table is already a file")
+        if self.world_size != 1:
+            raise ValueError(
+                f"save_table_file: this module holds rows [{self.vocab_start}, {self.vocab_end})"
+                f" of {self.num_rows} (a vocabulary shard); a table file holds every row"
+            )
+        self._check_complete()
+        scale = self.weight_scale_2 if self.nvfp4 else self.weight_scale
+        header = dataclasses.replace(
+            self.table_file_header, scale=None if scale is None else float(scale.item())
+        )
+        path = Path(path)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        try:
+            with open(temporary, "wb") as f:
+                write_header(f, header)
+                for start in range(0, self.num_rows, chunk_rows):
+                    rows = self.weight[start : start + chunk_rows].detach().cpu()
+                    rows = rows.contiguous().view(torch.uint8)
+                    if self.nvfp4:
+                        scales = self.weight_scale[start : start + chunk_rows].detach().cpu()
+                        rows = torch.cat((rows, scales.contiguous().view(torch.uint8)), dim=1)
+                    f.write(rows.numpy().tobytes())
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        return header
+
+    @property
+    def host_table(self) -> bool:
+        """Whether the CPU reads this table (placement ``"cpu"`` or ``"file"``)."""
+        return self.placement in HOST_PLACEMENTS
+
     # --- forward -------------------------------------------------------------------------------
 
     @property
-    def table(self) -> torch.Tensor:
-        """The table the kernel reads (the device view of a pinned table)."""
+    def table(self) -> torch.Tensor | None:
+        """The table the kernel reads (the device view of a pinned table; the mapped rows of an
+        mmap file table; None for a direct-read file table, which has no such tensor)."""
+        if self.file_table is not None:
+            self.file_table.check_readable()
+            return self._file_values
         return self._device_table if self._device_table is not None else self.weight
 
     @property
@@ -269,6 +384,8 @@ class NGramEmbedding(nn.Module):
     def block_scales(self) -> torch.Tensor | None:
         """The NVFP4 block scales the kernel reads (the device view when pinned); None for
         other tables."""
+        if self.file_table is not None:
+            return self._file_block_scales
         if self._device_block_scales is not None:
             return self._device_block_scales
         return self.weight_scale if self.nvfp4 else None
@@ -289,8 +406,7 @@ class NGramEmbedding(nn.Module):
     def lookup(self, ngram_ids: torch.Tensor, *, reduce: bool = True) -> torch.Tensor:
         """Rows of precomputed ids [T, NH] → [T, D_e] (this rank's partial sum if not reduced)."""
         self._check_complete()
-        out = ops.gather_rows(self.table, ngram_ids, **self._gather_args(None))
-        return self._reduced(out, reduce)
+        return self._reduced(self._gather(ngram_ids), reduce)
 
     def forward(
         self, input_ids: torch.Tensor, query_start_loc: torch.Tensor, ngram_context: torch.Tensor
@@ -311,18 +427,53 @@ class NGramEmbedding(nn.Module):
         into ``output`` (and the ids into ``ids_output``) when given; each gather on a GPU
         launches at most ``max_blocks`` blocks (0: no cap)."""
         self._check_complete()
-        if self.table.device.type in FUSED_LOOKUP_DEVICES:
+        table = self.table
+        if table is not None and table.device.type in FUSED_LOOKUP_DEVICES:
             return ops.ngram_gather_rows(
                 input_ids.reshape(-1),
                 query_start_loc,
                 ngram_context,
                 *self._hashing(),
-                self.table,
+                table,
                 head_divmod=self.ngram_heads_divmod,
                 **self._gather_args(output, max_blocks),
             )
         ids = self._ngram_ids(input_ids, query_start_loc, ngram_context, ids_output)
+        return self._gather(ids, output, max_blocks)
+
+    def _gather(
+        self, ids: torch.Tensor, output: torch.Tensor | None = None, max_blocks: int = 0
+    ) -> torch.Tensor:
+        """This rank's rows of n-gram ids [..., NH] (into ``output`` when given)."""
+        if self.table is None:  # a direct-read file table
+            return self._gather_direct(ids, output)
         return ops.gather_rows(self.table, ids, **self._gather_args(output, max_blocks))
+
+    def _gather_direct(self, ids: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
+        """Rows of a ``"direct"`` file table: the ids' raw rows read into scratch (each block
+        once, many reads in flight), then decoded by the gather kernel from the scratch rows,
+        in the ids' order: the same values, bit for bit, as a gather from the whole table.
+        Ids this rank does not own, or a read error, never reach ``output`` as rows: the
+        scratch is decoded only after every read succeeded."""
+        file_table = self.file_table
+        flat = ids.reshape(-1)
+        n = flat.numel()
+        raw = torch.empty(n, file_table.header.row_bytes, dtype=torch.uint8)
+        file_table.read_rows(flat, raw, self.vocab_start, self.vocab_end)
+        if self._local_positions.numel() < n:
+            self._local_positions = torch.arange(max(n, 2 * self._local_positions.numel()))
+        owned = (flat >= self.vocab_start) & (flat < self.vocab_end)
+        local = torch.where(owned, self._local_positions[:n], -1).view(ids.shape)
+        dequant = self._dequant()
+        if self.nvfp4:
+            dequant["block_scales"] = file_table.block_scale_view(raw)
+        return ops.gather_rows(
+            file_table.value_view(raw),
+            local,
+            **dequant,
+            out_dtype=self.out_dtype,
+            output=output,
+        )
 
     def _hashing(self) -> tuple:
         """ngram_ids' arguments after the batch: this layer's hash constants."""
@@ -479,6 +630,13 @@ class NGramEmbedding(nn.Module):
                 )
             return ("buffer",)
         shard = self._shard_name(name)
+        if self.file_table is not None and (
+            name == WEIGHT_NAME or (shard is not None and shard[1] in ("weight", "weight_scale"))
+        ):
+            raise ValueError(
+                f"{name}: the rows of a file table come from its file ({self.file_table.path}); "
+                "write the file from the checkpoint with `qwen4exp-table pack`"
+            )
         if shard is not None:
             shard_index, leaf = shard
             if leaf == "weight":
@@ -709,7 +867,13 @@ def _refresh_head_divmod_after_load(module: NGramEmbedding, incompatible_keys: A
 def _compute_device(placement: Placement, device: torch.device | str | None) -> torch.device:
     """The device of the small metadata (hash buffers, scales): the ids', so the GPU for
     "device" on a GPU and for "pinned"."""
-    if placement == "cpu":
+    if placement == "file" and device is not None and torch.device(device).type != "cpu":
+        raise ValueError(
+            f"placement='file' reads the table with the CPU, so the module lives on the CPU "
+            f"(got device={device}); deliver its rows to a GPU with "
+            "StagedLookupPipeline(..., device=...)"
+        )
+    if placement in HOST_PLACEMENTS:
         compute_device = torch.device("cpu")
     elif device is not None:
         compute_device = torch.device(device)

@@ -1,0 +1,219 @@
+"""Reading the rows of a PLE table file (:mod:`qwen4exp_ext.table_file`), never the whole table.
+
+Two readers, both kept because each wins somewhere (``qwen4exp-bench host_lookup`` measures
+them side by side):
+
+- ``"mmap"``: the file mapped read-only (``MAP_SHARED``, ``MADV_RANDOM``: a row read faults in
+  its page, not a 128 KiB readahead window). The page cache keeps what fits in RAM, so a table
+  that fits, or a hot subset of one that does not, is read at memory speed by the ordinary CPU
+  gather kernel, decoding as it goes. A cold row is a page fault: one synchronous 4 KiB read
+  per fault, as many in flight as the gather has threads.
+- ``"direct"``: ``O_DIRECT`` reads (``ops.read_file_rows``): the rows of a batch sorted by
+  offset, rows sharing a 4 KiB block read once, many reads in flight from I/O threads, into a
+  scratch buffer that the CPU gather then decodes. Nothing goes through the page cache, so a
+  table far larger than RAM neither evicts the rest of the host's memory nor pays the cache's
+  copies; every read goes to the disk, warm or not.
+
+A :class:`FileTable` owns its descriptor and mapping and releases both in :meth:`FileTable.close`
+or when it is garbage-collected (tensors still viewing the mapping keep it mapped until they go).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+import weakref
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from qwen4exp_ext import ops
+from qwen4exp_ext.reference import NVFP4_BLOCK
+from qwen4exp_ext.table_file import TableFileHeader, check_header, read_header
+
+__all__ = ["FileTable", "TableReader", "drop_cached_pages"]
+
+TableReader = Literal["mmap", "direct"]
+READERS = ("mmap", "direct")
+
+
+class FileTable:
+    """One open table file: its checked header and a reader of its rows.
+
+    ``expected`` (from :func:`~qwen4exp_ext.table_file.expected_header`) is compared with the
+    file's header: a file of another layer, format, width or row count is refused, naming the
+    file. ``io_threads`` is the direct reader's reads in flight (0: the op's default)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        expected: TableFileHeader | None = None,
+        reader: TableReader = "mmap",
+        io_threads: int = 0,
+    ) -> None:
+        if reader not in READERS:
+            raise ValueError(f"table_reader must be 'mmap' or 'direct', got {reader!r}")
+        self.path = str(Path(path))
+        self.reader = reader
+        self.io_threads = int(io_threads)
+        self.header = header = read_header(self.path)
+        if expected is not None:
+            check_header(header, expected, self.path)
+        self._rows: torch.Tensor | None = None  # uint8 [num_rows, row_bytes] over the mapping
+        # Direct: the O_DIRECT descriptor the reads use. mmap: a descriptor kept to check the
+        # file's size before each lookup (check_readable).
+        direct = os.O_DIRECT if reader == "direct" else 0
+        self._fd = _open(self.path, os.O_RDONLY | direct)
+        self._finalizer = weakref.finalize(self, os.close, self._fd)
+        if reader == "mmap":
+            try:
+                self._rows = _map_rows(self._fd, self.path, header)
+            except BaseException:
+                self._finalizer()
+                raise
+
+    # --- the file's rows as tensors (mmap reader) -----------------------------------------------
+
+    def check_readable(self) -> None:
+        """Raises unless the table can be read: open, and (mmap) the file still its size. A
+        mapped read past the end of a file truncated under the mapping would kill the process
+        with SIGBUS, so each lookup checks first (one fstat). A truncation in the middle of a
+        lookup, or a disk error under a mapping, cannot be caught this way: the direct reader
+        reports both as errors."""
+        if not self._finalizer.alive:
+            raise RuntimeError(f"{self.path}: the table file was closed")
+        if self._rows is not None:
+            size = os.fstat(self._fd).st_size
+            if size != self.header.file_bytes:
+                raise OSError(
+                    f"{self.path}: the table file is now {size} bytes, its header says "
+                    f"{self.header.file_bytes} (changed while mapped); not read"
+                )
+
+    def value_view(self, raw: torch.Tensor) -> torch.Tensor:
+        """The row values of ``raw`` rows (uint8 [n, row_bytes], the file's row layout) as the
+        gather reads them: [n, d] in the storage dtype, or the NVFP4 codes uint8 [n, d/2]."""
+        header = self.header
+        return raw[:, : header.code_bytes].view(header.torch_dtype())
+
+    def block_scale_view(self, raw: torch.Tensor) -> torch.Tensor | None:
+        """The NVFP4 block scales of ``raw`` rows (float8_e4m3fn [n, d/16]); None otherwise."""
+        if self.header.format != "nvfp4":
+            return None
+        start = self.header.code_bytes
+        return raw[:, start : start + self.header.head_dim // NVFP4_BLOCK].view(torch.float8_e4m3fn)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """Every row of the file, uint8 [num_rows, row_bytes], over the mapping (mmap reader
+        only). Read-only memory: never write to it."""
+        self.check_readable()
+        if self._rows is None:
+            raise RuntimeError(f"{self.path}: a 'direct' table file is not mapped")
+        return self._rows
+
+    # --- direct reads ----------------------------------------------------------------------------
+
+    def read_rows(
+        self, ids: torch.Tensor, output: torch.Tensor, vocab_start: int, vocab_end: int
+    ) -> None:
+        """Raw rows of global ``ids`` into ``output`` (uint8 [ids.numel(), row_bytes]); ids
+        outside [vocab_start, vocab_end) give zero rows. Raises naming the file on a read error
+        or a short read; ``output`` is then partly written (callers read into scratch)."""
+        self.check_readable()
+        if self.reader != "direct":
+            raise RuntimeError(f"{self.path}: read_rows needs the 'direct' reader")
+        ops.read_file_rows(
+            self._fd,
+            ids,
+            output,
+            data_offset=self.header.data_offset,
+            row_bytes=self.header.row_bytes,
+            vocab_start=vocab_start,
+            vocab_end=vocab_end,
+            io_threads=self.io_threads,
+            path=self.path,
+        )
+
+    def drop_cached_pages(self) -> None:
+        """Evicts the file's pages from the page cache and from this process's mapping (for
+        cold-read measurements): the next reads go to the disk."""
+        self.check_readable()
+        if self._rows is not None:
+            _madvise(self._rows, mmap.MADV_DONTNEED)
+        drop_cached_pages(self.path)
+
+    def close(self) -> None:
+        """Closes the descriptor (direct) or drops this object's view of the mapping (the
+        mapping goes when no tensor views it any more). Idempotent."""
+        self._rows = None
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __repr__(self) -> str:
+        h = self.header
+        return (
+            f"FileTable({self.path!r}, {h.format}, rows={h.num_rows}, d={h.head_dim}, "
+            f"reader={self.reader!r})"
+        )
+
+
+def drop_cached_pages(path: str | os.PathLike) -> None:
+    """``posix_fadvise(DONTNEED)`` over the whole file: its clean pages leave the page cache
+    (pages still mapped by a process stay)."""
+    fd = _open(str(path), os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _open(path: str, flags: int) -> int:
+    try:
+        return os.open(path, flags | os.O_CLOEXEC)
+    except OSError as error:
+        raise OSError(
+            error.errno, f"{path}: cannot open the table file: {error.strerror}"
+        ) from None
+
+
+def _map_rows(fd: int, path: str, header: TableFileHeader) -> torch.Tensor:
+    """uint8 [num_rows, row_bytes] over a read-only shared mapping of the file's data region
+    (Python's mmap holds its own duplicate of ``fd`` until the mapping goes; the tensor keeps
+    the mapping alive)."""
+    size = os.fstat(fd).st_size
+    if size != header.file_bytes:  # changed since the header was read
+        raise OSError(
+            f"{path}: the table file is {size} bytes, its header says {header.file_bytes}"
+        )
+    mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    if hasattr(mapping, "madvise"):
+        mapping.madvise(mmap.MADV_RANDOM)
+    with warnings.catch_warnings():
+        # The mapping is read-only; torch warns that its tensor is writable in principle. No
+        # caller writes to it: it is never a parameter, and the module's loaders refuse rows.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(
+            mapping,
+            dtype=torch.uint8,
+            offset=header.data_offset,
+            count=header.num_rows * header.row_bytes,
+        )
+    return flat.view(header.num_rows, header.row_bytes)
+
+
+def _madvise(rows: torch.Tensor, advice: int) -> None:
+    """madvise over the pages of ``rows``' storage (page-aligned)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = rows.data_ptr() & ~(mmap.PAGESIZE - 1)
+    end = rows.data_ptr() + rows.numel() * rows.element_size()
+    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"madvise: {os.strerror(errno)}")

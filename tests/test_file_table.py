@@ -1,0 +1,279 @@
+"""PLE tables served from a table file (``NGramEmbedding(placement="file")``,
+python/qwen4exp_ext/table_readers.py): both readers equal the same table in RAM bit for bit
+(every format, vocabulary shards, odd and empty batches, alone and through the staged
+pipeline); a missing, foreign or truncated file, or a short read in the middle of a step, is a
+clear error naming the file, with no partial rows handed out; no descriptor or mapping
+outlives the table. Real files and real O_DIRECT reads throughout."""
+
+from __future__ import annotations
+
+import gc
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lookup_support import (
+    BATCHES,
+    CONFIG,
+    FORMATS,
+    NVFP4_CONFIG,
+    make_batch,
+    make_embedding,
+    same_bits,
+)
+from qwen4exp_ext.layers import NGramEmbedding, StagedLookupPipeline
+from qwen4exp_ext.table_file import TableFileError
+from qwen4exp_ext.table_tool import pack_table
+
+READERS = ("mmap", "direct")
+
+
+def _config(table_format):
+    return NVFP4_CONFIG if table_format == "nvfp4" else CONFIG
+
+
+def _in_ram_and_file(tmp_path, table_format, reader, *, layer_index=1, seed=0, shard=None):
+    """(the table in RAM, the same table read from its file with ``reader``)."""
+    ram = make_embedding(table_format, "cpu", layer_index=layer_index, seed=seed)
+    path = tmp_path / f"layer{layer_index}_{table_format}.table"
+    ram.save_table_file(path)
+    if shard is not None:
+        sharded = make_embedding(table_format, "cpu", layer_index=layer_index, shard=shard)
+        sharded.load_state_dict(_shard_state(ram, sharded))
+        ram = sharded
+    on_file = NGramEmbedding(
+        _config(table_format),
+        layer_index,
+        placement="file",
+        table_path=path,
+        table_reader=reader,
+        dtype=table_format,
+        shard=shard,
+        max_tokens=32,
+    )
+    return ram, on_file
+
+
+def _shard_state(whole: NGramEmbedding, shard: NGramEmbedding) -> dict:
+    """``whole``'s state with the row parameters cut to ``shard``'s rows."""
+    state = dict(whole.state_dict())
+    for name in shard.row_parameters:
+        state[name] = state[name][shard.vocab_start : shard.vocab_end]
+    return state
+
+
+def _held(path) -> tuple[int, int]:
+    """(mappings of ``path`` in this process, descriptors open on it)."""
+    path = str(path)
+    with open("/proc/self/maps") as maps:
+        mapped = sum(line.rstrip().endswith(path) for line in maps)
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += os.readlink(f"/proc/self/fd/{fd}") == path
+        except OSError:
+            pass
+    return mapped, fds
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("table_format", FORMATS)
+def test_file_tables_equal_the_table_in_ram(tmp_path, table_format, reader):
+    ram, on_file = _in_ram_and_file(tmp_path, table_format, reader)
+    for lengths in BATCHES.values():
+        batch = make_batch(lengths, "cpu", seed=len(lengths))
+        same_bits(on_file(*batch), ram(*batch))
+    # lookup of given ids, with ids no row has (-1, past the end) reading zero rows
+    ids = torch.tensor([[0, 3, -1, ram.num_rows - 1], [ram.num_rows, 5, 5, 2]])
+    same_bits(on_file.lookup(ids), ram.lookup(ids))
+    # the prefetch buffers of max_tokens work the same
+    batch = make_batch([5, 0, 13, 1], "cpu")
+    on_file.start_prefetch(*batch)
+    same_bits(on_file.finalize_prefetch(), ram(*batch))
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("table_format", ["bfloat16", "float8_e4m3fn", "nvfp4"])
+def test_vocabulary_shards_read_their_own_rows(
+    one_process_group,
+    tmp_path,
+    table_format,
+    reader,
+):
+    for rank in range(3):
+        ram, on_file = _in_ram_and_file(tmp_path, table_format, reader, shard=(rank, 3))
+        for lengths in ([5, 0, 13, 1], [1]):
+            batch = make_batch(lengths, "cpu", seed=rank)
+            same_bits(on_file(*batch), ram(*batch))
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_the_staged_pipeline_reads_file_tables(tmp_path, reader):
+    """Two file tables of different formats behind one pipeline, several steps."""
+    pairs = [
+        _in_ram_and_file(tmp_path, "bfloat16", reader, layer_index=0, seed=1),
+        _in_ram_and_file(tmp_path, "nvfp4", reader, layer_index=2, seed=2),
+    ]
+    with StagedLookupPipeline([f for _, f in pairs], max_tokens=32) as pipeline:
+        for seed, lengths in enumerate(([5, 0, 13, 1], [], [32], [2, 7])):
+            batch = make_batch(lengths, "cpu", seed=seed)
+            with pipeline.submit(*batch) as step:
+                for index, (ram, _) in enumerate(pairs):
+                    same_bits(step.rows(index), ram(*batch))
+
+
+def test_a_packed_checkpoint_reads_as_the_loaded_one(tmp_path):
+    """qwen4exp-table pack's file, read with either reader, equals the same checkpoint loaded
+    into RAM with load_safetensors (NVFP4: codes, block scales and the global scale)."""
+    ram = make_embedding("nvfp4", "cpu", layer_index=1, seed=3)
+    shard_rows = -(-ram.num_rows // CONFIG.split_ngram_parts)
+    tensors = {"ngram_embedding.weight_scale_2": ram.weight_scale_2.clone()}
+    for i, start in enumerate(range(0, ram.num_rows, shard_rows)):
+        stop = min(start + shard_rows, ram.num_rows)
+        tensors[f"ngram_embedding.shard_{i}.weight"] = ram.weight[start:stop].clone()
+        tensors[f"ngram_embedding.shard_{i}.weight_scale"] = ram.weight_scale[start:stop].clone()
+    checkpoint = tmp_path / "model.safetensors"
+    save_file(tensors, str(checkpoint))
+    loaded = make_embedding("nvfp4", "cpu", layer_index=1, seed=9)
+    loaded.load_safetensors([checkpoint])
+    table = tmp_path / "layer1.table"
+    pack_table([checkpoint], table, NVFP4_CONFIG, 1)
+    batch = make_batch([5, 0, 13, 1], "cpu")
+    for reader in READERS:
+        on_file = NGramEmbedding(
+            NVFP4_CONFIG, 1, placement="file", table_path=table, table_reader=reader, dtype="nvfp4"
+        )
+        same_bits(on_file(*batch), loaded(*batch))
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_a_missing_or_foreign_file_is_refused_naming_it(tmp_path, reader):
+    ram = make_embedding("bfloat16", "cpu", layer_index=1)
+    path = tmp_path / "layer1.table"
+    ram.save_table_file(path)
+
+    def open_as(config=CONFIG, layer_index=1, dtype="bfloat16", table=path):
+        return NGramEmbedding(
+            config,
+            layer_index,
+            placement="file",
+            table_path=table,
+            table_reader=reader,
+            dtype=dtype,
+        )
+
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nowhere.table")):
+        open_as(table=tmp_path / "nowhere.table")
+    with pytest.raises(TableFileError, match=f"{path}.*layer 1's, expected layer 0's"):
+        open_as(layer_index=0)
+    with pytest.raises(TableFileError, match=f"{path}.*bfloat16.*float8_e4m3fn"):
+        open_as(dtype="float8_e4m3fn")
+    wider = SimpleNamespace(**{**vars(CONFIG), "ple_embed_dim": 32})
+    with pytest.raises(TableFileError, match=str(path)):
+        open_as(config=wider)
+    not_a_table = tmp_path / "weights.bin"
+    not_a_table.write_bytes(b"\0" * 8192)
+    with pytest.raises(TableFileError, match=f"{not_a_table}.*not a qwen4exp table file"):
+        open_as(table=not_a_table)
+    os.truncate(path, os.path.getsize(path) - 1)
+    with pytest.raises(TableFileError, match=str(path)):
+        open_as()
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_a_file_truncated_under_the_table_fails_the_step_not_the_process(tmp_path, reader):
+    """Truncated after it was opened: the lookup raises naming the file (mmap: before touching
+    a page past the end, which would be SIGBUS; direct: the short read), the output buffer
+    keeps its previous rows, and through the staged pipeline the step fails while the previous
+    step's rows stay intact."""
+    ram, on_file = _in_ram_and_file(tmp_path, "bfloat16", reader)
+    path = on_file.file_table.path
+    batch = make_batch([5, 0, 13, 1], "cpu", seed=1)
+    output = torch.full((19, on_file.embedding_dim), 7.0, dtype=torch.bfloat16)
+    with StagedLookupPipeline([on_file], max_tokens=32) as pipeline:
+        before = pipeline.submit(*batch)
+        kept = before.rows(0).clone()
+        same_bits(kept, ram(*batch))
+        os.truncate(path, 4096 + 64 * on_file.file_table.header.row_bytes)
+        failed = pipeline.submit(*make_batch([13, 5, 1], "cpu", seed=2))
+        with pytest.raises(RuntimeError, match=f"lookup of layer 0 failed.*{path}"):
+            failed.rows(0)
+        same_bits(before.rows(0), kept)
+        before.release()
+        failed.release()
+    with pytest.raises((OSError, RuntimeError), match=str(path)):
+        on_file._lookup_local(*batch, output=output)
+    assert bool((output == 7.0).all())
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_nothing_is_left_open_after_the_table_is_freed(tmp_path, reader):
+    ram, on_file = _in_ram_and_file(tmp_path, "nvfp4", reader)
+    path = on_file.file_table.path
+    batch = make_batch([5, 0, 13, 1], "cpu")
+    same_bits(on_file(*batch), ram(*batch))
+    mapped, fds = _held(path)
+    assert fds == 1 + (reader == "mmap")  # mmap: the mapping's own descriptor and ours
+    assert mapped == (reader == "mmap")
+    del on_file
+    gc.collect()
+    assert _held(path) == (0, 0)
+    # close_table() releases them too, and the module refuses to run after it
+    _, on_file = _in_ram_and_file(tmp_path, "nvfp4", reader)
+    on_file.close_table()
+    assert _held(path) == (0, 0)
+    with pytest.raises(RuntimeError, match=f"{path}: the table file was closed"):
+        on_file(*batch)
+
+
+def test_file_tables_refuse_misuse(tmp_path):
+    ram, on_file = _in_ram_and_file(tmp_path, "float8_e4m3fn", "mmap")
+    path = on_file.file_table.path
+    # no table parameter: rows come from the file; the scale from its header
+    assert "weight" not in on_file.state_dict()
+    assert on_file.weight_scale.item() == ram.weight_scale.item()
+    with pytest.raises(ValueError, match=f"rows of a file table come from its file \\({path}\\)"):
+        on_file.load_weights([("ngram_embedding.weight", ram.weight)])
+    with pytest.raises(ValueError, match="come from its file"):
+        on_file.load_weights([("ngram_embedding.shard_0.weight", ram.weight[:3])])
+    on_file.load_weights([("ngram_embedding.weight_scale", torch.tensor([0.5]))])
+    assert on_file.weight_scale.item() == 0.5
+    with pytest.raises(ValueError, match="table is already a file"):
+        on_file.save_table_file(tmp_path / "again.table")
+    with pytest.raises(ValueError, match="placement='file' needs table_path"):
+        NGramEmbedding(CONFIG, 1, placement="file")
+    with pytest.raises(ValueError, match="table_path is only for placement='file'"):
+        NGramEmbedding(CONFIG, 1, placement="cpu", table_path=path)
+    with pytest.raises(ValueError, match="table_reader must be one of"):
+        NGramEmbedding(CONFIG, 1, placement="file", table_path=path, table_reader="aio")
+    with pytest.raises(ValueError, match="reads the table with the CPU.*StagedLookupPipeline"):
+        NGramEmbedding(CONFIG, 1, placement="file", table_path=path, device="cuda")
+    with pytest.raises(ValueError, match="a table file holds every row"):
+        make_embedding("bfloat16", "cpu", shard=(0, 2)).save_table_file(tmp_path / "shard.table")
+
+
+def test_save_table_file_leaves_nothing_when_it_fails(tmp_path, monkeypatch):
+    ram = make_embedding("bfloat16", "cpu")
+    target = tmp_path / "layer1.table"
+    target.write_bytes(b"old")
+    calls = []
+    numpy = torch.Tensor.numpy
+
+    def failing_numpy(self, *args, **kwargs):  # the third chunk of rows fails
+        calls.append(1)
+        if len(calls) > 2:
+            raise OSError(28, "No space left on device")
+        return numpy(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "numpy", failing_numpy)
+    with pytest.raises(OSError, match="No space left"):
+        ram.save_table_file(target, chunk_rows=16)
+    monkeypatch.undo()
+    assert target.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["layer1.table"]
