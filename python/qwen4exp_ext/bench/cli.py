@@ -458,7 +458,7 @@ def _run_case(
     if repeat is None:
         repeat = _auto_repeat(fns, device, warmup, budget_s)
         warmup = 0  # done
-    times = time_interleaved(fns, device, warmup, repeat)
+    times = time_interleaved(fns, device, warmup, repeat, wall_clock=case.host_waits)
     ours, oracle, copy_t = times["ours"], times["oracle"], times["copy"]
     baselines = {name: times[name] for name in case.baselines}
     headline = baselines[case.baseline]

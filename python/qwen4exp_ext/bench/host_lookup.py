@@ -496,7 +496,9 @@ def cases(device: torch.device) -> list[Case]:
         tables = _tables(size, fmt, device, proxy.max_tokens)
         for tokens in (*size.decode_tokens, size.prefill_tokens):
             out.append(_case(proxy, tables, tokens, kernels))
-    return out
+    from qwen4exp_ext.bench import staged_lookup  # it imports this module
+
+    return out + staged_lookup.cases(proxy)
 
 
 def _id_batches(proxy: StepProxy, tokens: int, nbytes: int) -> torch.Tensor:

@@ -102,6 +102,10 @@ class Case:
     # Triton kernels need a GPU; no vLLM source here; vLLM has no counterpart of the case).
     vllm: str | None = None
     vllm_note: str | None = None
+    # Contenders that wait on the host (a CPU thread's lookup): on a GPU every call is timed by
+    # the wall clock between device syncs instead of by events behind a spin, which would hide
+    # the host's waiting (timing.time_interleaved).
+    host_waits: bool = False
 
     def __post_init__(self) -> None:
         if not self.baselines:

@@ -39,7 +39,11 @@ class Quantiles:
 
 
 def time_interleaved(
-    fns: Mapping[str, Callable[[], object]], device: torch.device, warmup: int, repeat: int
+    fns: Mapping[str, Callable[[], object]],
+    device: torch.device,
+    warmup: int,
+    repeat: int,
+    wall_clock: bool = False,
 ) -> dict[str, Quantiles]:
     """Time every function ``repeat`` times after ``warmup`` untimed rounds, interleaved.
 
@@ -48,17 +52,19 @@ def time_interleaved(
     time for the call, as in a CUDA graph (how vLLM runs decode), not the host's launch overhead,
     which would otherwise be most of a decode kernel's few microseconds.
     A contender that waits on the device from the host (a sync) still pays for its wait. On CPU it
-    is wall time per call.
+    is wall time per call; with ``wall_clock`` also on a GPU, from a device sync to the next
+    (launch overheads included): for contenders whose cost is the host's waiting, which the
+    spin would hide.
     """
     names = list(fns)
     for _ in range(warmup):
         for name in names:
             fns[name]()
     order = [[names[i] for i in row] for row in balanced_orders(len(names))]
-    if device.type == "cuda":
+    if device.type == "cuda" and not wall_clock:
         samples = _time_cuda(fns, order, device, repeat)
     else:
-        samples = _time_cpu(fns, order, repeat)
+        samples = _time_cpu(fns, order, repeat, device if device.type == "cuda" else None)
     return {name: Quantiles.of(samples[name]) for name in names}
 
 
@@ -73,14 +79,22 @@ def balanced_orders(n: int) -> list[list[int]]:
 
 
 def _time_cpu(
-    fns: Mapping[str, Callable[[], object]], order: list[list[str]], repeat: int
+    fns: Mapping[str, Callable[[], object]],
+    order: list[list[str]],
+    repeat: int,
+    sync: torch.device | None = None,
 ) -> dict[str, list[float]]:
+    """Wall time per call; with ``sync`` (a GPU) between device syncs."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(repeat):
         for name in order[i % len(order)]:
             fn = fns[name]
+            if sync is not None:
+                torch.cuda.synchronize(sync)
             start = time.perf_counter_ns()
             fn()
+            if sync is not None:
+                torch.cuda.synchronize(sync)
             samples[name].append((time.perf_counter_ns() - start) / 1e3)
     return samples
 
