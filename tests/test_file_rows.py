@@ -58,6 +58,17 @@ def direct_supported(path) -> bool:
     return True
 
 
+def drop_page_cache(path) -> None:
+    """Out of the page cache (written back first): a buffered read of it then waits on the device,
+    which sends the op's reads to its threads instead of the calling thread's RWF_NOWAIT pass."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 MODES = ("buffered", "direct")
 
 
@@ -117,6 +128,7 @@ def test_every_thread_count(tmp_path, mode, io_threads):
     rows, row_bytes = 3000, 90
     write_table(path, rows, row_bytes, BLOCK)
     ids = random_ids(rows, 1024, seed=io_threads % 97)
+    drop_page_cache(path)
     fd = open_fd(path, mode)
     try:
         got = read(fd, ids, row_bytes, BLOCK, io_threads=io_threads, vocab_end=rows)
@@ -175,6 +187,25 @@ def test_rows_across_blocks_and_at_eof(tmp_path, mode):
         os.close(fd)
 
 
+@pytest.mark.parametrize("io_threads", (1, 0))
+def test_a_partly_cached_file(tmp_path, io_threads):
+    """Without O_DIRECT, rows the page cache holds are read on the calling thread (RWF_NOWAIT) and
+    the rest by the threads: here the first half of the file is cached, the second is not."""
+    path = tmp_path / "table.bin"
+    rows, row_bytes = 4000, 320
+    write_table(path, rows, row_bytes, BLOCK)
+    drop_page_cache(path)
+    with open(path, "rb") as f:
+        f.read(BLOCK + rows // 2 * row_bytes)
+    ids = random_ids(rows, 1024, seed=11)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = read(fd, ids, row_bytes, BLOCK, vocab_end=rows, io_threads=io_threads)
+    finally:
+        os.close(fd)
+    np.testing.assert_array_equal(got.numpy(), expected_rows(path, ids, row_bytes, BLOCK, 0, rows))
+
+
 def test_a_sequential_run_and_the_whole_file(tmp_path):
     """Every row in order (reads of up to 128 KiB), backwards, and data_offset 0."""
     path = tmp_path / "table.bin"
@@ -200,6 +231,7 @@ def test_a_file_truncated_under_the_reader(tmp_path, mode):
     path = tmp_path / "table.bin"
     rows, row_bytes = 400, 320
     write_table(path, rows, row_bytes, BLOCK)
+    drop_page_cache(path)
     fd = open_fd(path, mode)
     try:
         os.truncate(path, BLOCK + 100 * row_bytes + 17)  # row 100 now ends past EOF
