@@ -65,7 +65,8 @@ struct ReadFileRowsStatus {
 // Checks the arguments, the fd (open, readable; with O_DIRECT the alignment of data_offset) and
 // every owned id's offset (it must fit in int64) before reading anything; zeroes the rows of the
 // ids it does not own; then sorts the owned rows by offset and reads each group of rows whose
-// blocks share or touch in one pread (a row wanted twice is read once), from io_threads threads.
+// blocks share or touch in one pread (a row wanted twice is read once): without O_DIRECT those
+// the page cache holds on the calling thread (RWF_NOWAIT), the rest from io_threads threads.
 // A failed pread (EINTR is retried) or a file that ends before an owned row's end is an error;
 // then the output rows are unspecified. Never throws for I/O; std::bad_alloc may escape.
 QWEN4EXP_API ReadFileRowsStatus run_read_file_rows_cpu(const ReadFileRowsParams& p);
