@@ -36,6 +36,7 @@ int64_t checked_setting(int64_t value) {
 
 TORCH_LIBRARY(qwen4exp, m) {
   qwen4exp::define_kernel_ops(m);
+  qwen4exp::define_host_ops(m);
   qwen4exp::switches::define_switch_ops(m);
   // SPEC §3: the fast-modulo constants of a layer's head sizes (int64 [NH]) as ngram_ids'
   // head_divmod, int64 [NH, 4]; a CPU kernel (csrc/cpu_ops.cpp), not emulated: it is host code.

@@ -16,12 +16,14 @@
 #include "common/ngram_ids.h"
 #include "common/ple_conv.h"
 #include "common/ple_gate.h"
+#include "common/read_file_rows.h"
 #include "cpu/threads.h"
 #include "gather_rows_args.h"
 #include "ngram_gather_rows_args.h"
 #include "ngram_ids_args.h"
 #include "ple_conv_args.h"
 #include "ple_gate_args.h"
+#include "read_file_rows_args.h"
 
 namespace qwen4exp {
 
@@ -151,6 +153,21 @@ void ple_conv_cpu(const at::Tensor& inputs, const at::Tensor& residual,
   run_ple_conv_cpu(p);
 }
 
+// Host code, not a kernel: the rows of ids (any shape, flattened in row-major order) from the
+// file behind fd into output [ids.numel(), row_bytes] (csrc/common/read_file_rows.h). Its own
+// threads (io_threads preads in flight), not ATen's: they wait on the device, not on a core.
+void read_file_rows_cpu(int64_t fd, const at::Tensor& ids, int64_t data_offset, int64_t row_bytes,
+                        int64_t vocab_start, int64_t vocab_end, const at::Tensor& output,
+                        int64_t io_threads, c10::string_view path) {
+  const std::string name(path);
+  // A flat view of the ids where one exists (any strides), a copy where none does.
+  const at::Tensor flat = ids.reshape({-1});
+  const ReadFileRowsParams p = check_read_file_rows_args(
+      fd, flat, data_offset, row_bytes, vocab_start, vocab_end, output, io_threads, name);
+  const ReadFileRowsStatus status = run_read_file_rows_cpu(p);
+  TORCH_CHECK(status.ok(), status.error);
+}
+
 }  // namespace
 }  // namespace qwen4exp
 
@@ -162,4 +179,5 @@ TORCH_LIBRARY_IMPL(qwen4exp, CPU, m) {
   m.impl("ple_gate", &qwen4exp::ple_gate_cpu);
   m.impl("ple_gate_out", &qwen4exp::ple_gate_out_cpu);
   m.impl("ple_conv", &qwen4exp::ple_conv_cpu);
+  m.impl("read_file_rows", &qwen4exp::read_file_rows_cpu);
 }

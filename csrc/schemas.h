@@ -60,4 +60,18 @@ inline void define_kernel_ops(torch::Library& m) {
       "Tensor? has_initial_states=None, int spec_query_len=1, Tensor? token_indices=None) -> ()");
 }
 
+// Host ops: torch.ops.qwen4exp only (csrc/bindings.cpp), CPU only (csrc/cpu_ops.cpp); the SIMT
+// emulator's libraries have no GPU kernel of them to run.
+inline void define_host_ops(torch::Library& m) {
+  // Issue #39, tables in a file: the rows of `ids` (int32/int64, any shape, flattened row-major)
+  // from the file open as `fd` (the caller's: never closed here; O_DIRECT or not) into `output`,
+  // uint8 [ids.numel(), row_bytes] on the CPU. Row `id` is the row_bytes bytes at data_offset +
+  // id·row_bytes (global ids: the file holds every row from 0); only ids in [vocab_start,
+  // vocab_end) are read, every other id gives a zero row. io_threads preads in flight (<= 0: 32);
+  // `path` names the file in errors. csrc/common/read_file_rows.h.
+  m.def(
+      "read_file_rows(int fd, Tensor ids, int data_offset, int row_bytes, int vocab_start, "
+      "int vocab_end, Tensor(a!) output, int io_threads, str path) -> ()");
+}
+
 }  // namespace qwen4exp

@@ -28,6 +28,7 @@ __all__ = [
     "ngram_ids",
     "ple_conv",
     "ple_gate",
+    "read_file_rows",
     "set_cpu_conv_silu_lookup",
     "set_cpu_gather_fp8_lookup",
     "set_cpu_gather_stream_bytes",
@@ -766,6 +767,94 @@ ngram_gather_rows = _kernels.ngram_gather_rows
 ple_gate = _kernels.ple_gate
 ple_conv = _kernels.ple_conv
 torch.library.register_fake("qwen4exp::ngram_head_divmod", _ngram_head_divmod_fake)
+
+# The largest int64: read_file_rows' vocab_end when the reader owns every id from vocab_start on.
+_INT64_MAX = 2**63 - 1
+
+
+def _read_file_rows_fake(
+    fd: int,
+    ids: torch.Tensor,
+    data_offset: int,
+    row_bytes: int,
+    vocab_start: int,
+    vocab_end: int,
+    output: torch.Tensor,
+    io_threads: int,
+    path: str,
+) -> None:
+    torch._check(
+        ids.dtype in (torch.int32, torch.int64),
+        lambda: f"read_file_rows: ids must be int32 or int64, got {ids.dtype}",
+    )
+    torch._check(row_bytes > 0, lambda: "read_file_rows: row_bytes must be positive")
+    torch._check(data_offset >= 0, lambda: "read_file_rows: data_offset must be >= 0")
+    torch._check(
+        0 <= vocab_start <= vocab_end,
+        lambda: "read_file_rows: [vocab_start, vocab_end) must satisfy 0 <= start <= end",
+    )
+    torch._check(
+        output.dtype == torch.uint8,
+        lambda: f"read_file_rows: output must be uint8, got {output.dtype}",
+    )
+    torch._check(
+        output.dim() == 2 and output.shape[0] == ids.numel() and output.shape[1] == row_bytes,
+        lambda: "read_file_rows: output must be [ids.numel(), row_bytes]",
+    )
+    return None
+
+
+torch.library.register_fake("qwen4exp::read_file_rows", _read_file_rows_fake)
+_read_file_rows_op = torch.ops.qwen4exp.read_file_rows.default
+
+
+def read_file_rows(
+    fd: int,
+    ids: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    data_offset: int,
+    row_bytes: int,
+    vocab_start: int = 0,
+    vocab_end: int | None = None,
+    io_threads: int = 0,
+    path: str = "",
+) -> torch.Tensor:
+    """Table rows from a file (issue #39, the direct reader): ``output[k]`` = the ``row_bytes``
+    bytes at ``data_offset + ids[k] * row_bytes`` of the file open as ``fd``, for every id in
+    ``[vocab_start, vocab_end)`` (default: no upper bound); every other id (-1, another rank's)
+    gives an all-zero row and no read. Returns ``output``.
+
+    ``ids``: int32/int64 of any shape and strides, taken in row-major order (n = ids.numel()).
+    ``output``: uint8 [n, row_bytes] on the CPU, rows contiguous (a row stride above row_bytes is
+    fine). Ids are global: the file holds every row from row 0, and vocab_start/vocab_end only
+    select the ones this reader reads.
+
+    ``fd`` stays the caller's (never closed). Opened with ``O_DIRECT``, ``data_offset`` must be a
+    multiple of 4096, and every read covers whole 4096-byte blocks through an aligned buffer;
+    without it, reads go through the page cache. Rows are read in file order, each group of rows
+    whose blocks share or touch in one pread of at most 128 KiB (a row wanted twice is read once),
+    ``io_threads`` preads in flight at once (<= 0: 32; never more than there are reads; 1: on
+    the calling thread); without O_DIRECT, the reads the page cache can serve are done first on
+    the calling thread (``RWF_NOWAIT``), so cached rows start no thread. ``path`` names the file
+    in errors. The GIL is released while it reads (torch.ops calls release it).
+
+    Raises RuntimeError, before reading anything, on a bad argument, a closed or write-only fd,
+    or an owned id whose offset overflows int64; after reading, on a failed pread (its errno) or
+    a file that ends before an owned row does (the output rows are then unspecified).
+    """
+    _read_file_rows_op(
+        int(fd),
+        ids,
+        int(data_offset),
+        int(row_bytes),
+        int(vocab_start),
+        _INT64_MAX if vocab_end is None else int(vocab_end),
+        output,
+        int(io_threads),
+        str(path),
+    )
+    return output
 
 
 def ngram_head_divmod(head_sizes: torch.Tensor) -> torch.Tensor:
