@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from conftest import devices
 from lookup_support import (
     BATCHES,
     FORMATS,
@@ -239,3 +240,49 @@ def test_a_ple_layer_takes_staged_rows():
             same_bits(layer(hidden, input_ids, embeddings=step.rows(0)), want)
     with pytest.raises(ValueError, match="embeddings must be"):
         layer(hidden, input_ids, embeddings=torch.zeros(1, 1))
+
+
+# --- on a GPU: pinned staging, one copy per layer, events --------------------------------------
+
+needs_gpu = pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and a GPU build")
+SPIN_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: far longer than any lookup here
+
+
+@needs_gpu
+@pytest.mark.parametrize("table_format", ["bfloat16", "float8_e4m3fn", "nvfp4"])
+def test_gpu_staged_rows_reach_the_device_exact(table_format):
+    layers = [
+        make_embedding(table_format, "cpu", layer_index=0, seed=1),
+        make_embedding("bfloat16", "cpu", layer_index=2, seed=2),
+    ]
+    with StagedLookupPipeline(layers, max_tokens=32, device="cuda") as pipeline:
+        for seed, lengths in enumerate(STEPS):
+            batch = make_batch(lengths, "cpu", seed=seed)
+            with pipeline.submit(*batch) as step:
+                for index in (1, 0):
+                    rows = step.rows(index)
+                    assert rows.device.type == "cuda"
+                    same_bits(rows.cpu(), layers[index](*batch))
+
+
+@needs_gpu
+def test_gpu_a_slow_consumer_stream_keeps_its_rows():
+    """The consumer's stream is busy (a spin) when it releases step 0, then reads step 0's rows:
+    step 2, which reuses step 0's device buffers, must wait for that read (the release event)."""
+    module = make_embedding("bfloat16", "cpu")
+    batches = [make_batch([13, 2], "cpu", seed=s) for s in range(3)]
+    wants = [module(*batch) for batch in batches]
+    with StagedLookupPipeline([module], max_tokens=32, device="cuda") as pipeline:
+        first = pipeline.submit(*batches[0])
+        rows = first.rows(0)
+        torch.cuda._sleep(SPIN_CYCLES)  # the consumer is slow
+        seen = rows.clone()  # queued behind the spin
+        first.release()
+        second = pipeline.submit(*batches[1])
+        third = pipeline.submit(*batches[2])  # reuses step 0's buffers
+        got_third = third.rows(0).clone()
+        torch.cuda.synchronize()
+        same_bits(seen.cpu(), wants[0])
+        same_bits(got_third.cpu(), wants[2])
+        second.release()
+        third.release()

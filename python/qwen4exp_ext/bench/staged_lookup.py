@@ -281,7 +281,7 @@ def _case(proxy: hl.StepProxy, tables: _Tables, tokens: int, source: str) -> Cas
         if tables.pinned is not None:
             paths["zero_copy"] = _zero_copy_call(tables.pinned, batch, device_ids, cursor)
     else:
-        pinned = host_rows(tables.memmaps[0].shape[1], torch.uint8)
+        pinned = host_rows(NUM_HEADS * tables.memmaps[0].shape[1], torch.uint8)
 
         def memmap_path(take: bool) -> Callable[[], list[torch.Tensor]]:
             def run() -> list[torch.Tensor]:
