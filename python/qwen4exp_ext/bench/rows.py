@@ -16,7 +16,7 @@ from which checkout, and the headline figures. Its fields, in order (``ROW_FIELD
   dirty            whether tracked files differed from that commit; null where commit is
   op, case         the bench op and case name
   threads          torch's thread count for this row
-  ours_p50_us      our kernel's median, µs
+  ours_p50_us      our kernel's median, µs (times to 3 decimals, ratios to 4, % to 2)
   baseline         the name of the op's headline baseline (what a user would run otherwise)
   baseline_p50_us  its median, µs
   speedup          baseline_p50_us / ours_p50_us (> 1: ours is faster); null without a baseline
@@ -95,17 +95,23 @@ def bench_row(
         "op": result["op"],
         "case": result["case"],
         "threads": result.get("threads", report.get("threads")),
-        "ours_p50_us": result["ours"]["p50_us"],
+        "ours_p50_us": _round(result["ours"]["p50_us"], 3),
         "baseline": baseline,
-        "baseline_p50_us": base.get("p50_us"),
+        "baseline_p50_us": _round(base.get("p50_us"), 3),
         # Files of 2026-11-30 have no baseline: their "speedup" is over the oracle, not one.
-        "speedup": result.get("speedup") if baseline is not None else None,
-        "pct_of_copy": result.get("pct_of_copy"),
-        "speedup_vs_vllm": result.get("speedup_vs_vllm"),
+        "speedup": _round(result.get("speedup"), 4) if baseline is not None else None,
+        "pct_of_copy": _round(result.get("pct_of_copy"), 2),
+        "speedup_vs_vllm": _round(result.get("speedup_vs_vllm"), 4),
         "json": json_path,
     }
     assert tuple(row) == ROW_FIELDS
     return row
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    """Times to the ns, ratios to 4 decimals: the timing noise is far larger, and a row stays
+    short."""
+    return None if value is None else round(value, digits)
 
 
 def json_rows(report: Mapping[str, Any], json_path: str | None = None) -> list[dict[str, Any]]:
