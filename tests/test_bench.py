@@ -335,7 +335,7 @@ CPU_CASES = {
     ],
 }
 # Of those, every variant of the headline shapes (formats, id patterns, the fast gate, the
-# dim-first conv state): what tools/gpu_check.sh benches, registry.HEADLINE_CASES.
+# dim-first conv state): what tools/check-gpu.sh benches, registry.HEADLINE_CASES.
 HEADLINE_VARIANTS = {
     "ngram_ids": {"decode_T64", "prefill_T8192_R4"},
     "gather_rows": {
@@ -387,7 +387,7 @@ def test_default_selection_is_the_headline_cases_of_every_op() -> None:
     if not torch.cuda.is_available():
         assert cli._parse_args([])[1] == THREADS
     assert cli._parse_args(["--threads", "1"])[1] == [1]
-    # gpu_check.sh's --cases: every variant of those shapes, the subset's among them.
+    # check-gpu.sh's --cases: every variant of those shapes, the subset's among them.
     args, variants = _selection(["--cases", HEADLINE_CASES])
     assert not args.subset and variants == HEADLINE_VARIANTS
     assert all(HEADLINE[op] <= variants[op] for op in HEADLINE)
@@ -1368,7 +1368,7 @@ def test_vs_vllm_in_the_json_csv_and_table(
     # "vs vllm" is one word in the header, one cell in a row: the row's index counts it once.
     assert printed["with"][column] == f"{r['speedup_vs_vllm']:.2f}"
     assert printed["without"][column] == "-"
-    # tools/gpu_check.sh's summary line, from the same JSON.
+    # tools/check-gpu.sh's summary line, from the same JSON.
     tool = Path(__file__).resolve().parent.parent / "tools" / "vs_vllm_summary.py"
     proc = subprocess.run(
         [sys.executable, str(tool), str(path)], capture_output=True, text=True, check=True
