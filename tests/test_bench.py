@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ import torch
 import qwen4exp_ext
 from qwen4exp_ext import ops
 from qwen4exp_ext.bench import cli, vllm_triton
+from qwen4exp_ext.bench import rows as bench_rows
 from qwen4exp_ext.bench.cli import QUICK_REPEAT, main
 from qwen4exp_ext.bench.registry import HEADLINE_CASES, HEADLINE_PHASES
 from qwen4exp_ext.testing import exact_mismatch
@@ -333,7 +335,7 @@ CPU_CASES = {
     ],
 }
 # Of those, every variant of the headline shapes (formats, id patterns, the fast gate, the
-# dim-first conv state): what tools/gpu_check.sh benches, registry.HEADLINE_CASES.
+# dim-first conv state): what tools/check-gpu.sh benches, registry.HEADLINE_CASES.
 HEADLINE_VARIANTS = {
     "ngram_ids": {"decode_T64", "prefill_T8192_R4"},
     "gather_rows": {
@@ -385,7 +387,7 @@ def test_default_selection_is_the_headline_cases_of_every_op() -> None:
     if not torch.cuda.is_available():
         assert cli._parse_args([])[1] == THREADS
     assert cli._parse_args(["--threads", "1"])[1] == [1]
-    # gpu_check.sh's --cases: every variant of those shapes, the subset's among them.
+    # check-gpu.sh's --cases: every variant of those shapes, the subset's among them.
     args, variants = _selection(["--cases", HEADLINE_CASES])
     assert not args.subset and variants == HEADLINE_VARIANTS
     assert all(HEADLINE[op] <= variants[op] for op in HEADLINE)
@@ -524,6 +526,86 @@ def test_references_and_derived_fields(
         main(["toy", "--quick", "--threads", "1"])
     with pytest.raises(ValueError, match=r"reference names \['base'\] are taken"):
         Case(**{**case.__dict__, "references": {"base": fn("x")}})
+
+
+def test_append_adds_one_row_per_case_and_thread_count(tmp_path: Path) -> None:
+    """--append FILE adds a JSON line per case result and thread count, each with every field of
+    ``bench_rows.ROW_FIELDS``; a second run appends after the first's rows, never over them."""
+    path = tmp_path / "results" / "bench.jsonl"
+    report_path = tmp_path / "bench.json"
+    cases = "^decode_T(1|8)$"
+    argv = ["ngram_ids", "--quick", "--cases", cases, "--append", str(path)]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main([*argv, "--json", str(report_path)]) == 0
+    first = [json.loads(line) for line in path.read_text().splitlines()]
+    report = json.loads(report_path.read_text())
+    assert [(r["case"], r["threads"]) for r in first] == [
+        (r["case"], r["threads"]) for r in report["results"]
+    ]
+    assert len(first) == 2 * len(THREADS)
+    for row, r in zip(first, report["results"], strict=True):
+        assert tuple(row) == bench_rows.ROW_FIELDS
+        assert row["op"] == "ngram_ids"
+        assert row["date"] == report["date"]
+        assert datetime.fromisoformat(row["date"]).utcoffset() == timedelta(0)
+        assert row["machine"] and row["device"] == report["device_type"]
+        assert row["torch"] == torch.__version__
+        if report["source"] is None:
+            assert row["commit"] is None and row["dirty"] is None
+        else:
+            assert row["commit"] == report["source"][:7] and isinstance(row["dirty"], bool)
+        assert row["ours_p50_us"] == pytest.approx(r["ours"]["p50_us"], abs=1e-3)
+        assert row["baseline"] == "transformers"
+        assert row["baseline_p50_us"] == pytest.approx(
+            r["baselines"]["transformers"]["p50_us"], abs=1e-3
+        )
+        assert row["ours_p50_us"] > 0 and row["baseline_p50_us"] > 0
+        assert row["speedup"] == pytest.approx(r["speedup"], abs=1e-4)
+        assert (
+            row["pct_of_copy"] == pytest.approx(r["pct_of_copy"], abs=0.01)
+            and row["pct_of_copy"] > 0
+        )
+        vs_vllm = r["speedup_vs_vllm"]
+        assert row["speedup_vs_vllm"] == (
+            None if vs_vllm is None else pytest.approx(vs_vllm, abs=1e-4)
+        )
+        assert row["json"] == str(report_path)
+    # Again, without --json: the rows go after the first run's, which stay as they were.
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(argv) == 0
+    both = [json.loads(line) for line in path.read_text().splitlines()]
+    assert both[: len(first)] == first
+    second = both[len(first) :]
+    assert [(r["case"], r["threads"]) for r in second] == [(r["case"], r["threads"]) for r in first]
+    assert all(tuple(r) == bench_rows.ROW_FIELDS and r["json"] is None for r in second)
+
+
+def test_append_without_a_path_uses_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--append alone is results/bench.jsonl; an op name after it is an op, not a file."""
+    for argv in (["ngram_ids", "--append"], ["--append", "ngram_ids"]):
+        args, _ = cli._parse_args(argv)
+        assert args.append == bench_rows.DEFAULT_APPEND == Path("results", "bench.jsonl")
+        assert args.ops == ["ngram_ids"]
+    args, _ = cli._parse_args(["ngram_ids", "--append=out.jsonl"])
+    assert args.append == Path("out.jsonl") and args.ops == ["ngram_ids"]
+    assert cli._parse_args(["ngram_ids"])[0].append is None
+
+
+def test_row_of_an_old_report_has_nulls_where_it_lacks_fields() -> None:
+    """A report from before a field existed (no baseline, no source, no cpu facts) converts
+    with nulls, never a wrong figure: its "speedup" was over the oracle, not a baseline."""
+    report = {"date": "2026-11-30T03:14:45+00:00", "device": "AMD EPYC", "device_type": "cpu"}
+    result = {"op": "gather_rows", "case": "decode_T1", "threads": 2, "speedup": 3.0}
+    result |= {"ours": {"p50_us": 1.0}, "pct_of_copy": 50.0}
+    row = bench_rows.bench_row(result, report | {"torch": "2.14.1"}, "old.json")
+    assert tuple(row) == bench_rows.ROW_FIELDS
+    assert row["machine"] == "AMD EPYC" and row["commit"] is None and row["dirty"] is None
+    assert row["baseline"] is None and row["speedup"] is None and row["speedup_vs_vllm"] is None
+    report |= {"source": "0c3c8c65cc191e66b3c963741605628167643395-dirty"}
+    report |= {"cpu": {"model_name": "AMD EPYC", "family": "25", "model": "17"}}
+    row = bench_rows.bench_row(result, report, None)
+    assert (row["commit"], row["dirty"]) == ("0c3c8c6", True)
+    assert row["machine"] == "AMD EPYC, family 25 model 17"
 
 
 def test_unknown_op_is_a_usage_error() -> None:
@@ -1286,7 +1368,7 @@ def test_vs_vllm_in_the_json_csv_and_table(
     # "vs vllm" is one word in the header, one cell in a row: the row's index counts it once.
     assert printed["with"][column] == f"{r['speedup_vs_vllm']:.2f}"
     assert printed["without"][column] == "-"
-    # tools/gpu_check.sh's summary line, from the same JSON.
+    # tools/check-gpu.sh's summary line, from the same JSON.
     tool = Path(__file__).resolve().parent.parent / "tools" / "vs_vllm_summary.py"
     proc = subprocess.run(
         [sys.executable, str(tool), str(path)], capture_output=True, text=True, check=True

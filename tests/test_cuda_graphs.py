@@ -5,7 +5,7 @@ vLLM captures its decode steps in CUDA graphs: a kernel whose launcher reads a t
 stale work. Each op's valid baseline from the bad-input table is captured once; then its inputs
 are rewritten in place (new values, ids pointing at other rows) and the graph is replayed, twice,
 against eager calls on the same new values, outputs and in-out state (the conv's) compared bit
-for bit. Runs where there is a GPU and a GPU build (tools/gpu_check.sh)."""
+for bit. Runs where there is a GPU and a GPU build (tools/check-gpu.sh)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ error, writing nothing.
 Every case here is one of the bad-input table's DATA_ONLY cases, run on each backend that reads
 indices on the device: "cuda" (moved to the GPU) and the emulator's "simt32"/"simt64" (the same
 glue and kernels on CPU tensors). Out-of-bounds accesses in the no-debug runs are caught by
-compute-sanitizer in tools/gpu_check.sh and by ASan in the emulator's sanitizer build
+compute-sanitizer in tools/check-gpu.sh and by ASan in the emulator's sanitizer build
 (tools/check-sanitizers.sh); here they would also show as a slot that no valid index names being
 written.
 """

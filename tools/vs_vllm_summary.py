@@ -1,4 +1,4 @@
-"""One line of a bench JSON's speedup over vLLM's own code per case, for gpu_check's summary.
+"""One line of a bench JSON's speedup over vLLM's own code per case, for check-gpu.sh's summary.
 
 usage: python tools/vs_vllm_summary.py BENCH.json
 Prints per op "  vs_vllm OP: CASE X.XX, CASE -, ..." (vLLM p50 / ours p50, > 1: ours is faster;

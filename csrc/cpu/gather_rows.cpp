@@ -38,7 +38,7 @@ namespace {
 // staying well inside L1/L2 (what is prefetched is consumed a few hundred ns later). A prefetch
 // that misses the TLB holds retirement until its page walk ends, so the reorder buffer, not the
 // distance, bounds the walks in flight: sorting by address (the streaming path) is what makes
-// walks cheaper (results/cpu-kernel-notes.md).
+// walks cheaper (docs/design/cpu-kernel-notes.md).
 constexpr int64_t kPrefetchDistance = 16;
 constexpr int64_t kCacheLine = 64;
 
@@ -47,7 +47,7 @@ constexpr int64_t kCacheLine = 64;
 // code (GCC 12 -O3 drops them all). Inlined, the prefetches stay in the loop.
 // Locality 3 (prefetcht0: into L1 and below), as the row is copied a few hundred ns later:
 // faster than prefetcht1 and prefetchnta on every id pattern measured
-// (results/cpu-kernel-notes.md).
+// (docs/design/cpu-kernel-notes.md).
 __attribute__((always_inline)) inline void prefetch_bytes(const char* begin, int64_t bytes) {
   const uintptr_t first = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t(kCacheLine - 1);
   const uintptr_t last = reinterpret_cast<uintptr_t>(begin + bytes - 1);
@@ -71,7 +71,7 @@ __attribute__((always_inline)) inline void prefetch_bytes(const char* begin, int
 //   per element).
 // Decoding the fields in 8-lane vectors instead (selects for subnormals and NaN, the scale
 // product, the output's rounding: ~6 instructions an element) made fp8 rows cost more than bf16
-// rows of twice the bytes (results/cpu-kernel-notes.md).
+// rows of twice the bytes (docs/design/cpu-kernel-notes.md).
 
 // The outputs of one fp8 format at one scale. For a 16-bit output with kMantissaBits mantissa
 // bits, scaling a normal code by 2^k moves its output's exponent field by k as long as the output
@@ -535,7 +535,7 @@ const CacheShare& cache_share() {
 // row reads sweep the table upwards, consecutive rows share page-table lines and DRAM pages, and
 // the page walk that every random row of a multi-GB table costs gets cheaper. That pays with
 // either store width: on a Zen 3 EPYC (AVX2, 32-byte stores) the sorted copy took 0.84-0.91x
-// the time of the copy in output order, side by side (results/cpu-kernel-notes.md).
+// the time of the copy in output order, side by side (docs/design/cpu-kernel-notes.md).
 
 // Items per block: the more a block holds, the denser its sorted rows lie in the table (32768
 // rows spread over a 4M-row table put one every ~40 KiB, 65536 one every ~20 KiB) and the more

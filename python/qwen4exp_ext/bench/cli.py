@@ -9,11 +9,13 @@ own code where the case names a ``vllm`` baseline, the oracle's time, the case's
 its minimum time at the HBM peak of each GPU in ``PEAK_TBPS``, and on a listed GPU the % of that
 GPU's datasheet peak that ours reaches), and optionally write everything to JSON tagged with the
 device, torch version, build info and date, so results from different machines and commits can be
-compared later; ``--csv`` writes one row per case and thread count, ``--plot`` a PNG of the % of
-copy bandwidth. After an op's cases come its untimed sections (``registry.Section``: e.g.
-gather_rows' pinned bytes per table format), printed as small tables of their own and written to the
-JSON under "sections". A progress line on stderr names the case being checked and timed (rewritten
-in place on a terminal).
+compared later; ``--append`` adds one JSON line per case result and thread count to a results
+file (``results/bench.jsonl`` by default; the row's fields: ``rows.ROW_FIELDS``); ``--csv``
+writes one row per case and thread count, ``--plot`` a PNG of the % of copy bandwidth. After an
+op's cases come its untimed sections (``registry.Section``: e.g. gather_rows' pinned bytes per
+table format), printed as small tables of their own and written to the JSON under "sections". A
+progress line on stderr names the case being checked and timed (rewritten in place on a
+terminal).
 
 With no op and no ``--cases``, a run is the representative subset: each op's headline case of
 each phase (``registry.headline_case_names``: decode T = 64, prefill T = 8192) on a shorter
@@ -54,6 +56,7 @@ from qwen4exp_ext.bench.registry import (
     load_cases,
     load_sections,
 )
+from qwen4exp_ext.bench.rows import DEFAULT_APPEND, ROW_FIELDS, append_rows, bench_row
 from qwen4exp_ext.bench.timing import Quantiles, roofline_copy, time_interleaved
 from qwen4exp_ext.testing import exact_mismatch
 
@@ -171,6 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     continue
                 result["threads"] = threads
                 results.append(result)
+                if args.append is not None:
+                    json_path = None if args.json is None else str(args.json)
+                    append_rows(args.append, [bench_row(result, environment, json_path)])
                 progress.clear()
                 print(_row(_table_values(result)), flush=True)
                 if result.get("summary"):
@@ -193,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     save_json(complete=True)
     if args.json is not None:
         print(f"wrote {args.json}")
+    if args.append is not None:
+        print(f"appended {len(results)} row(s) to {args.append}")
     _write_tables(args, device, results)
     print()
     print("\n".join(summary_lines(results, selected_ops, thread_counts)))
@@ -206,6 +214,12 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[in
     """The command line, checked (argparse exits 2 on bad usage), and its thread counts."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.append in OP_MODULES:
+        # "--append gather_rows": an op, not a file (the flag's path is optional).
+        args.ops.insert(0, str(args.append))
+        args.append = DEFAULT_APPEND
+    if args.append is not None:
+        args.append = Path(args.append)
     if args.full and args.cases is not None:
         parser.error("--full runs every case: give it or --cases, not both")
     # No op and no --cases: the representative subset, unless --full.
@@ -313,6 +327,18 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help='also write results as JSON, rewritten after each case ("complete": false until the '
         "run ends, so a run cut short keeps what it measured)",
+    )
+    parser.add_argument(
+        "--append",
+        nargs="?",
+        const=str(DEFAULT_APPEND),
+        metavar="FILE",
+        help=f"also append one JSON line per case result and thread count to FILE (JSON Lines; "
+        f"default {DEFAULT_APPEND}, relative to the current directory), written as each case "
+        f"ends, never rewritten. A row holds: {', '.join(ROW_FIELDS)} (the date in UTC; "
+        "machine: the GPU, or the CPU model with its family and model; commit: the checkout's "
+        "short hash, null outside git; json: the --json file, if any). Put the path after "
+        "--append= or after the ops",
     )
     parser.add_argument(
         "--csv",

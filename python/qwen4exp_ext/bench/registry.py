@@ -45,7 +45,7 @@ OP_MODULES: dict[str, str] = {
 
 # The headline shapes of every op, by phase: decode at T = 64 tokens (ple_conv: R = 64 requests
 # of one token) and prefill at T = 8192, as ``re.search`` patterns on case names; HEADLINE_CASES
-# (every variant of those shapes: formats, id patterns, layouts) is what tools/gpu_check.sh
+# (every variant of those shapes: formats, id patterns, layouts) is what tools/check-gpu.sh
 # benches. An op's headline case of a phase is the first of its cases that matches (its
 # default format and layout): the bench's representative subset and its summary.
 HEADLINE_PHASES: dict[str, str] = {"decode": "decode_T64|decode_R64", "prefill": "prefill_T8192"}

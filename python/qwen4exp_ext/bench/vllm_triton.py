@@ -14,7 +14,7 @@ The source comes from, in order:
 - ``$QWEN4EXP_VLLM_SOURCE``: a folder written by ``python -m qwen4exp_ext.bench.vllm_triton
   DIR`` where vLLM is installed (the files these loaders read, under ``vllm/``, and the version
   in ``VLLM_VERSION``). Carry that folder to a machine without vLLM (it is git-ignored as
-  ``.vllm-source/``; tools/gpu_check.sh uses it when present). Nothing of vLLM is committed.
+  ``.vllm-source/``; tools/check-gpu.sh uses it when present). Nothing of vLLM is committed.
 - the installed ``vllm`` package, found with ``importlib.util.find_spec("vllm")`` (which
   locates the package without importing it).
 

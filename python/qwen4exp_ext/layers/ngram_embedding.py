@@ -53,7 +53,7 @@ PLACEMENTS = ("device", "pinned", "cpu", "file")
 HOST_PLACEMENTS = ("cpu", "file")
 # Where forward hashes and gathers in one op (ops.ngram_gather_rows) rather than ngram_ids then
 # gather_rows: the table's device types where the bench measured the fused op faster than the
-# two (qwen4exp-bench ngram_gather_rows; results/README.md). On the CPU it was 1.85x at decode
+# two (qwen4exp-bench ngram_gather_rows; results/bench.jsonl). On the CPU it was 1.85x at decode
 # T = 1, 1.45x at T = 8 and never slower; no GPU has run the fused kernel yet.
 FUSED_LOOKUP_DEVICES = ("cpu",)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

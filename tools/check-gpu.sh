@@ -3,7 +3,7 @@
 # torch there (no venv, no downloads: the H200 lent to this project reaches no registry), runs
 # the GPU tests, the same under compute-sanitizer memcheck, the CMake package's C++ consumer on
 # the GPU, and the benchmark on the GPU, writing everything into OUTDIR.
-#   usage: tools/gpu_check.sh OUTDIR
+#   usage: tools/check-gpu.sh OUTDIR
 # Files: nvidia-smi.txt, build.log, build_info.json, pytest.log, pytest.xml, memcheck.log,
 #        cmake.log, bench-<op>.log, bench-<date>-<device>-<op>.json, summary.txt (each stage's
 #        exit, and per bench op a line of every case's speedup_vs_vllm)
@@ -27,7 +27,7 @@
 # from ./.vllm-source when present (made beforehand where vLLM is installed with
 # `python -m qwen4exp_ext.bench.vllm_triton .vllm-source`, and carried here: git ignores it).
 set -uo pipefail
-out="${1:?usage: tools/gpu_check.sh OUTDIR}"
+out="${1:?usage: tools/check-gpu.sh OUTDIR}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
