@@ -332,6 +332,14 @@ CPU_CASES = {
         f"{phase}_T{t}_{fmt}"
         for fmt in ("bf16", "fp8", "nvfp4")
         for phase, t in (("decode", 1), ("decode", 64), ("decode", 256), ("prefill", 8192))
+    ]
+    + [
+        f"staged_{phase}_T{t}_{fmt}_{source}"
+        for fmt in ("bf16", "fp8", "nvfp4")
+        for source in ("ram", "warm", "cold")
+        if fmt == "bf16" or source == "ram"
+        for phase, t in (("decode", 1), ("decode", 64), ("decode", 256), ("prefill", 8192))
+        if not (source == "cold" and phase == "prefill")
     ],
 }
 # Of those, every variant of the headline shapes (formats, id patterns, the fast gate, the
@@ -349,7 +357,10 @@ HEADLINE_VARIANTS = {
     "ple_conv": {"decode_R64", "decode_R64_ds", "prefill_T8192_R4", "prefill_T8192_R4_ds"},
     "host_lookup": {
         f"{p}_{f}" for p in ("decode_T64", "prefill_T8192") for f in ("bf16", "fp8", "nvfp4")
-    },
+    }
+    | {f"staged_{p}_{f}_ram" for p in ("decode_T64", "prefill_T8192") for f in ("fp8", "nvfp4")}
+    | {f"staged_{p}_bf16_{s}" for p in ("decode_T64", "prefill_T8192") for s in ("ram", "warm")}
+    | {"staged_decode_T64_bf16_cold"},
 }
 # The representative subset: each op's headline case of each phase, in its default format and
 # layout (the first of its cases at that shape).
@@ -1028,11 +1039,31 @@ HOST_LOOKUP_ROW_BYTES = {"bf16": 2 * D, "fp8": D, "nvfp4": D // 2 + D // 16}
 
 
 def _host_lookup_names() -> set[str]:
+    """The step proxy's cases at the quick size."""
     from qwen4exp_ext.bench import host_lookup
 
     size = host_lookup.SIZES["quick"]
     shapes = [f"decode_T{t}" for t in size.decode_tokens] + [f"prefill_T{size.prefill_tokens}"]
     return {f"{shape}_{fmt}" for shape in shapes for fmt in host_lookup.FORMATS}
+
+
+def _staged_names() -> set[str]:
+    """The lookup-level cases (bench/staged_lookup.py) at the quick size: every format from RAM,
+    bf16 from a warm and (decode only) a cold file."""
+    from qwen4exp_ext.bench import host_lookup, staged_lookup
+
+    size = host_lookup.SIZES["quick"]
+    decode = [f"decode_T{t}" for t in size.decode_tokens]
+    shapes = [*decode, f"prefill_T{size.prefill_tokens}"]
+    names = {f"staged_{s}_{f}_ram" for s in shapes for f in staged_lookup.RAM_FORMATS}
+    for fmt in staged_lookup.FILE_FORMATS:
+        names |= {f"staged_{s}_{fmt}_warm" for s in shapes}
+        names |= {f"staged_{s}_{fmt}_cold" for s in decode}
+    return names
+
+
+def _step_results(report: dict) -> list[dict]:
+    return [r for r in report["results"] if not r["case"].startswith("staged_")]
 
 
 @pytest.fixture(scope="module")
@@ -1060,8 +1091,8 @@ def test_host_lookup_writes_every_field_of_every_case(host_lookup_run: dict) -> 
     overhead against the device path, the no-lookup step, the lookup bytes and notes."""
     report, printed = host_lookup_run["report"], host_lookup_run["stdout"]
     gpu = report["device_type"] == "cuda"
-    results = report["results"]
-    assert {r["case"] for r in results} == _host_lookup_names()
+    results = _step_results(report)
+    assert {r["case"] for r in report["results"]} == _host_lookup_names() | _staged_names()
     ours_path = "pinned_pipeline" if gpu else "pipeline"
     for r in results:
         name, fmt = r["case"], r["params"]["format"]
@@ -1094,7 +1125,7 @@ def test_host_lookup_writes_every_field_of_every_case(host_lookup_run: dict) -> 
     import csv
 
     with host_lookup_run["paths"]["csv"].open() as f:
-        rows = list(csv.DictReader(f))
+        rows = [row for row in csv.DictReader(f) if not row["case"].startswith("staged_")]
     assert [float(row["p50_us_no_lookup"]) for row in rows] == pytest.approx(
         [r["references"]["no_lookup"]["p50_us"] for r in results]
     )
@@ -1125,7 +1156,7 @@ def test_host_lookup_claims_no_gpu_field_on_a_cpu(host_lookup_run: dict) -> None
     report = host_lookup_run["report"]
     if report["device_type"] == "cuda":
         pytest.skip("the CPU's rows: this run was on a GPU")
-    for r in report["results"]:
+    for r in _step_results(report):
         assert set(r["paths"]) == {"device", "pipeline"}
         assert set(r["baselines"]) == {"device"} and set(r["references"]) == {"no_lookup"}
         assert all(r[key] is None for key in HOST_LOOKUP_GPU_ONLY)
@@ -1139,7 +1170,7 @@ def test_host_lookup_gpu_rows_have_the_pinned_paths(host_lookup_run: dict) -> No
     report = host_lookup_run["report"]
     if report["device_type"] != "cuda":
         pytest.skip("needs a GPU")
-    for r in report["results"]:
+    for r in _step_results(report):
         assert {"device", "pinned_sync", "pinned_pipeline"} <= set(r["paths"])
         assert set(r["references"]) == {"no_lookup", "h2d_copy", "pinned_gather"}
         assert all(r[key] > 0 for key in HOST_LOOKUP_GPU_ONLY)
@@ -1147,6 +1178,67 @@ def test_host_lookup_gpu_rows_have_the_pinned_paths(host_lookup_run: dict) -> No
             100 * r["pinned_gather_gbps"] / r["h2d_copy_gbps"]
         )
         assert ("vllm_triton" in r["paths"]) == (r["params"]["vllm_kernels"] is not None)
+
+
+def test_host_lookup_staged_cases_check_and_derive(host_lookup_run: dict) -> None:
+    """Every staged case checked its paths against the oracle and derived each path's net time
+    (cold: net of drop_pages, timed beside it), rows/s and read GB/s, the file's sequential
+    read, and a summary; ours is the staged pipeline of its source's reader."""
+    report, printed = host_lookup_run["report"], host_lookup_run["stdout"]
+    gpu = report["device_type"] == "cuda"
+    staged = [r for r in report["results"] if r["case"].startswith("staged_")]
+    assert {r["case"] for r in staged} == _staged_names()
+    ours_of = {"ram": "staged", "warm": "staged_mmap", "cold": "staged_direct"}
+    headline_of = {"ram": "torch_gather", "warm": "memmap_fancy", "cold": "memmap_fancy"}
+    for r in staged:
+        source, fmt = r["params"]["source"], r["params"]["format"]
+        assert r["check"] is True and r["case"].endswith(f"_{fmt}_{source}")
+        assert r["ours_path"] == r["params"]["ours"] == ours_of[source]
+        assert r["baseline"] == headline_of[source]
+        assert r["vllm_baseline"] is None and "vLLM 0.33.0 has no" in r["vllm_note"]
+        paths = set(r["paths"])
+        expected = {"ram": {"staged", "torch_gather"}}.get(
+            source, {"staged_mmap", "staged_direct", "memmap_fancy", "memmap_take"}
+        )
+        if source == "ram" and fmt != "bf16":
+            expected = expected | {"raw_rows"}
+        if source == "ram" and gpu:
+            expected = expected | {"zero_copy"}
+        assert paths == expected == set(r["params"]["paths"])
+        references = r.get("references", {})
+        drop = references["drop_pages"]["p50_us"] if source == "cold" else 0.0
+        assert ("drop_pages" in references) == (source == "cold")
+        assert ("sequential_read" in references) == (source != "ram")
+        for path, p in r["paths"].items():
+            call = r["ours"] if path == r["ours_path"] else r["baselines"][path]
+            assert p["call"] == call
+            assert p["net_us"] == pytest.approx(call["p50_us"] - drop)
+            assert p["read_gbps"] == pytest.approx(r["lookup_bytes"] / (p["net_us"] * 1e3))
+        assert (r["sequential_read_gbps"] is None) == (source == "ram")
+        assert r["summary"].splitlines()[0] in printed
+
+
+def test_host_lookup_staged_check_catches_rows_that_differ(monkeypatch: pytest.MonkeyPatch):
+    """A staged step whose rows are off by one element fails every staged case's check, naming
+    the staged path."""
+    from qwen4exp_ext.layers import StagedStep
+
+    host_lookup, _, proxy = _host_lookup_quick(monkeypatch)
+    from qwen4exp_ext.bench import staged_lookup
+
+    cases = staged_lookup.cases(proxy)
+    real = StagedStep.rows
+
+    def off(self, layer, timeout=None):
+        rows = real(self, layer, timeout).clone()
+        if rows.numel():
+            rows.view(-1)[0] += 1
+        return rows
+
+    monkeypatch.setattr(StagedStep, "rows", off)
+    for case in cases:
+        problem = case.check()
+        assert problem is not None and "staged" in problem.split("'s rows")[0], case.name
 
 
 def _host_lookup_quick(monkeypatch: pytest.MonkeyPatch):
@@ -1198,8 +1290,9 @@ def test_host_lookup_check_catches_a_pipeline_with_other_rows(
 
     host_lookup, _, _ = _host_lookup_quick(monkeypatch)
     cases = host_lookup.cases(torch.device("cpu"))
-    assert {c.name for c in cases} == _host_lookup_names()
+    assert {c.name for c in cases} == _host_lookup_names() | _staged_names()
     assert all(case.check() is None for case in cases)
+    cases = [case for case in cases if not case.name.startswith("staged_")]
     real = LookupPipeline.start_prefetch
 
     def off(self, input_ids, *args):
@@ -1436,7 +1529,7 @@ def test_gate_and_conv_vs_vllm_on_a_cpu_is_null_with_a_note(
 
 def test_host_lookup_vs_vllm_on_a_cpu_is_null_with_a_note(host_lookup_run: dict) -> None:
     _skip_on_a_gpu(host_lookup_run["report"])
-    for r in host_lookup_run["report"]["results"]:
+    for r in _step_results(host_lookup_run["report"]):
         assert r["speedup_vs_vllm"] is None and r["vllm_baseline"] is None
         assert "not timed on a CPU" in r["vllm_note"] and "vllm_triton" in r["vllm_note"]
 
