@@ -448,14 +448,20 @@ class _Progress:
 
 
 def _auto_repeat(
-    fns: dict[str, Callable[[], object]], device: torch.device, warmup: int, budget_s: float
+    fns: dict[str, Callable[[], object]],
+    device: torch.device,
+    warmup: int,
+    budget_s: float,
+    before_call: Callable[[], None] | None = None,
 ) -> int:
     """Runs the warm-up rounds and returns how many rounds fit ``budget_s`` (timed on the last
-    warm-up round), clamped to [MIN_REPEAT, DEFAULT_REPEAT]."""
+    warm-up round, ``before_call`` included), clamped to [MIN_REPEAT, DEFAULT_REPEAT]."""
     round_s = 0.0
     for _ in range(warmup):
         start = time.perf_counter()
         for fn in fns.values():
+            if before_call is not None:
+                before_call()
             fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -482,9 +488,11 @@ def _run_case(
         "copy": copy,
     }
     if repeat is None:
-        repeat = _auto_repeat(fns, device, warmup, budget_s)
+        repeat = _auto_repeat(fns, device, warmup, budget_s, case.before_call)
         warmup = 0  # done
-    times = time_interleaved(fns, device, warmup, repeat, wall_clock=case.host_waits)
+    times = time_interleaved(
+        fns, device, warmup, repeat, wall_clock=case.host_waits, before_call=case.before_call
+    )
     ours, oracle, copy_t = times["ours"], times["oracle"], times["copy"]
     baselines = {name: times[name] for name in case.baselines}
     headline = baselines[case.baseline]

@@ -106,6 +106,9 @@ class Case:
     # the wall clock between device syncs instead of by events behind a spin, which would hide
     # the host's waiting (timing.time_interleaved).
     host_waits: bool = False
+    # Run before every call of every timed function, outside the timed interval (the file
+    # cases' page dropping: each call then reads from the disk, and the drop is not timed).
+    before_call: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if not self.baselines:

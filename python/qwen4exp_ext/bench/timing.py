@@ -44,6 +44,7 @@ def time_interleaved(
     warmup: int,
     repeat: int,
     wall_clock: bool = False,
+    before_call: Callable[[], None] | None = None,
 ) -> dict[str, Quantiles]:
     """Time every function ``repeat`` times after ``warmup`` untimed rounds, interleaved.
 
@@ -54,17 +55,22 @@ def time_interleaved(
     A contender that waits on the device from the host (a sync) still pays for its wait. On CPU it
     is wall time per call; with ``wall_clock`` also on a GPU, from a device sync to the next
     (launch overheads included): for contenders whose cost is the host's waiting, which the
-    spin would hide.
+    spin would hide. ``before_call`` runs before every call, untimed (wall clock only).
     """
+    if before_call is not None and device.type == "cuda" and not wall_clock:
+        raise ValueError("before_call needs wall_clock timing on a GPU")
     names = list(fns)
     for _ in range(warmup):
         for name in names:
+            if before_call is not None:
+                before_call()
             fns[name]()
     order = [[names[i] for i in row] for row in balanced_orders(len(names))]
     if device.type == "cuda" and not wall_clock:
         samples = _time_cuda(fns, order, device, repeat)
     else:
-        samples = _time_cpu(fns, order, repeat, device if device.type == "cuda" else None)
+        sync = device if device.type == "cuda" else None
+        samples = _time_cpu(fns, order, repeat, sync, before_call)
     return {name: Quantiles.of(samples[name]) for name in names}
 
 
@@ -83,12 +89,16 @@ def _time_cpu(
     order: list[list[str]],
     repeat: int,
     sync: torch.device | None = None,
+    before_call: Callable[[], None] | None = None,
 ) -> dict[str, list[float]]:
-    """Wall time per call; with ``sync`` (a GPU) between device syncs."""
+    """Wall time per call; with ``sync`` (a GPU) between device syncs; ``before_call`` first,
+    untimed."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(repeat):
         for name in order[i % len(order)]:
             fn = fns[name]
+            if before_call is not None:
+                before_call()
             if sync is not None:
                 torch.cuda.synchronize(sync)
             start = time.perf_counter_ns()
