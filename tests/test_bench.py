@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -221,6 +222,26 @@ def test_orders_balance_predecessors() -> None:
         pairs = Counter((row[j], row[j + 1]) for row in rows for j in range(n - 1))
         assert len(pairs) == n * (n - 1), n
         assert len(set(pairs.values())) <= 1, (n, pairs)
+
+
+def test_before_call_runs_before_every_call_untimed() -> None:
+    """Case.before_call (the cold file cases' page drop) runs before each call, warm-up rounds
+    included, and its time is in no sample: a 20 ms sleep before a call that does nothing."""
+    from qwen4exp_ext.bench.timing import time_interleaved
+
+    calls = {"before": 0, "a": 0, "b": 0}
+
+    def before() -> None:
+        calls["before"] += 1
+        time.sleep(0.02)
+
+    def count(name: str):
+        return lambda: calls.__setitem__(name, calls[name] + 1)
+
+    fns = {"a": count("a"), "b": count("b")}
+    times = time_interleaved(fns, torch.device("cpu"), warmup=1, repeat=4, before_call=before)
+    assert calls == {"before": 10, "a": 5, "b": 5}
+    assert all(q.n == 4 and q.mean_us < 10_000 for q in times.values())
 
 
 def test_percent_of_the_datasheet_peak(monkeypatch: pytest.MonkeyPatch) -> None:

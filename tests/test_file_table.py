@@ -277,3 +277,13 @@ def test_save_table_file_leaves_nothing_when_it_fails(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert target.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["layer1.table"]
+
+
+def test_prefault_maps_every_page_of_an_mmap_table(tmp_path):
+    ram, on_file = _in_ram_and_file(tmp_path, "bfloat16", "mmap")
+    on_file.file_table.prefault()
+    batch = make_batch([5, 0, 13, 1], "cpu")
+    same_bits(on_file(*batch), ram(*batch))
+    _, direct = _in_ram_and_file(tmp_path, "bfloat16", "direct")
+    with pytest.raises(RuntimeError, match="prefault needs the 'mmap' reader"):
+        direct.file_table.prefault()
