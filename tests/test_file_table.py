@@ -110,14 +110,16 @@ def test_vocabulary_shards_read_their_own_rows(
             same_bits(on_file(*batch), ram(*batch))
 
 
+@pytest.mark.parametrize("decode", ["host", "device"])
 @pytest.mark.parametrize("reader", READERS)
-def test_the_staged_pipeline_reads_file_tables(tmp_path, reader):
-    """Two file tables of different formats behind one pipeline, several steps."""
+def test_the_staged_pipeline_reads_file_tables(tmp_path, reader, decode):
+    """Two file tables of different formats behind one pipeline, several steps, the NVFP4 rows
+    decoded by the CPU gather or staged raw for the device's."""
     pairs = [
         _in_ram_and_file(tmp_path, "bfloat16", reader, layer_index=0, seed=1),
         _in_ram_and_file(tmp_path, "nvfp4", reader, layer_index=2, seed=2),
     ]
-    with StagedLookupPipeline([f for _, f in pairs], max_tokens=32) as pipeline:
+    with StagedLookupPipeline([f for _, f in pairs], max_tokens=32, decode=decode) as pipeline:
         for seed, lengths in enumerate(([5, 0, 13, 1], [], [32], [2, 7])):
             batch = make_batch(lengths, "cpu", seed=seed)
             with pipeline.submit(*batch) as step:
@@ -186,17 +188,18 @@ def test_a_missing_or_foreign_file_is_refused_naming_it(tmp_path, reader):
         open_as()
 
 
+@pytest.mark.parametrize("decode", ["host", "device"])
 @pytest.mark.parametrize("reader", READERS)
-def test_a_file_truncated_under_the_table_fails_the_step_not_the_process(tmp_path, reader):
+def test_a_file_truncated_under_the_table_fails_the_step_not_the_process(tmp_path, reader, decode):
     """Truncated after it was opened: the lookup raises naming the file (mmap: before touching
     a page past the end, which would be SIGBUS; direct: the short read), the output buffer
     keeps its previous rows, and through the staged pipeline the step fails while the previous
     step's rows stay intact."""
-    ram, on_file = _in_ram_and_file(tmp_path, "bfloat16", reader)
+    ram, on_file = _in_ram_and_file(tmp_path, "float8_e4m3fn", reader)
     path = on_file.file_table.path
     batch = make_batch([5, 0, 13, 1], "cpu", seed=1)
     output = torch.full((19, on_file.embedding_dim), 7.0, dtype=torch.bfloat16)
-    with StagedLookupPipeline([on_file], max_tokens=32) as pipeline:
+    with StagedLookupPipeline([on_file], max_tokens=32, decode=decode) as pipeline:
         before = pipeline.submit(*batch)
         kept = before.rows(0).clone()
         same_bits(kept, ram(*batch))

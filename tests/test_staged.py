@@ -42,6 +42,39 @@ def test_staged_rows_equal_forward(table_format, lengths):
         same_bits(step.rows(module), want)
 
 
+@pytest.mark.parametrize("table_format", FORMATS)
+@pytest.mark.parametrize("lengths", list(BATCHES.values()), ids=list(BATCHES))
+def test_rows_decoded_by_the_device_equal_forward(table_format, lengths):
+    """decode="device": the raw rows and local ids staged, then the device's gather decodes
+    them (here the CPU's, the same code path as a GPU's but for the copies)."""
+    module = make_embedding(table_format, "cpu")
+    batch = make_batch(lengths, "cpu")
+    want = module(*batch)
+    pipeline = StagedLookupPipeline([module], max_tokens=32, decode="device")
+    quantized = table_format in ("float8_e4m3fn", "float8_e4m3fnuz", "nvfp4")
+    assert pipeline.decode_on_device == [quantized]
+    with pipeline, pipeline.submit(*batch) as step:
+        same_bits(step.rows(0), want)
+
+
+@pytest.mark.parametrize("table_format", ["float8_e4m3fn", "nvfp4"])
+def test_shards_decoded_by_the_device_read_their_own_rows(one_process_group, table_format):
+    for rank in range(3):
+        module = make_embedding(table_format, "cpu", shard=(rank, 3), seed=rank)
+        batch = make_batch([5, 0, 13, 1], "cpu")
+        with StagedLookupPipeline([module], max_tokens=32, decode="device") as pipeline:
+            with pipeline.submit(*batch) as step:
+                same_bits(step.rows(0), module(*batch))
+
+
+def test_decode_is_checked_and_auto_decodes_on_the_host_of_a_cpu():
+    module = make_embedding("nvfp4", "cpu")
+    with StagedLookupPipeline([module], max_tokens=8) as pipeline:
+        assert pipeline.decode_on_device == [False]
+    with pytest.raises(ValueError, match="decode must be one of"):
+        StagedLookupPipeline([module], max_tokens=8, decode="gpu")
+
+
 def test_several_layers_over_many_steps_each_equal_forward():
     """Three layers of different formats; five steps of different sizes, one consumed while the
     next is prepared; layers read out of order."""
@@ -249,13 +282,16 @@ SPIN_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: far longer than any lookup here
 
 
 @needs_gpu
+@pytest.mark.parametrize("decode", ["auto", "host"])
 @pytest.mark.parametrize("table_format", ["bfloat16", "float8_e4m3fn", "nvfp4"])
-def test_gpu_staged_rows_reach_the_device_exact(table_format):
+def test_gpu_staged_rows_reach_the_device_exact(table_format, decode):
     layers = [
         make_embedding(table_format, "cpu", layer_index=0, seed=1),
         make_embedding("bfloat16", "cpu", layer_index=2, seed=2),
     ]
-    with StagedLookupPipeline(layers, max_tokens=32, device="cuda") as pipeline:
+    pipeline = StagedLookupPipeline(layers, max_tokens=32, device="cuda", decode=decode)
+    assert pipeline.decode_on_device[0] == (decode == "auto" and table_format != "bfloat16")
+    with pipeline:
         for seed, lengths in enumerate(STEPS):
             batch = make_batch(lengths, "cpu", seed=seed)
             with pipeline.submit(*batch) as step:

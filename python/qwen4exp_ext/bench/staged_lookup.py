@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qwen4exp_ext import ops, reference
+from qwen4exp_ext import reference
 from qwen4exp_ext.bench.gather_rows import HEAD_DIM, NUM_HEADS
 from qwen4exp_ext.bench.registry import Case
 from qwen4exp_ext.bench.timing import Quantiles
@@ -163,6 +163,10 @@ class _Tables:
         self.staged = {
             "staged": pipeline(self.ram, max_tokens=proxy.max_tokens, device=proxy.device)
         }
+        if proxy.device.type == "cuda" and fmt != "bf16":  # the decode choice, on a GPU
+            self.staged["staged_host_decode"] = pipeline(
+                self.ram, max_tokens=proxy.max_tokens, device=proxy.device, decode="host"
+            )
         self.files: list[str] = []
         self.memmaps: list[np.memmap] = []
         self.mapped: list[NGramEmbedding] = []
@@ -279,7 +283,7 @@ def _case(proxy: hl.StepProxy, tables: _Tables, tokens: int, source: str) -> Cas
 
     paths: dict[str, Callable[[], list[torch.Tensor]]] = {}
     for path, pipeline in tables.staged.items():
-        if (path == "staged") == (source == "ram"):
+        if (path in ("staged", "staged_host_decode")) == (source == "ram"):
             paths[path] = _staged_call(pipeline, next_ids, qsl, context)
 
     if source == "ram":
@@ -435,35 +439,33 @@ def _raw_rows_call(
     next_ids: Callable[[], torch.Tensor],
     on_gpu: bool,
 ) -> Callable[[], list[torch.Tensor]]:
-    """Hash, then gather the rows' bytes undecoded (the table viewed as fp16: a plain copy in
-    the same kernel), into host buffers (pinned on a GPU) and copy them over: the CPU side of
-    decoding on the GPU."""
-    views = []
+    """The CPU's share of decoding on the device (``StagedLookupPipeline(decode="device")``):
+    hash, read the raw rows and their local ids into host buffers (pinned on a GPU), and on a
+    GPU copy them over; nothing decoded."""
+    buffers = []
     for embedding in embeddings:
-        parts = [embedding.weight.view(torch.float16)]
-        if embedding.nvfp4:
-            parts.append(embedding.weight_scale.view(torch.float16))
-        views.append(parts)
-    buffers = [
-        [
-            torch.empty(tokens, NUM_HEADS * p.shape[1], dtype=torch.float16, pin_memory=on_gpu)
-            for p in parts
-        ]
-        for parts in views
-    ]
-    targets = [[b.to("cuda") for b in bufs] for bufs in buffers] if on_gpu else None
+        rows = tokens * embedding.ngram_heads
+        width = embedding.table_file_header.row_bytes
+        buffers.append(
+            (
+                torch.empty(rows, width, dtype=torch.uint8, pin_memory=on_gpu),
+                torch.empty(rows, dtype=torch.int64, pin_memory=on_gpu),
+            )
+        )
+    targets = [(r.to("cuda"), x.to("cuda")) for r, x in buffers] if on_gpu else None
 
     def run() -> list[torch.Tensor]:
         ids = next_ids()
         out = []
         for k, embedding in enumerate(embeddings):
-            rows = hashed(embedding, ids, k)
-            for part, buffer in zip(views[k], buffers[k], strict=True):
-                ops.gather_rows(part, rows, output=buffer)
+            flat = hashed(embedding, ids, k).reshape(-1)
+            raw, local = buffers[k]
+            embedding._raw_rows(flat, raw)
+            embedding._local_ids(flat, local)
             if targets is not None:
-                for buffer, target in zip(buffers[k], targets[k], strict=True):
-                    target.copy_(buffer, non_blocking=True)
-            out.append(buffers[k][0])
+                targets[k][0].copy_(raw, non_blocking=True)
+                targets[k][1].copy_(local, non_blocking=True)
+            out.append(raw)
         return out
 
     return run

@@ -165,6 +165,7 @@ class NGramEmbedding(nn.Module):
         compute_device = _compute_device(placement, device)
         self._register_hash_buffers(multipliers, heads, compute_device)
         self.file_table: FileTable | None = None
+        self._local_positions = torch.empty(0, dtype=torch.int64)  # _local_ids' arange, grown
         # What this layer's table file must say (table_file.py): checked against a file read,
         # written by save_table_file.
         self.table_file_header = expected_header(config, layer_index, dtype)
@@ -311,7 +312,6 @@ class NGramEmbedding(nn.Module):
             self.weight_scale = self.weight_scale_2 = None
         self._device_table = self._device_block_scales = None
         self._file_values = self._file_block_scales = None
-        self._local_positions = torch.empty(0, dtype=torch.int64)
         if file_table.reader == "mmap":
             rows = file_table.rows[self.vocab_start : self.vocab_end]
             self._file_values = file_table.value_view(rows)
@@ -455,22 +455,68 @@ class NGramEmbedding(nn.Module):
         in the ids' order: the same values, bit for bit, as a gather from the whole table.
         Ids this rank does not own, or a read error, never reach ``output`` as rows: the
         scratch is decoded only after every read succeeded."""
-        file_table = self.file_table
         flat = ids.reshape(-1)
-        n = flat.numel()
-        raw = torch.empty(n, file_table.header.row_bytes, dtype=torch.uint8)
-        file_table.read_rows(flat, raw, self.vocab_start, self.vocab_end)
+        raw = torch.empty(flat.numel(), self.table_file_header.row_bytes, dtype=torch.uint8)
+        self._raw_rows(flat, raw)
+        return self._decode_raw(raw, self._local_ids(flat).view(ids.shape), output)
+
+    # Raw rows: the lookup split in two, so that a CPU can read a host table's rows undecoded
+    # and a GPU decode them after one copy (layers/staged.py). A raw row has the table file's
+    # layout (table_file_header.row_bytes: the row's storage bytes; NVFP4: its codes, then its
+    # block scales), whatever the placement.
+
+    def _raw_rows(self, flat_ids: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        """The raw rows of global ids ``flat_ids`` [n] into ``output`` (uint8 [n, row_bytes],
+        on the CPU), zero for ids this rank does not own. Host tables only."""
+        if self.file_table is not None and self.file_table.reader == "direct":
+            self.file_table.read_rows(flat_ids, output, self.vocab_start, self.vocab_end)
+            return output
+        if not self.host_table:
+            raise RuntimeError(f"raw rows are read from host tables, not a {self.placement} one")
+        owned = (flat_ids >= self.vocab_start) & (flat_ids < self.vocab_end)
+        local = torch.where(owned, flat_ids - self.vocab_start, 0)
+        if self.file_table is not None:  # mmap: the mapped rows are already in this layout
+            self.file_table.check_readable()
+            rows = self.file_table.rows[self.vocab_start : self.vocab_end]
+            torch.index_select(rows, 0, local, out=output)
+        else:
+            code_bytes = self.table_file_header.code_bytes
+            output[:, :code_bytes] = self.weight.view(torch.uint8).index_select(0, local)
+            if self.nvfp4:
+                scales = self.weight_scale.view(torch.uint8)
+                output[:, code_bytes:] = scales.index_select(0, local)
+        return output.masked_fill_(~owned[:, None], 0)
+
+    def _local_ids(self, flat_ids: torch.Tensor, output: torch.Tensor | None = None):
+        """Each id's position in its raw rows [n], or -1 where this rank owns no row: the ids
+        that :meth:`_decode_raw` gathers with (a zero row, as the gather of a foreign id)."""
+        n = flat_ids.numel()
         if self._local_positions.numel() < n:
             self._local_positions = torch.arange(max(n, 2 * self._local_positions.numel()))
-        owned = (flat >= self.vocab_start) & (flat < self.vocab_end)
-        local = torch.where(owned, self._local_positions[:n], -1).view(ids.shape)
-        dequant = self._dequant()
+        owned = (flat_ids >= self.vocab_start) & (flat_ids < self.vocab_end)
+        local = torch.empty(n, dtype=torch.int64) if output is None else output
+        return local.copy_(self._local_positions[:n]).masked_fill_(~owned, -1)
+
+    def _decode_raw(
+        self, raw: torch.Tensor, local_ids: torch.Tensor, output: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The rows [..., NH·d] of raw rows ``raw`` (uint8 [n, row_bytes], on any device) at
+        ``local_ids`` [..., NH] (positions in ``raw``, -1: a zero row), decoded by the gather
+        kernel of ``raw``'s device: the values of a gather from the table, bit for bit. The
+        scales go as Python floats (exact for fp32), so no tensor has to be on ``raw``'s
+        device but the rows and ids."""
+        header = self.table_file_header
+        values = raw[:, : header.code_bytes].view(header.torch_dtype())
+        scale = self.weight_scale_2 if self.nvfp4 else self.weight_scale
+        block_scales = None
         if self.nvfp4:
-            dequant["block_scales"] = file_table.block_scale_view(raw)
+            start = header.code_bytes
+            block_scales = raw[:, start : start + header.scale_bytes].view(torch.float8_e4m3fn)
         return ops.gather_rows(
-            file_table.value_view(raw),
-            local,
-            **dequant,
+            values,
+            local_ids,
+            scale=None if scale is None else float(scale.item()),
+            block_scales=block_scales,
             out_dtype=self.out_dtype,
             output=output,
         )

@@ -19,8 +19,8 @@ How it runs:
 - **One worker thread, layers in order.** ``submit`` copies the step's inputs into the step's
   slot and returns; the worker hashes each layer's ids (``ngram_ids``, or the fused CPU lookup)
   and gathers its rows into that layer's staging buffer with the CPU kernels (torch's intra-op
-  threads), decoded to the embedding's dtype there; on a GPU it then queues one
-  asynchronous host-to-device copy of the layer's rows on a copy stream and records an event.
+  threads); on a GPU it then queues the layer's asynchronous host-to-device copy on a copy
+  stream (and the decode, below) and records an event.
   ``rows(l)`` waits for layer l only: the first PLE layer does not wait for the deeper ones.
 - **Double-buffered.** Steps alternate between two slots (buffers of every layer), so step n+1
   is prepared while step n's rows are read. A slot is refilled only after the step that used it
@@ -28,12 +28,17 @@ How it runs:
   ``TimeoutError`` after ``timeout`` seconds, when given). On a GPU the copy stream also waits on
   the event that ``release`` records on the consumer's stream before overwriting the device
   rows, and the worker waits for a staging buffer's previous copy to finish before refilling it.
-- **Decoded on the CPU.** fp8 and NVFP4 rows are decoded to bf16 by the CPU gather itself (in
-  SIMD registers, at the cost of a plain copy: the gather is bound by its random reads), not
-  copied raw and decoded by a GPU kernel: that would save PCIe bytes (2x for fp8, 3.6x for
-  NVFP4) on a copy engine that overlaps the model anyway, at the price of one more kernel per
-  layer on the GPU and a second device buffer. ``qwen4exp-bench host_lookup`` measures the CPU
-  side of both (``staged_decode`` against ``staged_raw``).
+- **Where fp8 and NVFP4 rows are decoded** (``decode``): on the device when delivering to a GPU
+  (``"auto"``). The worker then stages each layer's raw rows (the table file's row layout:
+  values, then NVFP4 block scales) and their local ids, two copies go over, and the device's
+  gather decodes them (``NGramEmbedding._decode_raw``, bit for bit the gather from the table).
+  Measured on the CPU side (``qwen4exp-bench host_lookup``, ``decode_rows`` against
+  ``raw_rows``, 2-core Zen 4): reading rows raw costs the worker less than decoding them (the
+  decode writes 2x (fp8) to 3.6x (NVFP4) the bytes, and NVFP4's decode is arithmetic), and the
+  copy carries the same factor fewer bytes; the GPU's decode of T x NH rows from device memory is
+  one small kernel on the copy stream. On a CPU (``device`` = CPU) the rows are decoded where
+  they are read, by the CPU gather: there is no copy to save. ``decode="host"`` keeps the CPU
+  decode on a GPU too (the bench's ``staged_host_decode`` path on a GPU, for the comparison).
 - **Errors** (a short read of a file table, a table freed under the pipeline) are raised by
   ``rows`` of the failed layer and of every later layer of that step, never as partial rows; the
   other slot's rows, a previous step's, are untouched.
@@ -52,11 +57,19 @@ from typing import Any
 
 import torch
 
+from qwen4exp_ext.reference import FP8_DTYPES
+
 from .prefetch import _embedding_of
 
 __all__ = ["StagedLookupPipeline", "StagedStep"]
 
 SLOTS = 2  # double buffering: one step read, the next prepared
+DECODES = ("auto", "host", "device")
+
+
+def _quantized(embedding: Any) -> bool:
+    """Whether a table's rows need decoding (fp8, NVFP4): what ``decode`` chooses for."""
+    return embedding.nvfp4 or embedding.table_dtype in FP8_DTYPES
 
 
 @dataclass
@@ -69,6 +82,13 @@ class _Slot:
     staging: list[torch.Tensor]  # per layer [max_tokens, D_e], host (pinned on a GPU)
     ids: list[torch.Tensor]  # per layer [max_tokens, NH] int64, host
     device_rows: list[torch.Tensor] | None  # per layer [max_tokens, D_e] on the GPU
+    # Layers decoded by the device (raw rows staged): per layer the raw rows [max_tokens·NH,
+    # row_bytes] and their local ids [max_tokens·NH] on the host (pinned on a GPU), and their
+    # copies on the GPU (the host ones on a CPU); None for layers decoded on the host.
+    raw: list[torch.Tensor | None]
+    local: list[torch.Tensor | None]
+    device_raw: list[torch.Tensor | None]
+    device_local: list[torch.Tensor | None]
     copied: list[torch.cuda.Event] | None  # per layer: its host-to-device copy is done
     released: torch.cuda.Event | None  # recorded on the consumer's stream by release()
     step: StagedStep | None = None  # the step using the slot, until released
@@ -149,7 +169,11 @@ class StagedLookupPipeline:
     ``modules``: :class:`~.ple_layer.PLELayer` or :class:`~.ngram_embedding.NGramEmbedding`
     modules whose tables the CPU reads (placement ``"cpu"`` or ``"file"``), in layer order.
     ``max_tokens``: the most tokens of a step. ``device``: where the rows are delivered (default
-    the CPU; a CUDA/ROCm device: pinned staging and one copy per layer)."""
+    the CPU; a CUDA/ROCm device: pinned staging and one copy per layer). ``decode``: where fp8
+    and NVFP4 rows are decoded: ``"device"`` (their raw rows are staged and copied, and the
+    device's gather decodes them), ``"host"`` (the CPU gather decodes them into the staging), or
+    ``"auto"`` (the default: ``"device"`` when delivering to a GPU; see the module docstring).
+    Other tables' rows are their values: always staged as they are."""
 
     def __init__(
         self,
@@ -157,6 +181,7 @@ class StagedLookupPipeline:
         *,
         max_tokens: int,
         device: torch.device | str | None = None,
+        decode: str = "auto",
     ) -> None:
         self.modules = list(modules)
         self.embeddings = [_embedding_of(module) for module in self.modules]
@@ -177,6 +202,10 @@ class StagedLookupPipeline:
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be the CPU or a CUDA/ROCm device, got {self.device}")
         on_gpu = self.device.type == "cuda"
+        if decode not in DECODES:
+            raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
+        on_device = decode == "device" or (decode == "auto" and on_gpu)
+        self.decode_on_device = [on_device and _quantized(e) for e in self.embeddings]
         self._copy_stream = torch.cuda.Stream(device=self.device) if on_gpu else None
         self._slots = [self._make_slot(on_gpu) for _ in range(SLOTS)]
         self._cond = threading.Condition()
@@ -201,6 +230,25 @@ class StagedLookupPipeline:
         def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
 
+        def raw_buffers(on_host: bool) -> tuple[list, list]:
+            raws, locals_ = [], []
+            for embedding, on_device in zip(self.embeddings, self.decode_on_device, strict=True):
+                if not on_device:
+                    raws.append(None)
+                    locals_.append(None)
+                    continue
+                rows = n * embedding.ngram_heads
+                width = embedding.table_file_header.row_bytes
+                if on_host:
+                    raws.append(host(rows, width, dtype=torch.uint8))
+                    locals_.append(host(rows, dtype=torch.int64))
+                else:
+                    raws.append(torch.zeros(rows, width, dtype=torch.uint8, device=self.device))
+                    locals_.append(torch.zeros(rows, dtype=torch.int64, device=self.device))
+            return raws, locals_
+
+        raw, local = raw_buffers(on_host=True)
+        device_raw, device_local = raw_buffers(on_host=False) if on_gpu else (raw, local)
         return _Slot(
             input_ids=host(n, dtype=torch.int64),
             query_start_loc=host(n + 1, dtype=torch.int32),
@@ -217,6 +265,10 @@ class StagedLookupPipeline:
             ),
             copied=[torch.cuda.Event() for _ in self.embeddings] if on_gpu else None,
             released=torch.cuda.Event() if on_gpu else None,
+            raw=raw,
+            local=local,
+            device_raw=device_raw,
+            device_local=device_local,
         )
 
     def __len__(self) -> int:
@@ -307,25 +359,14 @@ class StagedLookupPipeline:
         step = job.step
         slot = step._slot
         tokens = step.num_tokens
-        input_ids, query_start_loc, ngram_context = job.inputs
-        for index, embedding in enumerate(self.embeddings):
+        for index in range(len(self.embeddings)):
             try:
                 if slot.copied is not None:
                     slot.copied[index].synchronize()  # the last copy out of this staging is done
-                staging = slot.staging[index][:tokens]
-                embedding._lookup_local(
-                    input_ids,
-                    query_start_loc,
-                    ngram_context,
-                    output=staging,
-                    ids_output=slot.ids[index][:tokens],
-                )
-                if slot.device_rows is not None:
-                    stream = self._copy_stream
-                    stream.wait_event(slot.released)  # the last reads of the device rows
-                    with torch.cuda.stream(stream):
-                        slot.device_rows[index][:tokens].copy_(staging, non_blocking=True)
-                    slot.copied[index].record(stream)
+                if self.decode_on_device[index]:
+                    self._stage_raw(slot, index, tokens, job.inputs)
+                else:
+                    self._stage_rows(slot, index, tokens, job.inputs)
             except BaseException as error:  # noqa: BLE001 - handed to the consumer
                 with self._cond:
                     step._error = error
@@ -334,6 +375,41 @@ class StagedLookupPipeline:
             with self._cond:
                 step._ready = index + 1
                 self._cond.notify_all()
+
+    def _stage_rows(self, slot: _Slot, index: int, tokens: int, inputs: tuple) -> None:
+        """Layer ``index``'s rows decoded by the CPU gather into its staging (one copy to the
+        GPU after)."""
+        embedding = self.embeddings[index]
+        staging = slot.staging[index][:tokens]
+        embedding._lookup_local(*inputs, output=staging, ids_output=slot.ids[index][:tokens])
+        if slot.device_rows is not None:
+            stream = self._copy_stream
+            stream.wait_event(slot.released)  # the last reads of the device rows
+            with torch.cuda.stream(stream):
+                slot.device_rows[index][:tokens].copy_(staging, non_blocking=True)
+            slot.copied[index].record(stream)
+
+    def _stage_raw(self, slot: _Slot, index: int, tokens: int, inputs: tuple) -> None:
+        """Layer ``index``'s raw rows and local ids staged by the CPU (two copies to the GPU),
+        then decoded by the device's gather into its rows (on a CPU: into the staging)."""
+        embedding = self.embeddings[index]
+        ids = embedding._ngram_ids(*inputs, slot.ids[index][:tokens])
+        flat = ids.reshape(-1)
+        n = flat.numel()
+        embedding._raw_rows(flat, slot.raw[index][:n])
+        embedding._local_ids(flat, slot.local[index][:n])
+        raw, local = slot.device_raw[index][:n], slot.device_local[index][:n]
+        if slot.device_rows is None:
+            embedding._decode_raw(raw, local.view(ids.shape), slot.staging[index][:tokens])
+            return
+        stream = self._copy_stream
+        stream.wait_event(slot.released)  # the last reads of the device buffers
+        with torch.cuda.stream(stream):
+            raw.copy_(slot.raw[index][:n], non_blocking=True)
+            local.copy_(slot.local[index][:n], non_blocking=True)
+            rows = slot.device_rows[index][:tokens]
+            embedding._decode_raw(raw, local.view(ids.shape), rows)
+        slot.copied[index].record(stream)
 
     def close(self) -> None:
         """Stops the worker after the steps already submitted and joins it (idempotent)."""
