@@ -1084,7 +1084,8 @@ def _staged_names() -> set[str]:
 
 
 def _step_results(report: dict) -> list[dict]:
-    return [r for r in report["results"] if not r["case"].startswith("staged_")]
+    """The step proxy's cases (not the lookup-level staged_* nor a GPU's staged_step_*)."""
+    return [r for r in report["results"] if re.match(r"(decode|prefill)_", r["case"])]
 
 
 @pytest.fixture(scope="module")
@@ -1113,7 +1114,9 @@ def test_host_lookup_writes_every_field_of_every_case(host_lookup_run: dict) -> 
     report, printed = host_lookup_run["report"], host_lookup_run["stdout"]
     gpu = report["device_type"] == "cuda"
     results = _step_results(report)
-    assert {r["case"] for r in report["results"]} == _host_lookup_names() | _staged_names()
+    staged_steps = {f"staged_step_{name}" for name in _host_lookup_names()} if gpu else set()
+    names = _host_lookup_names() | _staged_names() | staged_steps
+    assert {r["case"] for r in report["results"]} == names
     ours_path = "pinned_pipeline" if gpu else "pipeline"
     for r in results:
         name, fmt = r["case"], r["params"]["format"]
@@ -1146,7 +1149,7 @@ def test_host_lookup_writes_every_field_of_every_case(host_lookup_run: dict) -> 
     import csv
 
     with host_lookup_run["paths"]["csv"].open() as f:
-        rows = [row for row in csv.DictReader(f) if not row["case"].startswith("staged_")]
+        rows = [row for row in csv.DictReader(f) if re.match(r"(decode|prefill)_", row["case"])]
     assert [float(row["p50_us_no_lookup"]) for row in rows] == pytest.approx(
         [r["references"]["no_lookup"]["p50_us"] for r in results]
     )
@@ -1178,8 +1181,9 @@ def test_host_lookup_claims_no_gpu_field_on_a_cpu(host_lookup_run: dict) -> None
     if report["device_type"] == "cuda":
         pytest.skip("the CPU's rows: this run was on a GPU")
     for r in _step_results(report):
-        assert set(r["paths"]) == {"device", "pipeline"}
-        assert set(r["baselines"]) == {"device"} and set(r["references"]) == {"no_lookup"}
+        assert set(r["paths"]) == {"device", "pipeline", "staged"}
+        assert set(r["baselines"]) == {"device", "staged"}
+        assert set(r["references"]) == {"no_lookup"}
         assert all(r[key] is None for key in HOST_LOOKUP_GPU_ONLY)
         assert r["pct_of_peak"] is None
         assert any("no host-to-device link" in note for note in r["notes"])
@@ -1201,13 +1205,27 @@ def test_host_lookup_gpu_rows_have_the_pinned_paths(host_lookup_run: dict) -> No
         assert ("vllm_triton" in r["paths"]) == (r["params"]["vllm_kernels"] is not None)
 
 
+def test_host_lookup_gpu_staged_steps_beside_zero_copy(host_lookup_run: dict) -> None:
+    """On a GPU, each step shape also runs as staged_step_*: the staged transport's step (ours)
+    beside the device and zero-copy steps, checked, timed by the wall clock."""
+    report = host_lookup_run["report"]
+    if report["device_type"] != "cuda":
+        pytest.skip("needs a GPU")
+    steps = [r for r in report["results"] if r["case"].startswith("staged_step_")]
+    assert {r["case"] for r in steps} == {f"staged_step_{n}" for n in _host_lookup_names()}
+    for r in steps:
+        assert r["check"] is True and r["ours_path"] == "staged"
+        assert set(r["paths"]) == {"device", "pinned_pipeline", "staged"}
+        assert "wall clock" in r["notes"][0]
+
+
 def test_host_lookup_staged_cases_check_and_derive(host_lookup_run: dict) -> None:
     """Every staged case checked its paths against the oracle and derived each path's rows/s
     and read GB/s, the file's sequential read, and a summary; ours is the staged pipeline of
     its source's reader."""
     report, printed = host_lookup_run["report"], host_lookup_run["stdout"]
     gpu = report["device_type"] == "cuda"
-    staged = [r for r in report["results"] if r["case"].startswith("staged_")]
+    staged = [r for r in report["results"] if re.match(r"staged_(decode|prefill)_", r["case"])]
     assert {r["case"] for r in staged} == _staged_names()
     ours_of = {"ram": "staged", "warm": "staged_mmap", "cold": "staged_direct"}
     headline_of = {"ram": "torch_gather", "warm": "memmap_fancy", "cold": "memmap_fancy"}
@@ -1239,8 +1257,8 @@ def test_host_lookup_staged_cases_check_and_derive(host_lookup_run: dict) -> Non
 
 
 def test_host_lookup_staged_check_catches_rows_that_differ(monkeypatch: pytest.MonkeyPatch):
-    """A staged step whose rows are off by one element fails every staged case's check, naming
-    the staged path."""
+    """A staged step whose rows are off by one element fails every staged case's check and the
+    step proxy's, naming the staged path."""
     from qwen4exp_ext.layers import StagedStep
 
     host_lookup, _, proxy = _host_lookup_quick(monkeypatch)
@@ -1259,6 +1277,11 @@ def test_host_lookup_staged_check_catches_rows_that_differ(monkeypatch: pytest.M
     for case in cases:
         problem = case.check()
         assert problem is not None and "staged" in problem.split("'s rows")[0], case.name
+    # and the step proxy's staged path
+    for case in host_lookup.cases(torch.device("cpu")):
+        if re.match(r"(decode|prefill)_", case.name):
+            problem = case.check()
+            assert problem is not None and "staged's step output" in problem, case.name
 
 
 def _host_lookup_quick(monkeypatch: pytest.MonkeyPatch):

@@ -42,6 +42,13 @@ presets below scale this.
   is its cost where it saves nothing;
 - ``pipeline`` (CPU, ours there): the CPU tables with the pipeline, whose lookups run when
   started (nothing to overlap them with on a CPU: the same work as ``device``);
+- ``staged`` (CPU): the step's lookups submitted at step entry to a ``StagedLookupPipeline``
+  (layers/staged.py), whose worker thread hashes and gathers while the stand-in layers run,
+  each PLE layer taking its rows (``PLELayer.forward(embeddings=...)``). On a GPU the staged
+  transport gets its own cases, ``staged_step_<shape>``: the tables in ordinary host memory,
+  ``staged`` (ours there) beside ``device`` and ``pinned_pipeline`` (zero copy), timed by the
+  wall clock between device syncs (``Case.host_waits``), since such a step waits on the host,
+  which the event timing's queue lead would hide;
 - ``vllm_triton`` (GPU, ``Case.vllm``: the row's ``speedup_vs_vllm`` is its step over ours;
   when vLLM 0.33.0's source is here: ``bench.vllm_triton``, installed or
   carried in ``$QWEN4EXP_VLLM_SOURCE``): ``pinned_sync`` with vLLM's own lookup in place of our
@@ -112,7 +119,13 @@ from qwen4exp_ext.bench.ngram_ids import (
 )
 from qwen4exp_ext.bench.registry import Case, vllm_kernels
 from qwen4exp_ext.bench.timing import Quantiles
-from qwen4exp_ext.layers import LookupPipeline, PLEBatch, PLELayer, PLEState
+from qwen4exp_ext.layers import (
+    LookupPipeline,
+    PLEBatch,
+    PLELayer,
+    PLEState,
+    StagedLookupPipeline,
+)
 from qwen4exp_ext.layers.ngram_embedding import NGramEmbedding
 from qwen4exp_ext.testing import exact_mismatch
 
@@ -144,10 +157,17 @@ VLLM_CPU_NOTE = (
     "not timed on a CPU: vLLM 0.33.0's pinned-table lookup (vllm_triton) is a Triton UVA kernel "
     "reading host memory from a GPU; a CPU has neither the kernel nor the link"
 )
+STAGED_STEP_NOTE = (
+    "staged_step: the tables in ordinary host memory, each step's lookups submitted to a "
+    "StagedLookupPipeline at step entry (a CPU thread hashes, gathers, stages; one copy per "
+    "layer), beside pinned_pipeline (zero copy); timed by the wall clock between device syncs, "
+    "since the step waits on the host: its exposed lookup is against this case's no_lookup"
+)
 CPU_NOTE = (
     "CPU: the tables are host memory gathered by the CPU, there is no host-to-device link, so "
     "h2d_copy_gbps, pinned_gather_gbps and pinned_gather_pct_of_h2d are null; the pipeline runs "
-    "each lookup when it is started (nothing to overlap it with), the same work as device"
+    "each lookup when it is started (the same work as device); staged runs them on a worker "
+    "thread (StagedLookupPipeline), beside the stand-in layers"
 )
 
 
@@ -328,8 +348,13 @@ class StepProxy:
         layers: Sequence[PLELayer],
         batch: PLEBatch,
         pipeline: LookupPipeline | None = None,
+        staged: StagedLookupPipeline | None = None,
+        host_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """One step over ``batch`` (its input_ids already hold the step's tokens)."""
+        """One step over ``batch`` (its input_ids already hold the step's tokens). With
+        ``staged``, the step's lookups are submitted to it at entry (``host_inputs``: the same
+        tokens, query_start_loc and ngram_context on the host) and each PLE layer takes its
+        staged rows; the step is released at the end (after its reads are queued)."""
         num_tokens = batch.num_tokens
         hidden = self.size.hidden
         ids = batch.input_ids
@@ -337,15 +362,20 @@ class StepProxy:
         residual.copy_(self.hidden_in[:num_tokens])
         if pipeline is not None:
             pipeline.start_prefetch(ids, batch.query_start_loc, batch.ngram_context)
+        handle = staged.submit(*host_inputs) if staged is not None else None
         ple = iter(layers)
         inner, outer = self.inner[:num_tokens], self.outer[:num_tokens]
         for index, (w_in, w_out) in enumerate(self.stand_ins):
             if index + 1 in PLE_LAYERS:
-                residual = next(ple)(residual, ids, batch)
+                k = PLE_LAYERS.index(index + 1)
+                rows = handle.rows(k) if handle is not None else None
+                residual = next(ple)(residual, ids, batch, embeddings=rows)
             stream = residual[:, :hidden]
             torch.mm(stream, w_in, out=inner)
             torch.mm(inner, w_out, out=outer)
             stream.add_(outer)
+        if handle is not None:
+            handle.release()
         return residual
 
 
@@ -470,6 +500,10 @@ class _Tables:
     fmt: str
     device: list[PLELayer]
     pinned: list[PLELayer] | None
+    # The layers whose tables the CPU reads (the device layers on a CPU; on a GPU a copy with
+    # its tables in host memory), and the staged pipeline over them.
+    host: list[PLELayer]
+    staged: StagedLookupPipeline
 
 
 def _tables(size: Size, fmt: str, device: torch.device, max_tokens: int) -> _Tables:
@@ -479,11 +513,15 @@ def _tables(size: Size, fmt: str, device: torch.device, max_tokens: int) -> _Tab
         fill_table(layer.ple_embedding, fmt, _generator(device, 1 + index))
         fill_weights(layer, _generator(device, 101 + index))
     pinned = None
+    host = layers
     if on_gpu:
         pinned = ple_layers(size, fmt, "pinned", device, max_tokens)
-        for source, target in zip(layers, pinned, strict=True):
-            copy_ple_layer(source, target)
-    return _Tables(fmt, layers, pinned)
+        host = ple_layers(size, fmt, "cpu", device, max_tokens)
+        for source in layers:
+            for target in (pinned[layers.index(source)], host[layers.index(source)]):
+                copy_ple_layer(source, target)
+    staged = StagedLookupPipeline(host, max_tokens=max_tokens, device=device)
+    return _Tables(fmt, layers, pinned, host, staged)
 
 
 def cases(device: torch.device) -> list[Case]:
@@ -496,6 +534,8 @@ def cases(device: torch.device) -> list[Case]:
         tables = _tables(size, fmt, device, proxy.max_tokens)
         for tokens in (*size.decode_tokens, size.prefill_tokens):
             out.append(_case(proxy, tables, tokens, kernels))
+            if device.type == "cuda":
+                out.append(_case(proxy, tables, tokens, kernels, staged_step=True))
     from qwen4exp_ext.bench import staged_lookup  # it imports this module
 
     return out + staged_lookup.cases(proxy)
@@ -528,12 +568,16 @@ def _hashed(embedding: NGramEmbedding, batch: PLEBatch, tokens: torch.Tensor) ->
     return ids.reshape(copies, count, -1)
 
 
-def _case(proxy: StepProxy, tables: _Tables, tokens: int, kernels: Any) -> Case:
+def _case(
+    proxy: StepProxy, tables: _Tables, tokens: int, kernels: Any, staged_step: bool = False
+) -> Case:
+    """The step case of ``tokens``; with ``staged_step`` (a GPU) the staged transport's step
+    beside the zero-copy one, by the wall clock (``STAGED_STEP_NOTE``)."""
     device, size, fmt = proxy.device, proxy.size, tables.fmt
     on_gpu = device.type == "cuda"
     batch = proxy.batches[tokens]
     phase = "prefill" if tokens == size.prefill_tokens else "decode"
-    name = f"{phase}_T{tokens}_{fmt}"
+    name = f"{'staged_step_' if staged_step else ''}{phase}_T{tokens}_{fmt}"
     lookup_bytes = len(PLE_LAYERS) * tokens * NUM_HEADS * row_bytes(fmt)
     id_batches = _id_batches(proxy, tokens, lookup_bytes)
     cursor = [0]
@@ -563,9 +607,22 @@ def _case(proxy: StepProxy, tables: _Tables, tokens: int, kernels: Any) -> Case:
 
         return step
 
+    host_ids = id_batches.cpu()
+    host_qsl, host_context = batch.query_start_loc.cpu(), batch.ngram_context.cpu()
+
+    def staged_step_fn() -> torch.Tensor:
+        i = next_ids()
+        host_inputs = (host_ids[i], host_qsl, host_context)
+        return proxy.step(tables.host, batch, staged=tables.staged, host_inputs=host_inputs)
+
     paths: dict[str, Callable[[], torch.Tensor]] = {"device": step_of(tables.device)}
     notes = []
-    if on_gpu:
+    if staged_step:
+        ours_name = "staged"
+        paths["pinned_pipeline"] = step_of(tables.pinned, LookupPipeline(tables.pinned))
+        paths[ours_name] = staged_step_fn
+        notes.append(STAGED_STEP_NOTE)
+    elif on_gpu:
         ours_name = "pinned_pipeline"
         paths["pinned_sync"] = step_of(tables.pinned)
         paths[ours_name] = step_of(tables.pinned, LookupPipeline(tables.pinned))
@@ -582,6 +639,7 @@ def _case(proxy: StepProxy, tables: _Tables, tokens: int, kernels: Any) -> Case:
     else:
         ours_name = "pipeline"
         paths[ours_name] = step_of(tables.device, LookupPipeline(tables.device))
+        paths["staged"] = staged_step_fn
         notes.append(CPU_NOTE)
     if size.name != "released":
         notes.append(
@@ -635,6 +693,7 @@ def _case(proxy: StepProxy, tables: _Tables, tokens: int, kernels: Any) -> Case:
         derive=_deriver(ours_name, list(paths), lookup_bytes, notes),
         vllm="vllm_triton" if "vllm_triton" in paths else None,
         vllm_note=None if "vllm_triton" in paths else (notes[0] if on_gpu else VLLM_CPU_NOTE),
+        host_waits=staged_step,
     )
 
 
