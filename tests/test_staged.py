@@ -255,8 +255,12 @@ def test_no_worker_outlives_its_pipeline():
     step = pipeline.submit(*make_batch([3], "cpu"))
     step.wait()
     del pipeline, step
-    gc.collect()
-    worker.join(timeout=5)
+    # The pipeline and its unreleased step form a cycle, freed by the cyclic collector once the
+    # worker has dropped its own reference (after it marked the step ready): collect until then.
+    deadline = time.monotonic() + 30
+    while worker.is_alive() and time.monotonic() < deadline:
+        gc.collect()
+        worker.join(timeout=0.05)
     assert not worker.is_alive()
 
 
