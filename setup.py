@@ -27,6 +27,10 @@ from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(ROOT, "csrc")
+# The torch-facing layer: everything that includes torch, ATen, c10 or Python (the op library,
+# the argument checks, the CPU ops, the GPU glue, the emulator's module). The rest of csrc/ is the
+# torch-free kernel library of csrc/kernel_sources.txt.
+TORCH_CSRC = os.path.join(CSRC, "torch")
 DEFAULT_ROCM_ARCHS = "gfx90a;gfx942;gfx950"
 KNOWN_ROCM_ARCH_PREFIXES = ("gfx90", "gfx94", "gfx95", "gfx10", "gfx11", "gfx12")
 
@@ -299,14 +303,14 @@ def simt_extensions(
     cpp_extension, hip_sources: list[str], opt: list[str], sanitize: list[str], link: list[str]
 ):
     """qwen4exp_ext._simt32 and _simt64: the HIP kernels, the SIMT runtime and the GPU host glue
-    (csrc/simt/glue.cpp), built by the host C++ compiler for one wave size each.
+    (csrc/torch/simt/glue.cpp), built by the host C++ compiler for one wave size each.
 
     -fvisibility=hidden keeps each module's helpers to itself: the kernels' shared helpers take
     their device branch here, and must never bind to the CPU kernels' host versions (or to the
     other wave size's) of the same inline functions. No a·b+c is contracted into an FMA, as on the
     GPUs (setup.py's device flags). `#pragma unroll` is the GPU compilers' and means nothing here.
     """
-    simt_sources = [*kernel_sources("simt"), os.path.join(CSRC, "simt", "glue.cpp")]
+    simt_sources = [*kernel_sources("simt"), os.path.join(TORCH_CSRC, "simt", "glue.cpp")]
     extensions = []
     for wave in SIMT_WAVE_SIZES:
         flags = [
@@ -351,10 +355,10 @@ def build_extension():
         )
     if unlisted:
         sys.exit(f"csrc/kernel_sources.txt does not list {sorted(map(rel, unlisted))}")
-    gpu_glue = sorted(glob.glob(os.path.join(CSRC, "gpu", "*.cpp")))
+    gpu_glue = sorted(glob.glob(os.path.join(TORCH_CSRC, "gpu", "*.cpp")))
     # bindings.cpp defines the ops; cpu_ops.cpp registers the CPU kernels under them and gives
     # them ATen's threads (the CMake library's are OpenMP's: csrc/cpu/threads_openmp.cpp).
-    torch_glue = [os.path.join(CSRC, "bindings.cpp"), os.path.join(CSRC, "cpu_ops.cpp")]
+    torch_glue = [os.path.join(TORCH_CSRC, "bindings.cpp"), os.path.join(TORCH_CSRC, "cpu_ops.cpp")]
     sources = [rel(s) for s in torch_glue + cpu_sources]
 
     debug = os.environ.get("QWEN4EXP_DEBUG", "0") == "1"
