@@ -281,15 +281,23 @@ def prune_mirror(copied: list[str]) -> None:
             os.rmdir(dirpath)
 
 
-def hipify_leftovers(paths: set[str]) -> list[str]:
-    """Those of paths that are hipify's in-place copies (`<name>_hip.<ext>` beside `<name>.<ext>`)
-    from a ROCm build by an older setup.py."""
+def hipify_leftovers() -> list[str]:
+    """hipify's in-place copies (`<name>_hip.<ext>`) in csrc/ from a ROCm build by an older
+    setup.py: beside their `<name>.<ext>`, or, outside csrc/torch/, copies of a file that now lives
+    there (the torch layer's files sat in csrc/, csrc/gpu/ and csrc/simt/ before issue #42)."""
+    torch_names = {name for _, _, names in os.walk(TORCH_CSRC) for name in names}
     leftovers = []
-    for path in paths:
-        root, ext = os.path.splitext(path)
-        if root.endswith("_hip") and os.path.exists(root[: -len("_hip")] + ext):
-            leftovers.append(path)
-    return leftovers
+    for dirpath, _, names in os.walk(CSRC):
+        in_torch = os.path.commonpath([dirpath, TORCH_CSRC]) == TORCH_CSRC
+        for name in names:
+            stem, ext = os.path.splitext(name)
+            if not stem.endswith("_hip"):
+                continue
+            original = stem[: -len("_hip")] + ext
+            moved = not in_torch and original in torch_names
+            if moved or os.path.exists(os.path.join(dirpath, original)):
+                leftovers.append(os.path.join(dirpath, name))
+    return sorted(leftovers)
 
 
 def build_simt() -> bool:
@@ -347,11 +355,11 @@ def build_extension():
         os.path.join(CSRC, "cpu", "*.cpp")
     )
     unlisted = set(found) - listed
-    leftovers = hipify_leftovers(unlisted)
+    leftovers = hipify_leftovers()
     if leftovers:
         sys.exit(
             "csrc/ holds hipify's copies from a ROCm build by an older setup.py: "
-            f"{sorted(map(rel, leftovers))}; delete them (`git clean -n csrc` lists them)"
+            f"{list(map(rel, leftovers))}; delete them (`git clean -n csrc` lists them)"
         )
     if unlisted:
         sys.exit(f"csrc/kernel_sources.txt does not list {sorted(map(rel, unlisted))}")
