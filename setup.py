@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(ROOT, "csrc")
 # The torch-facing layer: everything that includes torch, ATen, c10 or Python (the op library,
 # the argument checks, the CPU ops, the GPU glue, the emulator's module). The rest of csrc/ is the
-# torch-free kernel library of csrc/kernel_sources.txt.
+# torch-free kernel library of csrc/kernel_sources.txt (tools/check-torch-boundary.sh).
 TORCH_CSRC = os.path.join(CSRC, "torch")
 DEFAULT_ROCM_ARCHS = "gfx90a;gfx942;gfx950"
 KNOWN_ROCM_ARCH_PREFIXES = ("gfx90", "gfx94", "gfx95", "gfx10", "gfx11", "gfx12")
