@@ -27,6 +27,10 @@ from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(ROOT, "csrc")
+# The torch-facing layer: everything that includes torch, ATen, c10 or Python (the op library,
+# the argument checks, the CPU ops, the GPU glue, the emulator's module). The rest of csrc/ is the
+# torch-free kernel library of csrc/kernel_sources.txt (tools/check-torch-boundary.sh).
+TORCH_CSRC = os.path.join(CSRC, "torch")
 DEFAULT_ROCM_ARCHS = "gfx90a;gfx942;gfx950"
 KNOWN_ROCM_ARCH_PREFIXES = ("gfx90", "gfx94", "gfx95", "gfx10", "gfx11", "gfx12")
 
@@ -277,15 +281,23 @@ def prune_mirror(copied: list[str]) -> None:
             os.rmdir(dirpath)
 
 
-def hipify_leftovers(paths: set[str]) -> list[str]:
-    """Those of paths that are hipify's in-place copies (`<name>_hip.<ext>` beside `<name>.<ext>`)
-    from a ROCm build by an older setup.py."""
+def hipify_leftovers() -> list[str]:
+    """hipify's in-place copies (`<name>_hip.<ext>`) in csrc/ from a ROCm build by an older
+    setup.py: beside their `<name>.<ext>`, or, outside csrc/torch/, copies of a file that now lives
+    there (the torch layer's files sat in csrc/, csrc/gpu/ and csrc/simt/ before issue #42)."""
+    torch_names = {name for _, _, names in os.walk(TORCH_CSRC) for name in names}
     leftovers = []
-    for path in paths:
-        root, ext = os.path.splitext(path)
-        if root.endswith("_hip") and os.path.exists(root[: -len("_hip")] + ext):
-            leftovers.append(path)
-    return leftovers
+    for dirpath, _, names in os.walk(CSRC):
+        in_torch = os.path.commonpath([dirpath, TORCH_CSRC]) == TORCH_CSRC
+        for name in names:
+            stem, ext = os.path.splitext(name)
+            if not stem.endswith("_hip"):
+                continue
+            original = stem[: -len("_hip")] + ext
+            moved = not in_torch and original in torch_names
+            if moved or os.path.exists(os.path.join(dirpath, original)):
+                leftovers.append(os.path.join(dirpath, name))
+    return sorted(leftovers)
 
 
 def build_simt() -> bool:
@@ -299,14 +311,14 @@ def simt_extensions(
     cpp_extension, hip_sources: list[str], opt: list[str], sanitize: list[str], link: list[str]
 ):
     """qwen4exp_ext._simt32 and _simt64: the HIP kernels, the SIMT runtime and the GPU host glue
-    (csrc/simt/glue.cpp), built by the host C++ compiler for one wave size each.
+    (csrc/torch/simt/glue.cpp), built by the host C++ compiler for one wave size each.
 
     -fvisibility=hidden keeps each module's helpers to itself: the kernels' shared helpers take
     their device branch here, and must never bind to the CPU kernels' host versions (or to the
     other wave size's) of the same inline functions. No a·b+c is contracted into an FMA, as on the
     GPUs (setup.py's device flags). `#pragma unroll` is the GPU compilers' and means nothing here.
     """
-    simt_sources = [*kernel_sources("simt"), os.path.join(CSRC, "simt", "glue.cpp")]
+    simt_sources = [*kernel_sources("simt"), os.path.join(TORCH_CSRC, "simt", "glue.cpp")]
     extensions = []
     for wave in SIMT_WAVE_SIZES:
         flags = [
@@ -343,18 +355,18 @@ def build_extension():
         os.path.join(CSRC, "cpu", "*.cpp")
     )
     unlisted = set(found) - listed
-    leftovers = hipify_leftovers(unlisted)
+    leftovers = hipify_leftovers()
     if leftovers:
         sys.exit(
             "csrc/ holds hipify's copies from a ROCm build by an older setup.py: "
-            f"{sorted(map(rel, leftovers))}; delete them (`git clean -n csrc` lists them)"
+            f"{list(map(rel, leftovers))}; delete them (`git clean -n csrc` lists them)"
         )
     if unlisted:
         sys.exit(f"csrc/kernel_sources.txt does not list {sorted(map(rel, unlisted))}")
-    gpu_glue = sorted(glob.glob(os.path.join(CSRC, "gpu", "*.cpp")))
+    gpu_glue = sorted(glob.glob(os.path.join(TORCH_CSRC, "gpu", "*.cpp")))
     # bindings.cpp defines the ops; cpu_ops.cpp registers the CPU kernels under them and gives
     # them ATen's threads (the CMake library's are OpenMP's: csrc/cpu/threads_openmp.cpp).
-    torch_glue = [os.path.join(CSRC, "bindings.cpp"), os.path.join(CSRC, "cpu_ops.cpp")]
+    torch_glue = [os.path.join(TORCH_CSRC, "bindings.cpp"), os.path.join(TORCH_CSRC, "cpu_ops.cpp")]
     sources = [rel(s) for s in torch_glue + cpu_sources]
 
     debug = os.environ.get("QWEN4EXP_DEBUG", "0") == "1"

@@ -68,7 +68,7 @@ def devices() -> list[str]:
 
 @dataclass(frozen=True)
 class Backend:
-    """Where a kernel test runs: ``ops`` (the kernel ops that csrc/schemas.h defines,
+    """Where a kernel test runs: ``ops`` (the kernel ops that csrc/torch/schemas.h defines,
     :mod:`qwen4exp_ext.ops` or a :class:`~qwen4exp_ext.ops.KernelOps`) on tensors on
     ``device``, registered in the torch op library ``library`` (for opcheck). "cpu" and "cuda"
     are torch.ops.qwen4exp's kernels; "simt32" and "simt64" are the HIP kernels on the SIMT

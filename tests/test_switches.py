@@ -1,4 +1,4 @@
-"""The run-time switches (python/qwen4exp_ext/_switches.py; in C++ csrc/switches.h and the CPU
+"""The run-time switches (python/qwen4exp_ext/_switches.py; in C++ csrc/torch/switches.h and the CPU
 gather's own): the debug checks and the CPU gather's streaming threshold are read from the
 environment once, at import, and set through functions afterwards; the debug-check block holds
 for its thread, never writes os.environ, and reaches the C++ glue of every op library (seen

@@ -43,10 +43,10 @@ fi
 echo "check-format: ${#files[@]} files formatted (clang-format $have)"
 
 # House rule: the torch glue includes ATen's own headers, never the whole C++ frontend (why:
-# csrc/tensor_args.h).
+# csrc/torch/args/tensor_args.h).
 if frontend="$(grep -nE '#include <torch/(all|extension)\.h>' "${files[@]}")"; then
   printf '%s\n' "$frontend"
   echo "check-format: include ATen's headers (ATen/core/Tensor.h, ATen/ops/<op>.h," \
-    "torch/library.h), not torch/all.h or torch/extension.h (csrc/tensor_args.h says why)"
+    "torch/library.h), not torch/all.h or torch/extension.h (csrc/torch/args/tensor_args.h says why)"
   exit 1
 fi

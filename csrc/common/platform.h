@@ -14,8 +14,8 @@
 #include <cstdint>
 
 // The GPU runtime is included only where it is needed: in device compiles, and in the host glue
-// (csrc/gpu/*.cpp), which defines QWEN4EXP_GPU_HOST_GLUE. The CPU kernels share the helpers below
-// and must build without any GPU toolkit.
+// (csrc/torch/gpu/*.cpp), which defines QWEN4EXP_GPU_HOST_GLUE. The CPU kernels share the helpers
+// below and must build without any GPU toolkit.
 #if defined(QWEN4EXP_SIMT_WAVE_SIZE)
 #include "../simt/runtime.h"
 #define QWEN4EXP_SIMT 1
@@ -31,7 +31,7 @@ using hipError_t = cudaError_t;
 #define hipErrorInvalidValue cudaErrorInvalidValue
 #define hipGetLastError cudaGetLastError
 #define hipGetErrorString cudaGetErrorString
-// Pinned host tables (csrc/gpu/host_table.cpp).
+// Pinned host tables (csrc/torch/gpu/host_table.cpp).
 #define hipHostGetDevicePointer cudaHostGetDevicePointer
 #define hipHostRegister cudaHostRegister
 #define hipHostUnregister cudaHostUnregister

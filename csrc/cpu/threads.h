@@ -1,6 +1,6 @@
 // The threads the CPU kernels run on. The kernels are torch-free, but who owns the threads is
 // not theirs to decide: in the Python extension they are ATen's (so torch.set_num_threads
-// applies; csrc/cpu_ops.cpp), in the kernel library for C++ engines they are OpenMP's
+// applies; csrc/torch/cpu_ops.cpp), in the kernel library for C++ engines they are OpenMP's
 // (csrc/cpu/threads_openmp.cpp; omp_set_num_threads applies). Each build links exactly one.
 #pragma once
 

@@ -19,7 +19,7 @@ Three uses:
 :func:`footprint` says what the kernel actually holds for a table (mapping size, resident and
 huge-page bytes, NUMA policy) and whether this module registered it: for tests and benchmarks.
 
-ROCm caveats (see also csrc/gpu/host_table.cpp and README.md):
+ROCm caveats (see also csrc/torch/gpu/host_table.cpp and README.md):
 
 - the device pointer of registered host memory can differ from the host pointer on ROCm: always
   use the returned view, never ``torch.from_blob``-style tricks with the host address;

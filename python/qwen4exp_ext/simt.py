@@ -1,7 +1,7 @@
 """The GPU kernels run on the CPU: the SIMT emulator (csrc/simt), for tests and debugging.
 
 ``simt.ops(64)`` (CDNA's 64-wide waves) and ``simt.ops(32)`` (RDNA's and NVIDIA's) return the kernel
-ops (those csrc/schemas.h defines, as :class:`qwen4exp_ext.ops.KernelOps`) with exactly
+ops (those csrc/torch/schemas.h defines, as :class:`qwen4exp_ext.ops.KernelOps`) with exactly
 :mod:`qwen4exp_ext.ops`' signatures, argument checks and errors, for CPU tensors; each call runs the
 HIP kernel of ``csrc/hip`` through the GPU build's own host glue and launcher, on an emulated GPU:
 the threads of a block are fibers that meet at ``__syncthreads`` and wave shuffles, lanes run in a

@@ -1,7 +1,7 @@
-// The run-time switch of an op library: the GPU glue's debug checks (csrc/debug_checks.h). The
-// others (the CPU kernels' settings: the gather's streaming threshold, its fp8 lookup, ...)
-// belong to the torch-free kernels they steer; csrc/bindings.cpp makes each an op, and is
-// where they are listed.
+// The run-time switch of an op library: the GPU glue's debug checks
+// (csrc/torch/gpu/debug_checks.h). The others (the CPU kernels' settings: the gather's streaming
+// threshold, its fp8 lookup, ...) belong to the torch-free kernels they steer;
+// csrc/torch/bindings.cpp makes each an op, and is where they are listed.
 //
 // Python owns them (python/qwen4exp_ext/_switches.py): it reads their environment variables
 // once, at import, and sets every loaded library (torch.ops.qwen4exp and the SIMT emulator's)

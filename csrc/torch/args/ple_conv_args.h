@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "common/ple_conv.h"
+#include "../../common/ple_conv.h"
 #include "tensor_args.h"
 
 namespace qwen4exp {
@@ -166,7 +166,7 @@ inline PleConvParams check_ple_conv_args(
 
 // Value checks (token_indices, state_indices, query_start_loc) that need the index data on the
 // host: always on the CPU path, which reads it for free and so rejects what the GPU kernels can
-// only skip; on the GPU path only as opt-in debug checks (csrc/debug_checks.h).
+// only skip; on the GPU path only as opt-in debug checks (csrc/torch/gpu/debug_checks.h).
 inline void check_ple_conv_values(const PleConvParams& p) {
   if (p.token_indices.present()) {
     for (int64_t t = 0; t < p.num_rows; ++t) {

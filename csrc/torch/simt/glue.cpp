@@ -35,7 +35,7 @@ QWEN4EXP_SIMT_LIBRARY_EXPANDED(QWEN4EXP_GLUE_LIBRARY, m) {
 #define QWEN4EXP_SIMT_STRINGIZE(x) QWEN4EXP_SIMT_STRINGIZE2(x)
 #define QWEN4EXP_SIMT_STRINGIZE2(x) #x
 
-// Loading the module registers the ops; it exposes nothing itself (as csrc/bindings.cpp).
+// Loading the module registers the ops; it exposes nothing itself (as csrc/torch/bindings.cpp).
 PyMODINIT_FUNC QWEN4EXP_SIMT_PYINIT(QWEN4EXP_SIMT_WAVE_SIZE)(void) {
   static PyModuleDef module = {PyModuleDef_HEAD_INIT,
                                QWEN4EXP_SIMT_MODULE_NAME(QWEN4EXP_SIMT_WAVE_SIZE), nullptr, -1,

@@ -1,7 +1,8 @@
 // The CPU kernels as torch ops (TORCH_LIBRARY_IMPL CPU): each entry checks its tensors
-// (csrc/<op>_args.h), including the index values the CPU can read for free, builds the params
-// struct and runs the torch-free kernel of csrc/cpu/<op>.cpp. Also the threads those kernels run
-// on in this extension: ATen's, so that torch.set_num_threads applies to them (csrc/cpu/threads.h).
+// (csrc/torch/args/<op>_args.h), including the index values the CPU can read for free, builds the
+// params struct and runs the torch-free kernel of csrc/cpu/<op>.cpp. Also the threads those kernels
+// run on in this extension: ATen's, so that torch.set_num_threads applies to them
+// (csrc/cpu/threads.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -11,19 +12,19 @@
 #include <string>
 #include <tuple>
 
-#include "common/gather_rows.h"
-#include "common/ngram_gather_rows.h"
-#include "common/ngram_ids.h"
-#include "common/ple_conv.h"
-#include "common/ple_gate.h"
-#include "common/read_file_rows.h"
-#include "cpu/threads.h"
-#include "gather_rows_args.h"
-#include "ngram_gather_rows_args.h"
-#include "ngram_ids_args.h"
-#include "ple_conv_args.h"
-#include "ple_gate_args.h"
-#include "read_file_rows_args.h"
+#include "../common/gather_rows.h"
+#include "../common/ngram_gather_rows.h"
+#include "../common/ngram_ids.h"
+#include "../common/ple_conv.h"
+#include "../common/ple_gate.h"
+#include "../common/read_file_rows.h"
+#include "../cpu/threads.h"
+#include "args/gather_rows_args.h"
+#include "args/ngram_gather_rows_args.h"
+#include "args/ngram_ids_args.h"
+#include "args/ple_conv_args.h"
+#include "args/ple_gate_args.h"
+#include "args/read_file_rows_args.h"
 
 namespace qwen4exp {
 

@@ -10,7 +10,7 @@
 
 #include <string>
 
-#include "common/ple_gate.h"
+#include "../../common/ple_gate.h"
 #include "tensor_args.h"
 
 namespace qwen4exp {

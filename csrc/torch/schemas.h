@@ -1,8 +1,8 @@
-// The schemas of the kernel ops, in one place: torch.ops.qwen4exp (csrc/bindings.cpp) and each
-// SIMT emulator library, torch.ops.qwen4exp_simt32/64 (csrc/simt/glue.cpp), define them from here,
-// so the emulated ops cannot differ from the real ones in signature. Backends register their
-// kernels in their own files (TORCH_LIBRARY_IMPL in csrc/cpu_ops.cpp and at the end of
-// csrc/gpu/*.cpp); the Python door with the fake (meta) implementations is
+// The schemas of the kernel ops, in one place: torch.ops.qwen4exp (csrc/torch/bindings.cpp) and
+// each SIMT emulator library, torch.ops.qwen4exp_simt32/64 (csrc/torch/simt/glue.cpp), define them
+// from here, so the emulated ops cannot differ from the real ones in signature. Backends register
+// their kernels in their own files (TORCH_LIBRARY_IMPL in csrc/torch/cpu_ops.cpp and at the end of
+// csrc/torch/gpu/*.cpp); the Python door with the fake (meta) implementations is
 // python/qwen4exp_ext/ops.py.
 #pragma once
 
@@ -60,8 +60,8 @@ inline void define_kernel_ops(torch::Library& m) {
       "Tensor? has_initial_states=None, int spec_query_len=1, Tensor? token_indices=None) -> ()");
 }
 
-// Host ops: torch.ops.qwen4exp only (csrc/bindings.cpp), CPU only (csrc/cpu_ops.cpp); the SIMT
-// emulator's libraries have no GPU kernel of them to run.
+// Host ops: torch.ops.qwen4exp only (csrc/torch/bindings.cpp), CPU only (csrc/torch/cpu_ops.cpp);
+// the SIMT emulator's libraries have no GPU kernel of them to run.
 inline void define_host_ops(torch::Library& m) {
   // Issue #39, tables in a file: the rows of `ids` (int32/int64, any shape, flattened row-major)
   // from the file open as `fd` (the caller's: never closed here; O_DIRECT or not) into `output`,

@@ -4,9 +4,9 @@
 // for the SIMT emulator (glue.h).
 #include "glue.h"
 
-#include "../debug_checks.h"
-#include "../common/ngram_ids.h"
-#include "../ngram_ids_args.h"
+#include "debug_checks.h"
+#include "../../common/ngram_ids.h"
+#include "../args/ngram_ids_args.h"
 
 namespace qwen4exp {
 namespace {

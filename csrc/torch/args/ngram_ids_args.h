@@ -7,7 +7,7 @@
 
 #include <limits>
 
-#include "common/ngram_hash.h"
+#include "../../common/ngram_hash.h"
 #include "tensor_args.h"
 
 namespace qwen4exp {
@@ -140,8 +140,9 @@ inline NgramIdsParams check_ngram_ids_args(
 }
 
 // Value checks (query_start_loc layout, head sizes and offsets) that need the index data on the
-// host: always on the CPU path; on the GPU path only as opt-in debug checks (csrc/debug_checks.h).
-// The CPU can read the data for free, so it rejects layouts that the GPU kernel can only survive.
+// host: always on the CPU path; on the GPU path only as opt-in debug checks
+// (csrc/torch/gpu/debug_checks.h). The CPU can read the data for free, so it rejects layouts that
+// the GPU kernel can only survive.
 inline void check_ngram_ids_values(const NgramIdsParams& p, bool output_int32,
                                    const char* op = "ngram_ids") {
   const IndexView& qsl = p.query_start_loc;

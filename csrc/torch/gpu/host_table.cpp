@@ -28,7 +28,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "../common/platform.h"
+#include "../../common/platform.h"
 
 namespace qwen4exp {
 namespace {

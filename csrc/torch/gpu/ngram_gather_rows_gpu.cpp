@@ -7,10 +7,10 @@
 
 #include "glue.h"
 
-#include "../common/ngram_gather_rows.h"
-#include "../common/ngram_ids.h"
-#include "../debug_checks.h"
-#include "../ngram_gather_rows_args.h"
+#include "../../common/ngram_gather_rows.h"
+#include "../../common/ngram_ids.h"
+#include "debug_checks.h"
+#include "../args/ngram_gather_rows_args.h"
 
 namespace qwen4exp {
 namespace {

@@ -1,10 +1,10 @@
 // Host glue for the HIP gather_rows kernel: checks -> params -> device guard -> current stream ->
 // launch -> launch check. The table may be an ordinary device tensor or the device view of pinned
-// host memory (csrc/gpu/host_table.cpp): to the kernel both are just a device address.
+// host memory (csrc/torch/gpu/host_table.cpp): to the kernel both are just a device address.
 #include "glue.h"
 
-#include "../gather_rows_args.h"
-#include "../common/gather_rows.h"
+#include "../args/gather_rows_args.h"
+#include "../../common/gather_rows.h"
 
 namespace qwen4exp {
 namespace {

@@ -1,7 +1,7 @@
-// The qwen4exp op library: the kernel ops (their schemas in csrc/schemas.h) and the package's
+// The qwen4exp op library: the kernel ops (their schemas in csrc/torch/schemas.h) and the package's
 // utilities. Backends register their kernels in their own files (TORCH_LIBRARY_IMPL in
-// csrc/cpu_ops.cpp and at the end of csrc/gpu/*.cpp); the Python door with the fake (meta)
-// implementations is python/qwen4exp_ext/ops.py.
+// csrc/torch/cpu_ops.cpp and at the end of csrc/torch/gpu/*.cpp); the Python door with the fake
+// (meta) implementations is python/qwen4exp_ext/ops.py.
 //
 // The namespace is `qwen4exp`, never `_C`: vLLM owns torch.ops._C in the same process.
 #include <Python.h>
@@ -10,8 +10,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "common/gather_rows.h"
-#include "common/ple_conv.h"
+#include "../common/gather_rows.h"
+#include "../common/ple_conv.h"
 #include "schemas.h"
 #include "switches.h"
 
@@ -39,7 +39,7 @@ TORCH_LIBRARY(qwen4exp, m) {
   qwen4exp::define_host_ops(m);
   qwen4exp::switches::define_switch_ops(m);
   // SPEC §3: the fast-modulo constants of a layer's head sizes (int64 [NH]) as ngram_ids'
-  // head_divmod, int64 [NH, 4]; a CPU kernel (csrc/cpu_ops.cpp), not emulated: it is host code.
+  // head_divmod, int64 [NH, 4]; a CPU kernel (csrc/torch/cpu_ops.cpp), not emulated: host code.
   m.def("ngram_head_divmod(Tensor head_sizes) -> Tensor");
   // The output size (bytes) from which the CPU gather takes its streaming path (sorted reads,
   // non-temporal stores; csrc/cpu/gather_rows.cpp), -1 where this CPU or build has none.
@@ -61,7 +61,7 @@ TORCH_LIBRARY(qwen4exp, m) {
         &checked_setting<qwen4exp::set_cpu_conv_silu_lookup>);
   // SPEC §4, pinned host tables: pins (or host-registers) a CPU tensor's memory once and returns
   // a view of it on `device` (hip/cudaHostGetDevicePointer) that kernels read over PCIe. GPU
-  // builds only (csrc/gpu/host_table.cpp).
+  // builds only (csrc/torch/gpu/host_table.cpp).
   m.def("host_table_device_view(Tensor host_table, Device device) -> Tensor");
   // What was compiled into this binary (backends, GPU archs, torch version), as JSON. Baked in at
   // build time so it cannot disagree with the binary that is loaded.

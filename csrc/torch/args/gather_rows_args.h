@@ -7,7 +7,7 @@
 
 #include <limits>
 
-#include "common/gather_rows.h"
+#include "../../common/gather_rows.h"
 #include "tensor_args.h"
 
 namespace qwen4exp {

@@ -1,7 +1,7 @@
-// What the host glue of a HIP kernel (csrc/gpu/*_gpu.cpp) needs from where it runs: the GPU build
-// (CUDA or ROCm torch tensors, a device guard, torch's current stream, the CUDA dispatch key of
-// torch.ops.qwen4exp), or the SIMT emulator's (CPU tensors, no device, the CPU dispatch key of the
-// emulator's own op library qwen4exp_simt<wave size>). The glue files are the same for both, so
+// What the host glue of a HIP kernel (csrc/torch/gpu/*_gpu.cpp) needs from where it runs: the GPU
+// build (CUDA or ROCm torch tensors, a device guard, torch's current stream, the CUDA dispatch key
+// of torch.ops.qwen4exp), or the SIMT emulator's (CPU tensors, no device, the CPU dispatch key of
+// the emulator's own op library qwen4exp_simt<wave size>). The glue files are the same for both, so
 // the emulator tests the GPU build's checks, params and launchers, not a copy of them.
 #pragma once
 
@@ -10,7 +10,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include "../common/platform.h"
+#include "../../common/platform.h"
 
 #define QWEN4EXP_GLUE_LIBRARY_CAT(a, b) a##b
 #define QWEN4EXP_GLUE_LIBRARY_NAME(wave) QWEN4EXP_GLUE_LIBRARY_CAT(qwen4exp_simt, wave)
@@ -45,7 +45,7 @@ inline bool capturing() { return false; }
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include "../common/platform.h"
+#include "../../common/platform.h"
 
 // ROCm torch hipifies this glue and keeps the CUDA dispatch key.
 #define QWEN4EXP_GLUE_LIBRARY qwen4exp

@@ -8,7 +8,7 @@
 #include <limits>
 #include <string>
 
-#include "common/read_file_rows.h"
+#include "../../common/read_file_rows.h"
 
 namespace qwen4exp {
 

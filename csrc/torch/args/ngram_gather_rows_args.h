@@ -3,7 +3,7 @@
 // entry points.
 #pragma once
 
-#include "common/ngram_gather_rows.h"
+#include "../../common/ngram_gather_rows.h"
 #include "gather_rows_args.h"
 #include "ngram_ids_args.h"
 

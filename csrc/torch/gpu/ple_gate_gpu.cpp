@@ -4,8 +4,8 @@
 // for the SIMT emulator (glue.h).
 #include "glue.h"
 
-#include "../common/ple_gate.h"
-#include "../ple_gate_args.h"
+#include "../../common/ple_gate.h"
+#include "../args/ple_gate_args.h"
 
 namespace qwen4exp {
 namespace {

@@ -1,5 +1,6 @@
-// What every op's argument checks share (torch side; the per-op checks are csrc/<op>_args.h):
-// the one mapping from torch dtypes to the kernels' Dtype tags, and index tensors as IndexViews.
+// What every op's argument checks share (torch side; the per-op checks are
+// csrc/torch/args/<op>_args.h): the one mapping from torch dtypes to the kernels' Dtype tags, and
+// index tensors as IndexViews.
 //
 // The torch glue includes ATen's own headers for what it uses (ATen/core/Tensor.h, ATen/ops/<op>.h,
 // torch/library.h), never torch/all.h: that is the whole C++ frontend (nn, optim, data, jit), and
@@ -8,8 +9,8 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "common/float_types.h"
-#include "common/index_view.h"
+#include "../../common/float_types.h"
+#include "../../common/index_view.h"
 
 namespace qwen4exp {
 

@@ -3,9 +3,9 @@
 // stream); the kernels skip rows whose indices are out of range (csrc/hip/ple_conv.hip).
 #include "glue.h"
 
-#include "../debug_checks.h"
-#include "../common/ple_conv.h"
-#include "../ple_conv_args.h"
+#include "debug_checks.h"
+#include "../../common/ple_conv.h"
+#include "../args/ple_conv_args.h"
 
 namespace qwen4exp {
 namespace {

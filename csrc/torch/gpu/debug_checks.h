@@ -4,8 +4,8 @@
 // and break CUDA-graph capture. So values that only the data shows (query_start_loc layout,
 // state_indices, token_indices, head sizes) are not errors there: every kernel is written so that
 // such values read and write nothing out of bounds (skipped rows and slots, -1 ids that gather as
-// zero rows; see each kernel). With the checks on (csrc/switches.h: QWEN4EXP_DEBUG_CHECKS=1 at
-// import, qwen4exp_ext.set_debug_checks, or `with qwen4exp_ext.debug_checks():`), the GPU glue
+// zero rows; see each kernel). With the checks on (csrc/torch/switches.h: QWEN4EXP_DEBUG_CHECKS=1
+// at import, qwen4exp_ext.set_debug_checks, or `with qwen4exp_ext.debug_checks():`), the GPU glue
 // instead copies the index tensors to the host and runs the same value checks as the CPU path,
 // so bad data raises the CPU's error. The copy syncs the stream; during CUDA-graph capture the
 // checks are skipped (a capture cannot hold a host copy), so they run again on the next eager
@@ -16,9 +16,9 @@
 
 #include <vector>
 
-#include "gpu/glue.h"
-#include "ngram_ids_args.h"
-#include "switches.h"
+#include "glue.h"
+#include "../args/ngram_ids_args.h"
+#include "../switches.h"
 
 namespace qwen4exp {
 
