@@ -42,7 +42,7 @@ TORCH_LIBRARY(qwen4exp, m) {
   // head_divmod, int64 [NH, 4]; a CPU kernel (csrc/cpu_ops.cpp), not emulated: it is host code.
   m.def("ngram_head_divmod(Tensor head_sizes) -> Tensor");
   // The output size (bytes) from which the CPU gather takes its streaming path (sorted reads,
-  // non-temporal stores; csrc/cpu/gather_rows.cpp), -1 where this CPU or build has none.
+  // non-temporal stores; csrc/cpu/gather_rows_stream.cpp), -1 where this CPU or build has none.
   m.def("cpu_gather_stream_bytes() -> int", &qwen4exp::cpu_gather_stream_bytes);
   // Sets that size (-1: the default, from the cache sizes) and returns the setting it replaces.
   m.def("set_cpu_gather_stream_bytes(int bytes) -> int",
