@@ -1,7 +1,7 @@
 // The qwen4exp op library: the kernel ops (their schemas in csrc/schemas.h) and the package's
 // utilities. Backends register their kernels in their own files (TORCH_LIBRARY_IMPL in
-// csrc/cpu_ops.cpp and at the end of csrc/gpu/*.cpp); the Python door with the fake (meta)
-// implementations is python/qwen4exp_ext/ops.py.
+// csrc/cpu_ops.cpp and at the end of csrc/gpu/*.cpp); the Python door is
+// python/qwen4exp_ext/ops.py, the fake (meta) implementations python/qwen4exp_ext/_fakes.py.
 //
 // The namespace is `qwen4exp`, never `_C`: vLLM owns torch.ops._C in the same process.
 #include <Python.h>
