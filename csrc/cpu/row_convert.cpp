@@ -1,5 +1,6 @@
 // row_convert.h's out-of-line parts: the float and NVFP4 row loops, each compiled for AVX-512,
-// AVX2 and baseline x86-64 (target_clones), the e4m3fn table, and set_cpu_gather_fp8_lookup.
+// AVX2 and baseline x86-64 (target_clones) and handed out by address (row_loops), the e4m3fn
+// table, and set_cpu_gather_fp8_lookup.
 #include "row_convert.h"
 
 #include <atomic>
@@ -8,6 +9,7 @@
 
 namespace qwen4exp {
 namespace cpu {
+namespace {
 
 // --- Other conversions (fp32 / bf16 / fp16 to one another): row_convert.h ----------------------
 
@@ -70,6 +72,15 @@ QWEN4EXP_NVFP4_ROWS(nvfp4_rows_f32, float)
 QWEN4EXP_NVFP4_ROWS(nvfp4_rows_bf16, bf16_t)
 QWEN4EXP_NVFP4_ROWS(nvfp4_rows_f16, f16_t)
 #undef QWEN4EXP_NVFP4_ROWS
+
+}  // namespace
+
+const RowLoops& row_loops() {
+  static const RowLoops loops{convert_f32_bf16, convert_f32_f16, convert_bf16_f32,
+                              convert_bf16_f16, convert_f16_f32, convert_f16_bf16,
+                              nvfp4_rows_f32,   nvfp4_rows_bf16, nvfp4_rows_f16};
+  return loops;
+}
 
 // The 256 float8_e4m3fn values, decoded once per process.
 const float* e4m3fn_values() {

@@ -1,16 +1,19 @@
 // One table row converted to the output dtype, for the CPU gathers (gather_rows.cpp's cached
 // path and gather_rows_stream.cpp's streaming path): RowConverter<In, Out> and what it runs, fp8
-// lookups, NVFP4 decoding and float conversions. Each row's conversion is one call into a loop
-// compiled for the CPU's instruction set: the float and NVFP4 loops are target_clones defined in
-// row_convert.cpp (the loader picks the clone), the fp8 lookups are templates here with
-// per-function targets, picked at run time (set_cpu_gather_fp8_lookup, in row_convert.cpp).
-// The rest, RowConverter's dispatch to them, is inlined into the paths' row loops.
+// lookups, NVFP4 decoding and float conversions. Each row's conversion is one call, through a
+// pointer RowConverter holds, into a loop compiled for the CPU's instruction set: the float and
+// NVFP4 loops are target_clones in row_convert.cpp (the loader picks the clone; RowLoops), the
+// fp8 lookups templates here with per-function targets, picked at run time
+// (set_cpu_gather_fp8_lookup, in row_convert.cpp). RowConverter itself is inlined into the
+// paths' row loops.
 #pragma once
 
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <cstddef>
 #include <type_traits>
+#include <utility>
 
 #include "../common/gather_rows.h"
 #include "simd.h"
@@ -263,23 +266,7 @@ QWEN4EXP_AVX512BW void lut_rows_avx512(const uint8_t* __restrict src, float* __r
 // picked by the loader (target_clones): the same integer round-to-nearest-even as the scalar
 // encode, so the same bits. One lane at a time, the fp16 conversions (subnormals, overflow to
 // inf) cost several times a plain row copy.
-// (The clones are in row_convert.cpp.)
-void convert_f32_bf16(const float* src, bf16_t* dst, int64_t n);
-void convert_f32_f16(const float* src, f16_t* dst, int64_t n);
-void convert_bf16_f32(const bf16_t* src, float* dst, int64_t n);
-void convert_bf16_f16(const bf16_t* src, f16_t* dst, int64_t n);
-void convert_f16_f32(const f16_t* src, float* dst, int64_t n);
-void convert_f16_bf16(const f16_t* src, bf16_t* dst, int64_t n);
-
-template <Dtype In, Dtype Out>
-void convert_rows(const storage_t<In>* src, storage_t<Out>* dst, int64_t n) {
-  if constexpr (In == Dtype::kF32 && Out == Dtype::kBF16) convert_f32_bf16(src, dst, n);
-  if constexpr (In == Dtype::kF32 && Out == Dtype::kF16) convert_f32_f16(src, dst, n);
-  if constexpr (In == Dtype::kBF16 && Out == Dtype::kF32) convert_bf16_f32(src, dst, n);
-  if constexpr (In == Dtype::kBF16 && Out == Dtype::kF16) convert_bf16_f16(src, dst, n);
-  if constexpr (In == Dtype::kF16 && Out == Dtype::kF32) convert_f16_f32(src, dst, n);
-  if constexpr (In == Dtype::kF16 && Out == Dtype::kBF16) convert_f16_bf16(src, dst, n);
-}
+// (The loops are in row_convert.cpp: RowLoops.)
 
 // --- NVFP4 ----------------------------------------------------------------------------------
 //
@@ -291,24 +278,42 @@ void convert_rows(const storage_t<In>* src, storage_t<Out>* dst, int64_t n) {
 // The 8 code bytes of a block are one 64-bit load and each block scale a lookup in
 // `scale_values` (the 256 e4m3fn values): assembling the words byte by byte, and decoding the
 // scales with fp8_e4m3fn_to_float's branches, made the decode about three times slower.
-// (The clones are in row_convert.cpp.)
-void nvfp4_rows_f32(const uint8_t* src, const uint8_t* scales, float* dst, int64_t n,
-                    float global_scale, const float* scale_values);
-void nvfp4_rows_bf16(const uint8_t* src, const uint8_t* scales, bf16_t* dst, int64_t n,
-                     float global_scale, const float* scale_values);
-void nvfp4_rows_f16(const uint8_t* src, const uint8_t* scales, f16_t* dst, int64_t n,
-                    float global_scale, const float* scale_values);
+// (The loops are in row_convert.cpp: RowLoops.)
 
 // The 256 float8_e4m3fn values, decoded once per process.
 const float* e4m3fn_values();
 
-template <Dtype Out>
-void nvfp4_rows(const uint8_t* src, const uint8_t* scales, storage_t<Out>* dst, int64_t n,
-                float global_scale, const float* scale_values) {
-  const float g = global_scale;
-  if constexpr (Out == Dtype::kF32) nvfp4_rows_f32(src, scales, dst, n, g, scale_values);
-  if constexpr (Out == Dtype::kBF16) nvfp4_rows_bf16(src, scales, dst, n, g, scale_values);
-  if constexpr (Out == Dtype::kF16) nvfp4_rows_f16(src, scales, dst, n, g, scale_values);
+// The float and NVFP4 row loops, by address. They are target_clones (compiled for AVX-512, AVX2
+// and baseline x86-64; the loader picks one), defined with internal linkage in row_convert.cpp:
+// GCC exports a target_clones function of external linkage from a shared library whatever its
+// visibility, and the CMake library exports its entry points only (tools/check-cmake.sh). A call
+// through one of these pointers costs what a direct call to the clone did, an indirect jump.
+struct RowLoops {
+  void (*f32_bf16)(const float*, bf16_t*, int64_t);
+  void (*f32_f16)(const float*, f16_t*, int64_t);
+  void (*bf16_f32)(const bf16_t*, float*, int64_t);
+  void (*bf16_f16)(const bf16_t*, f16_t*, int64_t);
+  void (*f16_f32)(const f16_t*, float*, int64_t);
+  void (*f16_bf16)(const f16_t*, bf16_t*, int64_t);
+  // (src, its block scales, dst, n, the global scale, e4m3fn_values())
+  void (*nvfp4_f32)(const uint8_t*, const uint8_t*, float*, int64_t, float, const float*);
+  void (*nvfp4_bf16)(const uint8_t*, const uint8_t*, bf16_t*, int64_t, float, const float*);
+  void (*nvfp4_f16)(const uint8_t*, const uint8_t*, f16_t*, int64_t, float, const float*);
+};
+const RowLoops& row_loops();
+
+// The loop of RowLoops that converts In rows to Out (In: fp32, bf16, fp16 or NVFP4).
+template <Dtype In, Dtype Out>
+auto row_loop(const RowLoops& l) {
+  if constexpr (In == Dtype::kF32 && Out == Dtype::kBF16) return l.f32_bf16;
+  if constexpr (In == Dtype::kF32 && Out == Dtype::kF16) return l.f32_f16;
+  if constexpr (In == Dtype::kBF16 && Out == Dtype::kF32) return l.bf16_f32;
+  if constexpr (In == Dtype::kBF16 && Out == Dtype::kF16) return l.bf16_f16;
+  if constexpr (In == Dtype::kF16 && Out == Dtype::kF32) return l.f16_f32;
+  if constexpr (In == Dtype::kF16 && Out == Dtype::kBF16) return l.f16_bf16;
+  if constexpr (In == Dtype::kNvfp4 && Out == Dtype::kF32) return l.nvfp4_f32;
+  if constexpr (In == Dtype::kNvfp4 && Out == Dtype::kBF16) return l.nvfp4_bf16;
+  if constexpr (In == Dtype::kNvfp4 && Out == Dtype::kF16) return l.nvfp4_f16;
 }
 
 // Converts `width` elements of one table row; `scales` is the row's NVFP4 block scales (unused,
@@ -327,8 +332,12 @@ struct RowConverter {
   uintptr_t fp8_stream_align = 0;
   float global_scale = 0.0f;            // NVFP4 only
   const float* scale_values = nullptr;  // NVFP4 only: e4m3fn_values()
+  // fp32/bf16/fp16 and NVFP4 rows to another dtype only (else null): the loop of row_loops().
+  using Loop = decltype(row_loop<In, Out>(std::declval<const RowLoops&>()));
+  std::conditional_t<std::is_void_v<Loop>, std::nullptr_t, Loop> loop = nullptr;
 
   explicit RowConverter(const GatherRowsParams& p) {
+    if constexpr (!std::is_void_v<Loop>) loop = row_loop<In, Out>(row_loops());
     if constexpr (In == Dtype::kNvfp4) {
       global_scale = *p.scale;
       scale_values = e4m3fn_values();
@@ -363,11 +372,11 @@ struct RowConverter {
                   OutT* __restrict dst, int64_t width) const {
     static_assert(In != Out, "same-dtype rows are copied, not converted");
     if constexpr (In == Dtype::kNvfp4) {
-      nvfp4_rows<Out>(src, scales, dst, width, global_scale, scale_values);
+      loop(src, scales, dst, width, global_scale, scale_values);
     } else if constexpr (is_fp8(In)) {
       fp8_rows(src, dst, width, *fp8);
     } else {
-      convert_rows<In, Out>(src, dst, width);
+      loop(src, dst, width);
     }
   }
 };
