@@ -3,9 +3,10 @@ the reference, out-of-range ids as zero rows, strided views, rows beyond element
 shard-sum property, the same output under a capped grid (max_blocks), opcheck, errors and a
 torch.compile smoke test — on every backend here.
 
-The CPU kernel has two paths: the cached one, and the streaming one that large outputs take
-(sorted reads, non-temporal stores; csrc/cpu/gather_rows.cpp). Every CPU test here runs on both:
-the ``cpu_path`` fixture sets the output size from which the CPU streams to "never" or "always".
+The CPU kernel has two paths: the cached one (csrc/cpu/gather_rows.cpp), and the streaming one
+that large outputs take (sorted reads, non-temporal stores; csrc/cpu/gather_rows_stream.cpp).
+Every CPU test here runs on both: the ``cpu_path`` fixture sets the output size from which the
+CPU streams to "never" or "always".
 """
 
 from __future__ import annotations

@@ -407,7 +407,7 @@ QWEN4EXP_ALWAYS_INLINE void decode_tokens(const ConvCtx<T>& ctx, int64_t begin, 
 // time from DRAM; with many streams and the loop's compute between their loads, the hardware
 // prefetchers left a quarter of a bf16 prefill stalled on those first loads (Zen 4, 1 thread:
 // 93 against 101 ms with the gather lookup, 81 against 95 with the plain loop).
-// (Always inlined: GCC deletes calls to a function that only prefetches; see gather_rows.cpp.)
+// (Always inlined: GCC deletes calls to a function that only prefetches; see row_prefetch.h.)
 template <typename T>
 QWEN4EXP_ALWAYS_INLINE void prefetch_row_chunk(const T* row, int64_t c0, int n) {
   if (row == nullptr) return;

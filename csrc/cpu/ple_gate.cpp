@@ -198,7 +198,7 @@ struct TokenRows {
 // from 2·M + 1 places at once (every stream's key and hidden, and the value), more streams than
 // the hardware prefetchers keep up with: on a 2-core Zen 5 VM the fp32 gate at prefill went from
 // 53% to 58% of a same-footprint copy at 1 thread and from 55% to 68% at 2.
-// (Always inlined: GCC deletes calls to a function that only prefetches; see gather_rows.cpp.)
+// (Always inlined: GCC deletes calls to a function that only prefetches; see row_prefetch.h.)
 template <typename T>
 QWEN4EXP_ALWAYS_INLINE void prefetch_token_rows(const PleGateParams& p, int64_t t) {
   const TokenRows<T> row(p, t);

@@ -1,7 +1,7 @@
 // The qwen4exp op library: the kernel ops (their schemas in csrc/torch/schemas.h) and the package's
 // utilities. Backends register their kernels in their own files (TORCH_LIBRARY_IMPL in
-// csrc/torch/cpu_ops.cpp and at the end of csrc/torch/gpu/*.cpp); the Python door with the fake
-// (meta) implementations is python/qwen4exp_ext/ops.py.
+// csrc/torch/cpu_ops.cpp and at the end of csrc/torch/gpu/*.cpp); the Python door is
+// python/qwen4exp_ext/ops.py, the fake (meta) implementations python/qwen4exp_ext/_fakes.py.
 //
 // The namespace is `qwen4exp`, never `_C`: vLLM owns torch.ops._C in the same process.
 #include <Python.h>
@@ -42,7 +42,7 @@ TORCH_LIBRARY(qwen4exp, m) {
   // head_divmod, int64 [NH, 4]; a CPU kernel (csrc/torch/cpu_ops.cpp), not emulated: host code.
   m.def("ngram_head_divmod(Tensor head_sizes) -> Tensor");
   // The output size (bytes) from which the CPU gather takes its streaming path (sorted reads,
-  // non-temporal stores; csrc/cpu/gather_rows.cpp), -1 where this CPU or build has none.
+  // non-temporal stores; csrc/cpu/gather_rows_stream.cpp), -1 where this CPU or build has none.
   m.def("cpu_gather_stream_bytes() -> int", &qwen4exp::cpu_gather_stream_bytes);
   // Sets that size (-1: the default, from the cache sizes) and returns the setting it replaces.
   m.def("set_cpu_gather_stream_bytes(int bytes) -> int",

@@ -2,8 +2,8 @@
 // each SIMT emulator library, torch.ops.qwen4exp_simt32/64 (csrc/torch/simt/glue.cpp), define them
 // from here, so the emulated ops cannot differ from the real ones in signature. Backends register
 // their kernels in their own files (TORCH_LIBRARY_IMPL in csrc/torch/cpu_ops.cpp and at the end of
-// csrc/torch/gpu/*.cpp); the Python door with the fake (meta) implementations is
-// python/qwen4exp_ext/ops.py.
+// csrc/torch/gpu/*.cpp); the Python door is python/qwen4exp_ext/ops.py, the fake (meta)
+// implementations python/qwen4exp_ext/_fakes.py.
 #pragma once
 
 #include <torch/library.h>

@@ -1,6 +1,6 @@
 """The run-time switches of the op libraries: the GPU glue's debug checks and the CPU gather's
 streaming threshold (held in atomics: csrc/torch/switches.h in each library, and the CPU gather's
-own, csrc/cpu/gather_rows.cpp).
+own, csrc/cpu/gather_rows_stream.cpp).
 
 Their environment variables are read once, when the package is imported. After that they change
 only through functions: :func:`qwen4exp_ext.set_debug_checks` (the process),

@@ -1,7 +1,10 @@
 """The only Python door to the compiled kernels (``torch.ops.qwen4exp.*``).
 
 Each public function here has the signature users (and vLLM) call; each op also has a fake
-implementation, so the ops trace under torch.compile and capture in CUDA graphs.
+implementation (:mod:`qwen4exp_ext._fakes`, registered as this module is imported), so the ops
+trace under torch.compile and capture in CUDA graphs. The CPU kernels' tuning switches
+(``set_cpu_gather_stream_bytes`` and the rest) live in :mod:`qwen4exp_ext.cpu_tuning` and are
+re-exported here.
 
 The doors are the methods of :class:`KernelOps`, bound here to the kernels' own library
 ``torch.ops.qwen4exp``; :func:`qwen4exp_ext.simt.ops` binds the same doors to the SIMT emulator's
@@ -15,8 +18,17 @@ import math
 
 import torch
 
-from . import _switches
-from .reference import CONV_MODES, FP8_DTYPES
+from . import _fakes, _switches
+from ._fakes import NVFP4_TABLE_DTYPE as _NVFP4_TABLE_DTYPE
+from .cpu_tuning import (
+    cpu_conv_silu_lookup,
+    cpu_gather_fp8_lookup,
+    cpu_gather_stream_bytes,
+    set_cpu_conv_silu_lookup,
+    set_cpu_gather_fp8_lookup,
+    set_cpu_gather_stream_bytes,
+)
+from .reference import FP8_DTYPES
 
 __all__ = [
     "KernelOps",
@@ -34,20 +46,6 @@ __all__ = [
     "set_cpu_gather_stream_bytes",
 ]
 
-# An NVFP4 table is packed bytes, two elements each (with float8_e4m3fn block scales).
-_NVFP4_TABLE_DTYPE = torch.uint8
-_GATHER_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_PLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_same_device(op: str, **tensors: torch.Tensor) -> None:
-    first_name, first = next(iter(tensors.items()))
-    for name, tensor in tensors.items():
-        if tensor.device != first.device:
-            raise RuntimeError(
-                f"{op}: {name} is on {tensor.device} but {first_name} is on {first.device}"
-            )
-
 
 # Dynamo knows this function (True while it traces); one global lookup, not three attribute reads.
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
@@ -64,7 +62,7 @@ def _dispatcher_handle(op: torch._ops.OpOverload):
 
 
 class KernelOps:
-    """The typed doors to one library of the kernel ops (the schemas of csrc/schemas.h).
+    """The typed doors to one library of the kernel ops (the schemas of csrc/torch/schemas.h).
 
     ``KernelOps("qwen4exp")`` is this module's ``ngram_ids``, ``gather_rows``, ``ple_gate`` and
     ``ple_conv``; the SIMT emulator's libraries are ``qwen4exp_simt32`` and ``qwen4exp_simt64``.
@@ -82,7 +80,7 @@ class KernelOps:
         self._ple_gate_op = library.ple_gate.default
         self._ple_gate_out_op = library.ple_gate_out.default
         self._ple_conv_op = library.ple_conv.default
-        _register_fakes(namespace)
+        _fakes.register_kernel_fakes(namespace)
         _switches.attach(namespace)
 
     def __repr__(self) -> str:
@@ -430,381 +428,16 @@ class KernelOps:
         )
 
 
-# ---- fake (meta) implementations: shape and device rules for tracing --------------------------
-
-
-def _ngram_ids_fake(
-    input_ids: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    ngram_context: torch.Tensor,
-    layer_multipliers: torch.Tensor,
-    ngram_heads_vocab_sizes: torch.Tensor,
-    ngram_heads_offsets: torch.Tensor,
-    eos_token_id: int,
-    heads_per_ngram: int,
-    output: torch.Tensor,
-    head_divmod: torch.Tensor | None = None,
-) -> None:
-    # The op only writes into `output`; the shape rules are the kernel's own checks, repeated
-    # here so that a traced graph fails at trace time, not at run time. The device check matters
-    # here too: a meta tensor among CPU ones routes the call to this function, not the kernel.
-    optional = {} if head_divmod is None else {"head_divmod": head_divmod}
-    _check_same_device(
-        "ngram_ids",
-        input_ids=input_ids,
-        query_start_loc=query_start_loc,
-        ngram_context=ngram_context,
-        layer_multipliers=layer_multipliers,
-        ngram_heads_vocab_sizes=ngram_heads_vocab_sizes,
-        ngram_heads_offsets=ngram_heads_offsets,
-        output=output,
-        **optional,
-    )
-    num_heads = ngram_context.shape[1] * heads_per_ngram
-    torch._check(input_ids.dim() == 1, lambda: "ngram_ids: input_ids must be 1-D")
-    torch._check(
-        output.shape == (input_ids.shape[0], num_heads),
-        lambda: "ngram_ids: output must be [T, NH]",
-    )
-    if head_divmod is not None:
-        torch._check(
-            head_divmod.dtype == torch.int64 and head_divmod.shape == (num_heads, 4),
-            lambda: "ngram_ids: head_divmod must be int64 [NH, 4]",
-        )
-        torch._check(
-            head_divmod.is_contiguous(), lambda: "ngram_ids: head_divmod must be contiguous"
-        )
-    return None
-
-
-def _ngram_head_divmod_fake(head_sizes: torch.Tensor) -> torch.Tensor:
-    torch._check(
-        head_sizes.dtype == torch.int64 and head_sizes.dim() == 1,
-        lambda: "ngram_head_divmod: head_sizes must be int64 [NH]",
-    )
-    return head_sizes.new_empty((head_sizes.shape[0], 4))
-
-
-def _check_gather_table_fake(
-    op: str,
-    table: torch.Tensor,
-    scale: torch.Tensor | None,
-    block_scales: torch.Tensor | None,
-    vocab_start: int,
-    vocab_end: int | None,
-    output: torch.Tensor,
-    max_blocks: int,
-    num_tokens: int,
-    num_heads: int,
-) -> None:
-    """gather_rows' and ngram_gather_rows' checks of the table, its scales, the shard, the
-    output and the grid cap, for T = num_tokens tokens of NH = num_heads heads."""
-    nvfp4 = table.dtype == _NVFP4_TABLE_DTYPE
-    torch._check(table.dim() == 2, lambda: f"{op}: table must be 2-D [rows, d]")
-    width = table.shape[1] * (2 if nvfp4 else 1)
-    torch._check(
-        output.shape == (num_tokens, num_heads * width),
-        lambda: f"{op}: output must be [T, NH·d]",
-    )
-    torch._check(
-        output.dtype in _GATHER_OUT_DTYPES,
-        lambda: f"{op}: output must be float32, bfloat16 or float16",
-    )
-    torch._check(
-        (scale is not None) == (table.dtype in FP8_DTYPES or nvfp4),
-        lambda: f"{op}: fp8 and NVFP4 tables need a scale, other tables take none",
-    )
-    torch._check(
-        (block_scales is not None) == nvfp4
-        and (
-            not nvfp4
-            or (
-                width % 16 == 0
-                and block_scales.dtype == torch.float8_e4m3fn
-                and block_scales.shape == (table.shape[0], width // 16)
-            )
-        ),
-        lambda: (
-            f"{op}: an NVFP4 (uint8) table needs float8_e4m3fn block_scales "
-            "[rows, d/16], other tables take none"
-        ),
-    )
-    if vocab_end is None:
-        vocab_end = vocab_start + table.shape[0]
-    torch._check(
-        0 <= vocab_start <= vocab_end and vocab_end - vocab_start <= table.shape[0],
-        lambda: f"{op}: shard [vocab_start, vocab_end) does not fit the table",
-    )
-    torch._check(max_blocks >= 0, lambda: f"{op}: max_blocks must be >= 0 (0: no cap)")
-
-
-def _gather_rows_fake(
-    table: torch.Tensor,
-    ids: torch.Tensor,
-    scale: torch.Tensor | None,
-    block_scales: torch.Tensor | None,
-    vocab_start: int,
-    vocab_end: int | None,
-    output: torch.Tensor,
-    max_blocks: int = 0,
-) -> None:
-    tensors = {"table": table, "ids": ids, "output": output}
-    if scale is not None:
-        tensors["scale"] = scale
-    if block_scales is not None:
-        tensors["block_scales"] = block_scales
-    _check_same_device("gather_rows", **tensors)
-    torch._check(ids.dim() == 2, lambda: "gather_rows: ids must be 2-D [T, NH]")
-    torch._check(
-        ids.dtype in (torch.int32, torch.int64), lambda: "gather_rows: ids must be int32 or int64"
-    )
-    _check_gather_table_fake(
-        "gather_rows",
-        table,
-        scale,
-        block_scales,
-        vocab_start,
-        vocab_end,
-        output,
-        max_blocks,
-        ids.shape[0],
-        ids.shape[1],
-    )
-    return None
-
-
-def _ngram_gather_rows_fake(
-    input_ids: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    ngram_context: torch.Tensor,
-    layer_multipliers: torch.Tensor,
-    ngram_heads_vocab_sizes: torch.Tensor,
-    ngram_heads_offsets: torch.Tensor,
-    eos_token_id: int,
-    heads_per_ngram: int,
-    head_divmod: torch.Tensor | None,
-    table: torch.Tensor,
-    scale: torch.Tensor | None,
-    block_scales: torch.Tensor | None,
-    vocab_start: int,
-    vocab_end: int | None,
-    output: torch.Tensor,
-    max_blocks: int = 0,
-) -> None:
-    optional = {
-        name: t
-        for name, t in (
-            ("head_divmod", head_divmod),
-            ("scale", scale),
-            ("block_scales", block_scales),
-        )
-        if t is not None
-    }
-    _check_same_device(
-        "ngram_gather_rows",
-        input_ids=input_ids,
-        query_start_loc=query_start_loc,
-        ngram_context=ngram_context,
-        layer_multipliers=layer_multipliers,
-        ngram_heads_vocab_sizes=ngram_heads_vocab_sizes,
-        ngram_heads_offsets=ngram_heads_offsets,
-        table=table,
-        output=output,
-        **optional,
-    )
-    torch._check(input_ids.dim() == 1, lambda: "ngram_gather_rows: input_ids must be 1-D")
-    num_heads = ngram_context.shape[1] * heads_per_ngram
-    if head_divmod is not None:
-        torch._check(
-            head_divmod.dtype == torch.int64 and head_divmod.shape == (num_heads, 4),
-            lambda: "ngram_gather_rows: head_divmod must be int64 [NH, 4]",
-        )
-    _check_gather_table_fake(
-        "ngram_gather_rows",
-        table,
-        scale,
-        block_scales,
-        vocab_start,
-        vocab_end,
-        output,
-        max_blocks,
-        input_ids.shape[0],
-        num_heads,
-    )
-    return None
-
-
-def _ple_gate_fake(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    hidden: torch.Tensor,
-    norm_key_w: torch.Tensor,
-    norm_query_w: torch.Tensor,
-    norm_conv_w: torch.Tensor,
-    eps: float,
-    rounding: str = "vllm",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_same_device(
-        "ple_gate",
-        hidden=hidden,
-        key=key,
-        value=value,
-        norm_key_w=norm_key_w,
-        norm_query_w=norm_query_w,
-        norm_conv_w=norm_conv_w,
-    )
-    torch._check(rounding in ("vllm", "fp32"), lambda: "ple_gate: rounding must be vllm or fp32")
-    torch._check(hidden.dim() == 2, lambda: "ple_gate: hidden must be 2-D [T, C]")
-    torch._check(hidden.dtype in _PLE_DTYPES, lambda: "ple_gate: unsupported dtype")
-    torch._check(
-        key.dtype == hidden.dtype and value.dtype == hidden.dtype,
-        lambda: "ple_gate: key, value and hidden must share a dtype",
-    )
-    torch._check(key.shape == hidden.shape, lambda: "ple_gate: key must be [T, C]")
-    torch._check(
-        value.dim() == 2 and value.shape[0] == hidden.shape[0],
-        lambda: "ple_gate: value must be [T, H]",
-    )
-    torch._check(
-        hidden.shape[1] % value.shape[1] == 0, lambda: "ple_gate: C must be a multiple of H"
-    )
-    return hidden.new_empty(hidden.shape), hidden.new_empty(hidden.shape)
-
-
-def _ple_gate_out_fake(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    hidden: torch.Tensor,
-    norm_key_w: torch.Tensor,
-    norm_query_w: torch.Tensor,
-    norm_conv_w: torch.Tensor,
-    eps: float,
-    rounding: str = "vllm",
-    *,
-    gated: torch.Tensor,
-    conv_input: torch.Tensor,
-) -> None:
-    _ple_gate_fake(key, value, hidden, norm_key_w, norm_query_w, norm_conv_w, eps, rounding)
-    _check_same_device("ple_gate", hidden=hidden, gated=gated, conv_input=conv_input)
-    for name, t in (("gated", gated), ("conv_input", conv_input)):
-        torch._check(
-            t.shape == hidden.shape and t.dtype == hidden.dtype,
-            lambda name=name: f"ple_gate: {name} must be [T, C] in hidden's dtype",
-        )
-    return None
-
-
-def _ple_conv_fake(
-    inputs: torch.Tensor,
-    residual: torch.Tensor,
-    conv_state: torch.Tensor,
-    conv_weights: torch.Tensor,
-    state_indices: torch.Tensor,
-    outer_residual: torch.Tensor | None,
-    *,
-    conv_mode: str,
-    dilation: int,
-    query_start_loc: torch.Tensor | None = None,
-    num_accepted_tokens: torch.Tensor | None = None,
-    has_initial_states: torch.Tensor | None = None,
-    spec_query_len: int = 1,
-    token_indices: torch.Tensor | None = None,
-) -> None:
-    optional = {
-        "outer_residual": outer_residual,
-        "query_start_loc": query_start_loc,
-        "num_accepted_tokens": num_accepted_tokens,
-        "has_initial_states": has_initial_states,
-        "token_indices": token_indices,
-    }
-    _check_same_device(
-        "ple_conv",
-        inputs=inputs,
-        residual=residual,
-        conv_state=conv_state,
-        conv_weights=conv_weights,
-        state_indices=state_indices,
-        **{name: t for name, t in optional.items() if t is not None},
-    )
-    torch._check(
-        conv_mode in CONV_MODES,
-        lambda: "ple_conv: mode must be decode, prefill or spec",
-    )
-    torch._check(inputs.dim() == 2, lambda: "ple_conv: inputs must be 2-D [T, C]")
-    torch._check(residual.shape == inputs.shape, lambda: "ple_conv: residual must match inputs")
-    torch._check(conv_state.dim() == 3, lambda: "ple_conv: conv_state must be [slots, C, W]")
-    torch._check(
-        conv_weights.dim() == 2 and conv_weights.shape[0] == inputs.shape[1],
-        lambda: "ple_conv: conv_weights must be [C, K]",
-    )
-    return None
-
-
-_FAKES = {
-    "ngram_ids": _ngram_ids_fake,
-    "gather_rows": _gather_rows_fake,
-    "ngram_gather_rows": _ngram_gather_rows_fake,
-    "ple_gate": _ple_gate_fake,
-    "ple_gate_out": _ple_gate_out_fake,
-    "ple_conv": _ple_conv_fake,
-}
-_faked: set[str] = set()
-
-
-def _register_fakes(namespace: str) -> None:
-    """The same fakes for every library of the kernel ops, once per library."""
-    if namespace in _faked:
-        return
-    for name, fake in _FAKES.items():
-        torch.library.register_fake(f"{namespace}::{name}", fake)
-    _faked.add(namespace)
-
-
 _kernels = KernelOps("qwen4exp")
 ngram_ids = _kernels.ngram_ids
 gather_rows = _kernels.gather_rows
 ngram_gather_rows = _kernels.ngram_gather_rows
 ple_gate = _kernels.ple_gate
 ple_conv = _kernels.ple_conv
-torch.library.register_fake("qwen4exp::ngram_head_divmod", _ngram_head_divmod_fake)
 
 # The largest int64: read_file_rows' vocab_end when the reader owns every id from vocab_start on.
 _INT64_MAX = 2**63 - 1
 
-
-def _read_file_rows_fake(
-    fd: int,
-    ids: torch.Tensor,
-    data_offset: int,
-    row_bytes: int,
-    vocab_start: int,
-    vocab_end: int,
-    output: torch.Tensor,
-    io_threads: int,
-    path: str,
-) -> None:
-    torch._check(
-        ids.dtype in (torch.int32, torch.int64),
-        lambda: f"read_file_rows: ids must be int32 or int64, got {ids.dtype}",
-    )
-    torch._check(row_bytes > 0, lambda: "read_file_rows: row_bytes must be positive")
-    torch._check(data_offset >= 0, lambda: "read_file_rows: data_offset must be >= 0")
-    torch._check(
-        0 <= vocab_start <= vocab_end,
-        lambda: "read_file_rows: [vocab_start, vocab_end) must satisfy 0 <= start <= end",
-    )
-    torch._check(
-        output.dtype == torch.uint8,
-        lambda: f"read_file_rows: output must be uint8, got {output.dtype}",
-    )
-    torch._check(
-        output.dim() == 2 and output.shape[0] == ids.numel() and output.shape[1] == row_bytes,
-        lambda: "read_file_rows: output must be [ids.numel(), row_bytes]",
-    )
-    return None
-
-
-torch.library.register_fake("qwen4exp::read_file_rows", _read_file_rows_fake)
 _read_file_rows_op = torch.ops.qwen4exp.read_file_rows.default
 
 
@@ -869,84 +502,3 @@ def ngram_head_divmod(head_sizes: torch.Tensor) -> torch.Tensor:
     if head_sizes.device.type in ("cpu", "meta"):
         return torch.ops.qwen4exp.ngram_head_divmod(head_sizes)
     return torch.ops.qwen4exp.ngram_head_divmod(head_sizes.cpu()).to(head_sizes.device)
-
-
-def cpu_gather_stream_bytes() -> int:
-    """The output size in bytes from which the CPU ``gather_rows`` takes its streaming path
-    (rows read in table order and written with non-temporal stores); -1 where
-    this CPU has none (it needs x86-64 with AVX). Default: what this process's threads can keep
-    in cache (per thread its core's L2 and its share of the L3, at most 4 MiB of it); another
-    comes from :func:`set_cpu_gather_stream_bytes`, or from ``QWEN4EXP_CPU_GATHER_STREAM_BYTES``
-    in the environment when the package is imported."""
-    return int(torch.ops.qwen4exp.cpu_gather_stream_bytes())
-
-
-def set_cpu_gather_stream_bytes(stream_bytes: int | None) -> int | None:
-    """Sets the size :func:`cpu_gather_stream_bytes` reports (0: every call streams; None: the
-    default, from the cache sizes) for the whole process; returns the setting it replaces."""
-    if stream_bytes is not None and (
-        isinstance(stream_bytes, bool) or not isinstance(stream_bytes, int) or stream_bytes < 0
-    ):
-        raise ValueError(
-            "set_cpu_gather_stream_bytes: stream_bytes must be an int >= 0 or None, got "
-            f"{stream_bytes!r}"
-        )
-    previous = torch.ops.qwen4exp.set_cpu_gather_stream_bytes(
-        -1 if stream_bytes is None else stream_bytes
-    )
-    return None if previous < 0 else int(previous)
-
-
-_GATHER_FP8_LOOKUPS = ("scalar", "avx2", "avx512")  # the kernel's codes 0, 1 and 2
-
-
-def cpu_gather_fp8_lookup() -> str:
-    """How the CPU ``gather_rows`` converts fp8 rows: ``"avx512"`` (AVX-512BW permutes over the
-    256 outputs), ``"avx2"`` (byte shuffles, for 16-bit outputs whose outputs factor, see
-    csrc/cpu/gather_rows.cpp; an element at a time otherwise) or ``"scalar"`` (an element at a
-    time). By default the widest this CPU has; :func:`set_cpu_gather_fp8_lookup` pins one, so
-    that each can be tested on one machine. Same values either way."""
-    return _GATHER_FP8_LOOKUPS[torch.ops.qwen4exp.cpu_gather_fp8_lookup()]
-
-
-def set_cpu_gather_fp8_lookup(lookup: str | None) -> str | None:
-    """Pins the CPU gather's fp8 conversion to ``"scalar"``, ``"avx2"`` or ``"avx512"`` (None:
-    the widest this CPU has) for the whole process; returns the setting it replaces. A lookup
-    this CPU or build lacks raises ValueError."""
-    if lookup is not None and lookup not in _GATHER_FP8_LOOKUPS:
-        raise ValueError(
-            "set_cpu_gather_fp8_lookup: lookup must be 'scalar', 'avx2', 'avx512' or None, got "
-            f"{lookup!r}"
-        )
-    code = -1 if lookup is None else _GATHER_FP8_LOOKUPS.index(lookup)
-    previous = torch.ops.qwen4exp.set_cpu_gather_fp8_lookup(code)
-    return None if previous < 0 else _GATHER_FP8_LOOKUPS[previous]
-
-
-_CONV_SILU_LOOKUPS = ("loop", "gather")  # the kernel's codes 0 and 1
-
-
-def cpu_conv_silu_lookup() -> str:
-    """How the CPU ``ple_conv`` looks up the SiLU of a bf16/fp16 sum in its 65536-entry table:
-    ``"loop"`` (one load per element) or ``"gather"`` (AVX-512 gathers, where the CPU has them).
-    By default the first call (of this or of a 16-bit conv) times both on this CPU and keeps the
-    faster; :func:`set_cpu_conv_silu_lookup` pins one. Same values either way."""
-    return _CONV_SILU_LOOKUPS[torch.ops.qwen4exp.cpu_conv_silu_lookup()]
-
-
-def set_cpu_conv_silu_lookup(lookup: str | None) -> str | None:
-    """Pins the CPU conv's SiLU lookup to ``"loop"`` or ``"gather"`` (None: the timed default)
-    for the whole process; returns the setting it replaces. ``"gather"`` raises ValueError where
-    the CPU or build has no AVX-512."""
-    if lookup is not None and lookup not in _CONV_SILU_LOOKUPS:
-        raise ValueError(
-            f"set_cpu_conv_silu_lookup: lookup must be 'loop', 'gather' or None, got {lookup!r}"
-        )
-    code = -1 if lookup is None else _CONV_SILU_LOOKUPS.index(lookup)
-    previous = torch.ops.qwen4exp.set_cpu_conv_silu_lookup(code)
-    return None if previous < 0 else _CONV_SILU_LOOKUPS[previous]
-
-
-_stream_bytes_from_env = _switches.cpu_gather_stream_bytes_from_env()
-if _stream_bytes_from_env is not None:
-    set_cpu_gather_stream_bytes(_stream_bytes_from_env)

@@ -1,0 +1,103 @@
+"""The CPU kernels' tuning switches: which path or lookup they take, for the whole process.
+Every setting gives the same values; they exist to tune and to test each path on one machine.
+:mod:`qwen4exp_ext.ops` re-exports them all (``ops.set_cpu_gather_stream_bytes`` etc.).
+
+``QWEN4EXP_CPU_GATHER_STREAM_BYTES`` in the environment sets :func:`cpu_gather_stream_bytes`
+when this module is imported (with :mod:`qwen4exp_ext.ops`, so with the package).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _switches
+
+__all__ = [
+    "cpu_conv_silu_lookup",
+    "cpu_gather_fp8_lookup",
+    "cpu_gather_stream_bytes",
+    "set_cpu_conv_silu_lookup",
+    "set_cpu_gather_fp8_lookup",
+    "set_cpu_gather_stream_bytes",
+]
+
+
+def cpu_gather_stream_bytes() -> int:
+    """The output size in bytes from which the CPU ``gather_rows`` takes its streaming path
+    (rows read in table order and written with non-temporal stores); -1 where
+    this CPU has none (it needs x86-64 with AVX). Default: what this process's threads can keep
+    in cache (per thread its core's L2 and its share of the L3, at most 4 MiB of it); another
+    comes from :func:`set_cpu_gather_stream_bytes`, or from ``QWEN4EXP_CPU_GATHER_STREAM_BYTES``
+    in the environment when the package is imported."""
+    return int(torch.ops.qwen4exp.cpu_gather_stream_bytes())
+
+
+def set_cpu_gather_stream_bytes(stream_bytes: int | None) -> int | None:
+    """Sets the size :func:`cpu_gather_stream_bytes` reports (0: every call streams; None: the
+    default, from the cache sizes) for the whole process; returns the setting it replaces."""
+    if stream_bytes is not None and (
+        isinstance(stream_bytes, bool) or not isinstance(stream_bytes, int) or stream_bytes < 0
+    ):
+        raise ValueError(
+            "set_cpu_gather_stream_bytes: stream_bytes must be an int >= 0 or None, got "
+            f"{stream_bytes!r}"
+        )
+    previous = torch.ops.qwen4exp.set_cpu_gather_stream_bytes(
+        -1 if stream_bytes is None else stream_bytes
+    )
+    return None if previous < 0 else int(previous)
+
+
+_GATHER_FP8_LOOKUPS = ("scalar", "avx2", "avx512")  # the kernel's codes 0, 1 and 2
+
+
+def cpu_gather_fp8_lookup() -> str:
+    """How the CPU ``gather_rows`` converts fp8 rows: ``"avx512"`` (AVX-512BW permutes over the
+    256 outputs), ``"avx2"`` (byte shuffles, for 16-bit outputs whose outputs factor, see
+    csrc/cpu/row_convert.h; an element at a time otherwise) or ``"scalar"`` (an element at a
+    time). By default the widest this CPU has; :func:`set_cpu_gather_fp8_lookup` pins one, so
+    that each can be tested on one machine. Same values either way."""
+    return _GATHER_FP8_LOOKUPS[torch.ops.qwen4exp.cpu_gather_fp8_lookup()]
+
+
+def set_cpu_gather_fp8_lookup(lookup: str | None) -> str | None:
+    """Pins the CPU gather's fp8 conversion to ``"scalar"``, ``"avx2"`` or ``"avx512"`` (None:
+    the widest this CPU has) for the whole process; returns the setting it replaces. A lookup
+    this CPU or build lacks raises ValueError."""
+    if lookup is not None and lookup not in _GATHER_FP8_LOOKUPS:
+        raise ValueError(
+            "set_cpu_gather_fp8_lookup: lookup must be 'scalar', 'avx2', 'avx512' or None, got "
+            f"{lookup!r}"
+        )
+    code = -1 if lookup is None else _GATHER_FP8_LOOKUPS.index(lookup)
+    previous = torch.ops.qwen4exp.set_cpu_gather_fp8_lookup(code)
+    return None if previous < 0 else _GATHER_FP8_LOOKUPS[previous]
+
+
+_CONV_SILU_LOOKUPS = ("loop", "gather")  # the kernel's codes 0 and 1
+
+
+def cpu_conv_silu_lookup() -> str:
+    """How the CPU ``ple_conv`` looks up the SiLU of a bf16/fp16 sum in its 65536-entry table:
+    ``"loop"`` (one load per element) or ``"gather"`` (AVX-512 gathers, where the CPU has them).
+    By default the first call (of this or of a 16-bit conv) times both on this CPU and keeps the
+    faster; :func:`set_cpu_conv_silu_lookup` pins one. Same values either way."""
+    return _CONV_SILU_LOOKUPS[torch.ops.qwen4exp.cpu_conv_silu_lookup()]
+
+
+def set_cpu_conv_silu_lookup(lookup: str | None) -> str | None:
+    """Pins the CPU conv's SiLU lookup to ``"loop"`` or ``"gather"`` (None: the timed default)
+    for the whole process; returns the setting it replaces. ``"gather"`` raises ValueError where
+    the CPU or build has no AVX-512."""
+    if lookup is not None and lookup not in _CONV_SILU_LOOKUPS:
+        raise ValueError(
+            f"set_cpu_conv_silu_lookup: lookup must be 'loop', 'gather' or None, got {lookup!r}"
+        )
+    code = -1 if lookup is None else _CONV_SILU_LOOKUPS.index(lookup)
+    previous = torch.ops.qwen4exp.set_cpu_conv_silu_lookup(code)
+    return None if previous < 0 else _CONV_SILU_LOOKUPS[previous]
+
+
+_stream_bytes_from_env = _switches.cpu_gather_stream_bytes_from_env()
+if _stream_bytes_from_env is not None:
+    set_cpu_gather_stream_bytes(_stream_bytes_from_env)
