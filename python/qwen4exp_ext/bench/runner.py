@@ -27,7 +27,7 @@ QUICK_REPEAT = 10
 # kernels microseconds, and a fixed count would make the default run take hours.
 CASE_BUDGET_S = 4.0
 # The same for the representative subset (no op, no --cases, no --full: each op's headline
-# cases, at DEFAULT_THREADS on a CPU), which should end in about three minutes on a 2-core
+# cases, at args.DEFAULT_THREADS on a CPU), which should end in about three minutes on a 2-core
 # machine. The decode cases reach DEFAULT_REPEAT rounds well within a second; the prefill cases'
 # eager oracle and baselines take seconds a call on a CPU, so there MIN_REPEAT rounds, not this
 # budget, set the time (on 2026-12-05 a 2-core EPYC VM, compiling CI beside it, took 453 s, most
