@@ -23,10 +23,13 @@ import torch
 
 import qwen4exp_ext
 from qwen4exp_ext import ops
-from qwen4exp_ext.bench import cli, vllm_triton
+from qwen4exp_ext.bench import args as bench_args
+from qwen4exp_ext.bench import cli, machine, runner, vllm_triton
+from qwen4exp_ext.bench import report as bench_report
 from qwen4exp_ext.bench import rows as bench_rows
-from qwen4exp_ext.bench.cli import QUICK_REPEAT, main
-from qwen4exp_ext.bench.registry import HEADLINE_CASES, HEADLINE_PHASES
+from qwen4exp_ext.bench.cli import main
+from qwen4exp_ext.bench.registry import HEADLINE_CASES, HEADLINE_PHASES, OP_MODULES
+from qwen4exp_ext.bench.runner import QUICK_REPEAT
 from qwen4exp_ext.testing import exact_mismatch
 from vllm_support import require_vllm, run_python
 
@@ -39,7 +42,7 @@ NGRAM_IDS_CASES = {
     "prefill_T8192_R4",
 }
 TIMED = ("ours", "oracle", "copy")
-THREADS = cli._thread_counts("1,all", torch.get_num_threads())  # [1] on a one-core machine
+THREADS = bench_args._thread_counts("1,all", torch.get_num_threads())  # [1] on a one-core machine
 
 
 def _timed(q: dict) -> None:
@@ -151,7 +154,7 @@ def test_progress_rewrites_one_line_on_a_terminal() -> None:
             return True
 
     stream = Terminal()
-    progress = cli._Progress(stream)
+    progress = bench_report._Progress(stream)
     progress.show("[1/2] op a (1 thread)...")
     progress.show("[2/2] op b (1 thread)...")
     progress.clear()
@@ -197,13 +200,13 @@ def test_plot_without_matplotlib_is_a_usage_error(
 
 
 def test_thread_counts() -> None:
-    assert cli._thread_counts("1,all", 8) == [1, 8]
-    assert cli._thread_counts("all", 8) == [8]
-    assert cli._thread_counts("2, 1 ,2", 8) == [2, 1]
-    assert cli._thread_counts("1,all", 1) == [1]
+    assert bench_args._thread_counts("1,all", 8) == [1, 8]
+    assert bench_args._thread_counts("all", 8) == [8]
+    assert bench_args._thread_counts("2, 1 ,2", 8) == [2, 1]
+    assert bench_args._thread_counts("1,all", 1) == [1]
     for bad in ("0", "x", "1,", "-1"):
         with pytest.raises(ValueError):
-            cli._thread_counts(bad, 8)
+            bench_args._thread_counts(bad, 8)
     with pytest.raises(SystemExit) as exc:
         main(["ngram_ids", "--quick", "--threads", "0"])
     assert exc.value.code == 2
@@ -247,8 +250,6 @@ def test_before_call_runs_before_every_call_untimed() -> None:
 def test_percent_of_the_datasheet_peak(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a listed GPU, ours as a % of its HBM peak: 2400 GB/s on an H200 (4.8 TB/s) is 50%; an
     MI325X is not taken for another MI300-series part; an unlisted GPU or a CPU gives None."""
-    from qwen4exp_ext.bench import cli
-
     gpu = torch.device("cuda")
     for name, expected in (
         ("NVIDIA H200", 50.0),
@@ -257,10 +258,10 @@ def test_percent_of_the_datasheet_peak(monkeypatch: pytest.MonkeyPatch) -> None:
         ("AMD Instinct MI355X", 30.0),
         ("NVIDIA A100-SXM4-80GB", None),
     ):
-        monkeypatch.setattr(cli, "_device_name", lambda device, name=name: name)
-        got = cli._pct_of_peak(2400.0, gpu)
+        monkeypatch.setattr(machine, "_device_name", lambda device, name=name: name)
+        got = machine._pct_of_peak(2400.0, gpu)
         assert got == (None if expected is None else pytest.approx(expected)), name
-    assert cli._pct_of_peak(2400.0, torch.device("cpu")) is None
+    assert machine._pct_of_peak(2400.0, torch.device("cpu")) is None
 
 
 def test_wrong_kernel_fails_the_check(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -397,13 +398,13 @@ HEADLINE = {
 
 def _selection(argv: list[str]) -> tuple[argparse.Namespace, dict[str, set[str]]]:
     """The parsed arguments and the cases of CPU_CASES the run would time, by op."""
-    args, _ = cli._parse_args(argv)
-    ops_ = args.ops or list(cli.OP_MODULES)
-    return args, {op: set(cli.selected_case_names(args, CPU_CASES[op])) for op in ops_}
+    args, _ = bench_args._parse_args(argv)
+    ops_ = args.ops or list(OP_MODULES)
+    return args, {op: set(bench_args.selected_case_names(args, CPU_CASES[op])) for op in ops_}
 
 
 def test_case_names_cover_every_op() -> None:
-    assert set(CPU_CASES) == set(cli.OP_MODULES)
+    assert set(CPU_CASES) == set(OP_MODULES)
     assert all(len(set(names)) == len(names) for names in CPU_CASES.values())
 
 
@@ -417,8 +418,8 @@ def test_default_selection_is_the_headline_cases_of_every_op() -> None:
         for phase, pattern in HEADLINE_PHASES.items():
             assert sum(bool(re.search(pattern, n)) for n in names) == 1, (op, phase)
     if not torch.cuda.is_available():
-        assert cli._parse_args([])[1] == THREADS
-    assert cli._parse_args(["--threads", "1"])[1] == [1]
+        assert bench_args._parse_args([])[1] == THREADS
+    assert bench_args._parse_args(["--threads", "1"])[1] == [1]
     # check-gpu.sh's --cases: every variant of those shapes, the subset's among them.
     args, variants = _selection(["--cases", HEADLINE_CASES])
     assert not args.subset and variants == HEADLINE_VARIANTS
@@ -443,7 +444,7 @@ def test_full_and_explicit_selections_pick_every_case() -> None:
         "ple_gate": {"decode_T1"},
     }
     with pytest.raises(SystemExit) as exc, contextlib.redirect_stderr(io.StringIO()):
-        cli._parse_args(["--full", "--cases", "decode"])
+        bench_args._parse_args(["--full", "--cases", "decode"])
     assert exc.value.code == 2
 
 
@@ -471,7 +472,7 @@ def test_summary_has_one_line_per_op_with_both_figures() -> None:
         _result("gather_rows", "decode_T64_fp8", 1, 7.0, 70.0),  # a later variant: left out
         _result("gather_rows", "prefill_T8192_bf16", 2, 1.5, 80.0),  # its 1-thread check failed
     ]
-    lines = cli.summary_lines(results, ["ngram_ids", "gather_rows", "ple_gate"], [1, 2])
+    lines = bench_report.summary_lines(results, ["ngram_ids", "gather_rows", "ple_gate"], [1, 2])
     assert len(lines) == 4
     assert lines[0].startswith("summary (1 / 2 threads): ")
     assert "headline baseline" in lines[0] and "% copy" in lines[0]
@@ -490,7 +491,9 @@ def test_summary_has_one_line_per_op_with_both_figures() -> None:
         ).split()
     )
     assert lines[3].split()[0] == "ple_gate:" and "no headline case ran" in lines[3]
-    gpu = cli.summary_lines([_result("ple_gate", "prefill_T8192", 8, 4.0, 90.0)], ["ple_gate"], [8])
+    gpu = bench_report.summary_lines(
+        [_result("ple_gate", "prefill_T8192", 8, 4.0, 90.0)], ["ple_gate"], [8]
+    )
     assert gpu[0].startswith("summary (8 threads): ")
     assert gpu[1].split() == "ple_gate: prefill_T8192 4.00x transformers, 90.0 % copy".split()
 
@@ -501,7 +504,7 @@ def test_a_run_ends_with_its_summary(ngram_run: dict) -> None:
     start = next(i for i, line in enumerate(lines) if line.startswith("summary ("))
     assert (
         lines[start + 1 :]
-        == cli.summary_lines(ngram_run["report"]["results"], ["ngram_ids"], THREADS)[1:]
+        == bench_report.summary_lines(ngram_run["report"]["results"], ["ngram_ids"], THREADS)[1:]
     )
     assert len(lines) == start + 2
     by_case = {(r["case"], r["threads"]): r for r in ngram_run["report"]["results"]}
@@ -615,12 +618,12 @@ def test_append_adds_one_row_per_case_and_thread_count(tmp_path: Path) -> None:
 def test_append_without_a_path_uses_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     """--append alone is results/bench.jsonl; an op name after it is an op, not a file."""
     for argv in (["ngram_ids", "--append"], ["--append", "ngram_ids"]):
-        args, _ = cli._parse_args(argv)
+        args, _ = bench_args._parse_args(argv)
         assert args.append == bench_rows.DEFAULT_APPEND == Path("results", "bench.jsonl")
         assert args.ops == ["ngram_ids"]
-    args, _ = cli._parse_args(["ngram_ids", "--append=out.jsonl"])
+    args, _ = bench_args._parse_args(["ngram_ids", "--append=out.jsonl"])
     assert args.append == Path("out.jsonl") and args.ops == ["ngram_ids"]
-    assert cli._parse_args(["ngram_ids"])[0].append is None
+    assert bench_args._parse_args(["ngram_ids"])[0].append is None
 
 
 def test_row_of_an_old_report_has_nulls_where_it_lacks_fields() -> None:
@@ -1453,9 +1456,9 @@ def test_speedup_vs_vllm_is_vllms_p50_over_ours() -> None:
         return Quantiles(p50 * 0.9, p50, p50 * 1.1, p50 * 0.8, p50, 10)
 
     times = {"ours": q(4.0), "vllm": q(10.0), "other": q(2.0), "oracle": q(50.0)}
-    assert cli.speedup_vs_vllm(times, "vllm") == pytest.approx(2.5)
-    assert cli.speedup_vs_vllm(times, "other") == pytest.approx(0.5)  # ours slower: < 1
-    assert cli.speedup_vs_vllm(times, None) is None
+    assert runner.speedup_vs_vllm(times, "vllm") == pytest.approx(2.5)
+    assert runner.speedup_vs_vllm(times, "other") == pytest.approx(0.5)  # ours slower: < 1
+    assert runner.speedup_vs_vllm(times, None) is None
     fn = lambda: torch.zeros(1)  # noqa: E731
     base = dict(op="toy", name="c", tokens=1, nbytes=1, ours=fn, oracle=fn, params={})
     with pytest.raises(ValueError, match="is not a baseline"):
@@ -1498,7 +1501,7 @@ def test_vs_vllm_in_the_json_csv_and_table(
     assert rows[1]["vllm_baseline"] == rows[1]["speedup_vs_vllm"] == ""
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if line.startswith("op "))
-    column = [name for name, _, _ in cli.COLUMNS].index("vs vllm")
+    column = [name for name, _, _ in bench_report.COLUMNS].index("vs vllm")
     assert "vs vllm" in header
     printed = {row.split()[1]: row.split() for row in lines if row.startswith("toy ")}
     # "vs vllm" is one word in the header, one cell in a row: the row's index counts it once.
