@@ -49,7 +49,8 @@ def _environment(device: torch.device) -> dict[str, Any]:
     }
 
 
-# The x86 extensions that pick the CPU kernels' paths (simd.h, gather_rows.cpp), where present.
+# The x86 extensions that pick the CPU kernels' paths (simd.h, row_convert.h,
+# gather_rows_stream.cpp), where present.
 _CPU_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile")
 
 
