@@ -326,3 +326,34 @@ def test_gpu_a_slow_consumer_stream_keeps_its_rows():
         same_bits(got_third.cpu(), wants[2])
         second.release()
         third.release()
+
+
+def test_the_worker_uses_the_submitters_thread_count_or_its_own():
+    """torch's intra-op thread count is per thread: each step's lookups run with the count of
+    the thread that submitted it, or the pipeline's ``threads``."""
+    module = make_embedding("bfloat16", "cpu")
+    seen = []
+    lookup = module._lookup_local
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return lookup(*args, **kwargs)
+
+    module._lookup_local = spy
+    batch = make_batch([3], "cpu")
+    before = torch.get_num_threads()
+    try:
+        with StagedLookupPipeline([module], max_tokens=8) as pipeline:
+            for count in (1, 2, 1):
+                torch.set_num_threads(count)
+                with pipeline.submit(*batch) as step:
+                    step.wait()
+        with StagedLookupPipeline([module], max_tokens=8, threads=2) as pipeline:
+            torch.set_num_threads(1)
+            with pipeline.submit(*batch) as step:
+                step.wait()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2, 1, 2]
+    with pytest.raises(ValueError, match="threads must be positive"):
+        StagedLookupPipeline([module], max_tokens=8, threads=0)

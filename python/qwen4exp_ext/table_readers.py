@@ -153,7 +153,7 @@ class FileTable:
         self.check_readable()
         if self._rows is not None:
             _madvise(self._rows, mmap.MADV_DONTNEED)
-        drop_cached_pages(self.path)
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
         """Closes the descriptor (direct) or drops this object's view of the mapping (the

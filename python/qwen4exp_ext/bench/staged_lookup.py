@@ -46,16 +46,15 @@ instead, which ``rows_per_s`` shows).
 The check runs every path once and compares both layers' rows with the oracle (the spec's
 gather from the RAM table), bit for bit.
 
-The files live in $QWEN4EXP_BENCH_TABLE_DIR (default: a fresh directory under /var/tmp, which
-unlike /tmp is never tmpfs, where ``O_DIRECT`` fails), removed when the process exits.
+The files are written to a fresh directory in $QWEN4EXP_BENCH_TABLE_DIR (default /var/tmp,
+which unlike /tmp is never tmpfs, where ``O_DIRECT`` fails) and unlinked as soon as every reader
+holds them open: they go with the process, however it ends.
 """
 
 from __future__ import annotations
 
-import atexit
 import mmap
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
@@ -70,7 +69,7 @@ from qwen4exp_ext.bench.registry import Case
 from qwen4exp_ext.bench.timing import Quantiles
 from qwen4exp_ext.layers import LookupPipeline, StagedLookupPipeline
 from qwen4exp_ext.layers.ngram_embedding import NGramEmbedding
-from qwen4exp_ext.table_readers import MADV_POPULATE_READ, drop_cached_pages
+from qwen4exp_ext.table_readers import MADV_POPULATE_READ
 from qwen4exp_ext.testing import exact_mismatch
 
 from . import host_lookup as hl
@@ -111,22 +110,11 @@ def cases(proxy: hl.StepProxy) -> list[Case]:
 # --- the tables, their files and their pipelines ----------------------------------------------
 
 
-_dirs: list[str] = []
-
-
 def _table_dir() -> str:
-    """A fresh directory for the bench's table files, removed at exit."""
+    """A fresh directory for the bench's table files (emptied and removed as soon as they are
+    open: _Tables)."""
     parent = os.environ.get(TABLE_DIR_ENV) or "/var/tmp"
-    path = tempfile.mkdtemp(prefix="qwen4exp-bench-tables-", dir=parent)
-    if not _dirs:
-        atexit.register(_remove_dirs)
-    _dirs.append(path)
-    return path
-
-
-def _remove_dirs() -> None:
-    while _dirs:
-        shutil.rmtree(_dirs.pop(), ignore_errors=True)
+    return tempfile.mkdtemp(prefix="qwen4exp-bench-tables-", dir=parent)
 
 
 def _embeddings(
@@ -170,6 +158,8 @@ class _Tables:
         self.files: list[str] = []
         self.memmaps: list[np.memmap] = []
         self.mapped: list[NGramEmbedding] = []
+        self.fds: list[int] = []
+        self.file_bytes = 0
         if directory is not None:
             for index, embedding in enumerate(self.ram):
                 path = os.path.join(directory, f"layer{index}_{fmt}.table")
@@ -184,6 +174,10 @@ class _Tables:
                     readers[reader], max_tokens=proxy.max_tokens, device=proxy.device
                 )
             self.mapped = readers["mmap"]
+            # Descriptors of the files for the drops and the sequential read (O_DIRECT).
+            self.fds = [
+                os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC) for path in self.files
+            ]
             for path, embedding in zip(self.files, self.ram, strict=True):
                 header = embedding.table_file_header
                 self.memmaps.append(
@@ -195,6 +189,12 @@ class _Tables:
                         shape=(header.num_rows, header.row_bytes),
                     )
                 )
+            self.file_bytes = os.path.getsize(self.files[0])
+            # Everything that reads the files holds them open now: unlinked, they go when this
+            # process does, however it ends (a bench cut short leaves no GBs in /var/tmp).
+            for path in self.files:
+                os.unlink(path)
+            os.rmdir(directory)
         self.state = "cached"  # "warm" (populated), "cold" (dropped)
         self.pinned = None
         if proxy.device.type == "cuda":
@@ -208,8 +208,8 @@ class _Tables:
             embedding.file_table.drop_cached_pages()
         for memmap in self.memmaps:
             memmap._mmap.madvise(mmap.MADV_DONTNEED)
-        for path in self.files:
-            drop_cached_pages(path)
+        for fd in self.fds:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         self.state = "cold"
 
     def warm(self) -> None:
@@ -339,7 +339,7 @@ def _case(proxy: hl.StepProxy, tables: _Tables, tokens: int, source: str) -> Cas
     if source == "warm":
         paths = {who: _warm_first(tables, fn) for who, fn in paths.items()}
     if source != "ram":
-        references["sequential_read"] = _sequential_reader(tables.files[0])
+        references["sequential_read"] = _sequential_reader(tables.fds[0], tables.file_bytes)
 
     oracle_rows = host_rows(NUM_HEADS * HEAD_DIM, hl.DTYPE)
 
@@ -504,14 +504,11 @@ def _warm_first(
     return run
 
 
-def _sequential_reader(path: str) -> Callable[[], int]:
-    """Reads SEQUENTIAL_BYTES of ``path`` (from the data region on, wrapping) with O_DIRECT in
-    SEQUENTIAL_CHUNK reads, a different stretch each call."""
-    size = os.path.getsize(path)
+def _sequential_reader(fd: int, size: int) -> Callable[[], int]:
+    """Reads SEQUENTIAL_BYTES of the file open as ``fd`` (O_DIRECT; ``size`` bytes; from the
+    data region on, wrapping) in SEQUENTIAL_CHUNK reads, a different stretch each call."""
     span = max(SEQUENTIAL_CHUNK, (size - 4096) // SEQUENTIAL_CHUNK * SEQUENTIAL_CHUNK)
     buffer = mmap.mmap(-1, SEQUENTIAL_CHUNK)  # page-aligned, as O_DIRECT needs
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-    atexit.register(os.close, fd)
     where = [0]
 
     def run() -> int:

@@ -105,6 +105,7 @@ class StagedStep:
         self._ready = 0  # layers whose rows are complete (and queued to the GPU)
         self._error: BaseException | None = None
         self._released = False
+        self.threads = 1  # the worker's intra-op threads for this step (set by submit)
 
     def rows(self, layer: int | Any, timeout: float | None = None) -> torch.Tensor:
         """Layer ``layer``'s rows [T, D_e] (an index into the pipeline's modules, or the
@@ -173,7 +174,10 @@ class StagedLookupPipeline:
     and NVFP4 rows are decoded: ``"device"`` (their raw rows are staged and copied, and the
     device's gather decodes them), ``"host"`` (the CPU gather decodes them into the staging), or
     ``"auto"`` (the default: ``"device"`` when delivering to a GPU; see the module docstring).
-    Other tables' rows are their values: always staged as they are."""
+    Other tables' rows are their values: always staged as they are. ``threads``: the worker's
+    intra-op threads for the CPU kernels (default: each step uses the count of the thread that
+    submitted it, ``torch.get_num_threads()``; a thread's count is its own in torch, so without
+    this the worker would keep the count of its first lookup)."""
 
     def __init__(
         self,
@@ -182,6 +186,7 @@ class StagedLookupPipeline:
         max_tokens: int,
         device: torch.device | str | None = None,
         decode: str = "auto",
+        threads: int | None = None,
     ) -> None:
         self.modules = list(modules)
         self.embeddings = [_embedding_of(module) for module in self.modules]
@@ -196,6 +201,9 @@ class StagedLookupPipeline:
         self.max_tokens = int(max_tokens)
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        if threads is not None and int(threads) <= 0:
+            raise ValueError(f"threads must be positive, got {threads}")
+        self.threads = None if threads is None else int(threads)
         self.device = torch.device("cpu" if device is None else device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -334,6 +342,7 @@ class StagedLookupPipeline:
             qsl[: query_start_loc.numel()].copy_(query_start_loc)
             slot.ngram_context = ngram_context.clone()
             step = StagedStep(self, slot, self._submitted, tokens)
+            step.threads = self.threads or torch.get_num_threads()
             slot.step = step
             self._submitted += 1
             job_inputs = (
@@ -359,6 +368,8 @@ class StagedLookupPipeline:
         step = job.step
         slot = step._slot
         tokens = step.num_tokens
+        if torch.get_num_threads() != step.threads:  # this thread's count (module docstring)
+            torch.set_num_threads(step.threads)
         for index in range(len(self.embeddings)):
             try:
                 if slot.copied is not None:
