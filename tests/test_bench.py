@@ -1246,7 +1246,7 @@ def test_host_lookup_staged_cases_check_and_derive(host_lookup_run: dict) -> Non
             expected = expected | {"decode_rows", "raw_rows"}
         if source == "ram" and gpu:
             expected = (
-                expected | {"zero_copy"} | ({"staged_host_decode"} if fmt != "bf16" else set())
+                expected | {"zero_copy"} | ({"staged_device_decode"} if fmt != "bf16" else set())
             )
         assert paths == expected == set(r["params"]["paths"])
         references = r.get("references", {})

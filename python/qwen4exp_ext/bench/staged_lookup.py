@@ -152,8 +152,8 @@ class _Tables:
             "staged": pipeline(self.ram, max_tokens=proxy.max_tokens, device=proxy.device)
         }
         if proxy.device.type == "cuda" and fmt != "bf16":  # the decode choice, on a GPU
-            self.staged["staged_host_decode"] = pipeline(
-                self.ram, max_tokens=proxy.max_tokens, device=proxy.device, decode="host"
+            self.staged["staged_device_decode"] = pipeline(
+                self.ram, max_tokens=proxy.max_tokens, device=proxy.device, decode="device"
             )
         self.files: list[str] = []
         self.memmaps: list[np.memmap] = []
@@ -283,7 +283,7 @@ def _case(proxy: hl.StepProxy, tables: _Tables, tokens: int, source: str) -> Cas
 
     paths: dict[str, Callable[[], list[torch.Tensor]]] = {}
     for path, pipeline in tables.staged.items():
-        if (path in ("staged", "staged_host_decode")) == (source == "ram"):
+        if (path in ("staged", "staged_device_decode")) == (source == "ram"):
             paths[path] = _staged_call(pipeline, next_ids, qsl, context)
 
     if source == "ram":

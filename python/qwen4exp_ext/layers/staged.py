@@ -20,7 +20,7 @@ How it runs:
   slot and returns; the worker hashes each layer's ids (``ngram_ids``, or the fused CPU lookup)
   and gathers its rows into that layer's staging buffer with the CPU kernels (torch's intra-op
   threads); on a GPU it then queues the layer's asynchronous host-to-device copy on a copy
-  stream (and the decode, below) and records an event.
+  stream (with ``decode="device"``, and the decode) and records an event.
   ``rows(l)`` waits for layer l only: the first PLE layer does not wait for the deeper ones.
 - **Double-buffered.** Steps alternate between two slots (buffers of every layer), so step n+1
   is prepared while step n's rows are read. A slot is refilled only after the step that used it
@@ -28,17 +28,17 @@ How it runs:
   ``TimeoutError`` after ``timeout`` seconds, when given). On a GPU the copy stream also waits on
   the event that ``release`` records on the consumer's stream before overwriting the device
   rows, and the worker waits for a staging buffer's previous copy to finish before refilling it.
-- **Where fp8 and NVFP4 rows are decoded** (``decode``): on the device when delivering to a GPU
-  (``"auto"``). The worker then stages each layer's raw rows (the table file's row layout:
-  values, then NVFP4 block scales) and their local ids, two copies go over, and the device's
-  gather decodes them (``NGramEmbedding._decode_raw``, bit for bit the gather from the table).
-  Measured on the CPU side (``qwen4exp-bench host_lookup``, ``decode_rows`` against
-  ``raw_rows``, 2-core Zen 4): reading rows raw costs the worker less than decoding them (the
-  decode writes 2x (fp8) to 3.6x (NVFP4) the bytes, and NVFP4's decode is arithmetic), and the
-  copy carries the same factor fewer bytes; the GPU's decode of T x NH rows from device memory is
-  one small kernel on the copy stream. On a CPU (``device`` = CPU) the rows are decoded where
-  they are read, by the CPU gather: there is no copy to save. ``decode="host"`` keeps the CPU
-  decode on a GPU too (the bench's ``staged_host_decode`` path on a GPU, for the comparison).
+- **Where fp8 and NVFP4 rows are decoded** (``decode``): by the CPU gather, into the staging
+  (``"auto"``, the default), as measured. The alternative (``"device"``) stages each layer's raw
+  rows (the table file's row layout: values, then NVFP4 block scales) and their local ids, copies
+  both, and lets the device's gather decode them (``NGramEmbedding._raw_rows``, ``_local_ids``,
+  ``_decode_raw``: bit for bit the gather from the table); it moves 2x (fp8) to 3.6x (NVFP4)
+  fewer bytes over the link, but reading rows raw costs the worker more than decoding them
+  (``qwen4exp-bench host_lookup``, 2-core Zen 4, same run: ``raw_rows`` 668 us against
+  ``decode_rows`` 233 us for fp8 at T = 64, 603 against 382 for NVFP4; torch's ``index_select``
+  moving bytes is slower than our gather decoding them), while at T = 64 the bytes saved are
+  ~160 KB a layer, a few us of PCIe. ``"device"`` stays for a GPU run to compare
+  (``staged_device_decode`` in the bench) and for a faster raw read later.
 - **Errors** (a short read of a file table, a table freed under the pipeline) are raised by
   ``rows`` of the failed layer and of every later layer of that step, never as partial rows; the
   other slot's rows, a previous step's, are untouched.
@@ -171,9 +171,9 @@ class StagedLookupPipeline:
     modules whose tables the CPU reads (placement ``"cpu"`` or ``"file"``), in layer order.
     ``max_tokens``: the most tokens of a step. ``device``: where the rows are delivered (default
     the CPU; a CUDA/ROCm device: pinned staging and one copy per layer). ``decode``: where fp8
-    and NVFP4 rows are decoded: ``"device"`` (their raw rows are staged and copied, and the
-    device's gather decodes them), ``"host"`` (the CPU gather decodes them into the staging), or
-    ``"auto"`` (the default: ``"device"`` when delivering to a GPU; see the module docstring).
+    and NVFP4 rows are decoded: ``"host"`` (the CPU gather decodes them into the staging),
+    ``"device"`` (their raw rows are staged and copied, and the device's gather decodes them),
+    or ``"auto"`` (the default: ``"host"``, as measured; see the module docstring).
     Other tables' rows are their values: always staged as they are. ``threads``: the worker's
     intra-op threads for the CPU kernels (default: each step uses the count of the thread that
     submitted it, ``torch.get_num_threads()``; a thread's count is its own in torch, so without
@@ -212,7 +212,7 @@ class StagedLookupPipeline:
         on_gpu = self.device.type == "cuda"
         if decode not in DECODES:
             raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
-        on_device = decode == "device" or (decode == "auto" and on_gpu)
+        on_device = decode == "device"  # "auto": the host, as measured (module docstring)
         self.decode_on_device = [on_device and _quantized(e) for e in self.embeddings]
         self._copy_stream = torch.cuda.Stream(device=self.device) if on_gpu else None
         self._slots = [self._make_slot(on_gpu) for _ in range(SLOTS)]
