@@ -21,7 +21,8 @@
 #   BENCH_OPS      ops to bench (default all, BENCH_FIRST's first), BENCH_CASES (--cases regex; default the headline
 #                  shapes, prefill T = 8192 and decode T = 64 / R = 64, as the bench's
 #                  registry.HEADLINE_CASES; "." for every case),
-#   BENCH_SECONDS  (default 200, all ops together), BENCH_REPEAT (timed calls per contender,
+#   BENCH_SECONDS  (default 200, all ops together; the first op at most BENCH_FIRST_SHARE
+#                  percent of it, default 50), BENCH_REPEAT (timed calls per contender,
 #                  default 100: the H200 took 5-8 s a case at that), BENCH_ARGS (more arguments)
 # The bench's "vllm" baselines are vLLM 0.33.0's Triton kernels: from an installed vLLM, else
 # from ./.vllm-source when present (made beforehand where vLLM is installed with
@@ -150,6 +151,12 @@ for op in ${BENCH_OPS:-$all_ops}; do
     stage "bench $op (no time left)" 124
     bench_status=124
     continue
+  fi
+  # The first op (host_lookup, the largest: steps, staged lookups, files) gets at most
+  # BENCH_FIRST_SHARE % of the budget, so that the kernels' figures always get the rest.
+  if [ "$op" = "${all_ops%% *}" ] && [ -z "${BENCH_OPS:-}" ]; then
+    cap=$((bench_seconds * ${BENCH_FIRST_SHARE:-50} / 100))
+    [ "$left" -gt "$cap" ] && left=$cap
   fi
   json="$out/bench-$(date +%F)-$device-$op.json"
   timeout "$left" "$PY" -m qwen4exp_ext.bench "$op" --device cuda --threads all \
