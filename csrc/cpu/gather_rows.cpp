@@ -16,10 +16,8 @@
 // streaming path instead, where the CPU has AVX: gather_rows_stream.cpp.
 #include <algorithm>
 #include <cstring>
-#include <stdexcept>
 #include <utility>
 
-#include "../common/dispatch.h"
 #include "../common/gather_rows.h"
 #include "gather_rows_stream.h"
 #include "row_convert.h"
@@ -175,20 +173,9 @@ void gather_rows_cpu_impl(const GatherRowsParams& p) {
 
 void run_gather_rows_cpu(const GatherRowsParams& p) {
   if (p.num_tokens == 0 || p.num_heads == 0 || p.width == 0) return;
-  const auto unsupported = [] {
-    throw std::invalid_argument("gather_rows: no CPU kernel for this table and output dtype");
-  };
-  dispatch_dtype(
-      kTableDtypes, p.table_dtype,
-      [&](auto in) {
-        dispatch_dtype(
-            kFloatDtypes, p.out_dtype,
-            [&](auto out) {
-              cpu::gather_rows_cpu_impl<decltype(in)::kDtype, decltype(out)::kDtype>(p);
-            },
-            unsupported);
-      },
-      unsupported);
+  cpu::dispatch_gather_dtypes(p, [&](auto in, auto out) {
+    cpu::gather_rows_cpu_impl<decltype(in)::kDtype, decltype(out)::kDtype>(p);
+  });
 }
 
 }  // namespace qwen4exp

@@ -297,22 +297,10 @@ std::atomic<int64_t> stream_bytes_setting{-1};
 }  // namespace
 
 void gather_rows_streaming(const GatherRowsParams& p, int64_t stream_bytes_from) {
-  const auto unsupported = [] {
-    throw std::invalid_argument("gather_rows: no CPU kernel for this table and output dtype");
-  };
-  dispatch_dtype(
-      kTableDtypes, p.table_dtype,
-      [&](auto in) {
-        dispatch_dtype(
-            kFloatDtypes, p.out_dtype,
-            [&](auto out) {
-              constexpr Dtype In = decltype(in)::kDtype, Out = decltype(out)::kDtype;
-              streaming_gather<In, Out>(p, RowConverter<In, Out>(p), best_row_stores(),
-                                        stream_bytes_from);
-            },
-            unsupported);
-      },
-      unsupported);
+  dispatch_gather_dtypes(p, [&](auto in, auto out) {
+    constexpr Dtype In = decltype(in)::kDtype, Out = decltype(out)::kDtype;
+    streaming_gather<In, Out>(p, RowConverter<In, Out>(p), best_row_stores(), stream_bytes_from);
+  });
 }
 
 }  // namespace cpu

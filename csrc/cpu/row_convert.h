@@ -12,9 +12,11 @@
 #include <cstdint>
 #include <cstring>
 #include <cstddef>
+#include <stdexcept>
 #include <type_traits>
 #include <utility>
 
+#include "../common/dispatch.h"
 #include "../common/gather_rows.h"
 #include "simd.h"
 
@@ -380,5 +382,20 @@ struct RowConverter {
     }
   }
 };
+
+// Calls f(in, out) with the dtype tags of p's table and output (decltype(in)::kDtype, ...), or
+// throws for a pair the CPU gather has no kernel for: the one dispatch of both of its paths.
+template <typename F>
+void dispatch_gather_dtypes(const GatherRowsParams& p, F&& f) {
+  const auto unsupported = [] {
+    throw std::invalid_argument("gather_rows: no CPU kernel for this table and output dtype");
+  };
+  dispatch_dtype(
+      kTableDtypes, p.table_dtype,
+      [&](auto in) {
+        dispatch_dtype(kFloatDtypes, p.out_dtype, [&](auto out) { f(in, out); }, unsupported);
+      },
+      unsupported);
+}
 
 }  // namespace qwen4exp::cpu
