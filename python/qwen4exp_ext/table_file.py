@@ -124,6 +124,18 @@ class TableFileHeader:
         """The storage dtype of the row values (uint8 for nvfp4's packed codes)."""
         return torch.uint8 if self.format == NVFP4 else getattr(torch, self.format)
 
+    def value_view(self, raw: torch.Tensor) -> torch.Tensor:
+        """The row values of rows in this layout (``raw``: uint8 [n, row_bytes], any device) as
+        the gather reads them: [n, d] in the storage dtype, or the NVFP4 codes uint8 [n, d/2]."""
+        return raw[:, : self.code_bytes].view(self.torch_dtype())
+
+    def block_scale_view(self, raw: torch.Tensor) -> torch.Tensor | None:
+        """The NVFP4 block scales of rows in this layout (float8_e4m3fn [n, d/16]); None for
+        other formats."""
+        if self.format != NVFP4:
+            return None
+        return raw[:, self.code_bytes : self.row_bytes].view(torch.float8_e4m3fn)
+
     def to_json(self) -> bytes:
         """The canonical header JSON (what write_header stores and checksums)."""
         return _canonical(dataclasses.asdict(self))

@@ -20,6 +20,7 @@ or when it is garbage-collected (tensors still viewing the mapping keep it mappe
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import warnings
@@ -30,12 +31,12 @@ from typing import Literal
 import torch
 
 from qwen4exp_ext import ops
-from qwen4exp_ext.reference import NVFP4_BLOCK
 from qwen4exp_ext.table_file import TableFileHeader, check_header, read_header
 
-__all__ = ["FileTable", "TableReader", "drop_cached_pages", "prefault_mapping"]
+__all__ = ["FileTable", "TableReader", "evict_range", "madvise_range", "prefault_range"]
 
 TableReader = Literal["mmap", "direct"]
+_libc = ctypes.CDLL(None, use_errno=True)
 READERS = ("mmap", "direct")
 
 
@@ -92,19 +93,6 @@ class FileTable:
                     f"{self.header.file_bytes} (changed while mapped); not read"
                 )
 
-    def value_view(self, raw: torch.Tensor) -> torch.Tensor:
-        """The row values of ``raw`` rows (uint8 [n, row_bytes], the file's row layout) as the
-        gather reads them: [n, d] in the storage dtype, or the NVFP4 codes uint8 [n, d/2]."""
-        header = self.header
-        return raw[:, : header.code_bytes].view(header.torch_dtype())
-
-    def block_scale_view(self, raw: torch.Tensor) -> torch.Tensor | None:
-        """The NVFP4 block scales of ``raw`` rows (float8_e4m3fn [n, d/16]); None otherwise."""
-        if self.header.format != "nvfp4":
-            return None
-        start = self.header.code_bytes
-        return raw[:, start : start + self.header.head_dim // NVFP4_BLOCK].view(torch.float8_e4m3fn)
-
     @property
     def rows(self) -> torch.Tensor:
         """Every row of the file, uint8 [num_rows, row_bytes], over the mapping (mmap reader
@@ -145,14 +133,14 @@ class FileTable:
         self.check_readable()
         if self._rows is None:
             raise RuntimeError(f"{self.path}: prefault needs the 'mmap' reader")
-        prefault_mapping(self._rows)
+        prefault_range(self._rows.data_ptr(), self._rows.numel())
 
     def drop_cached_pages(self) -> None:
         """Evicts the file's pages from the page cache and from this process's mapping (for
         cold-read measurements): the next reads go to the disk."""
         self.check_readable()
         if self._rows is not None:
-            _madvise(self._rows, mmap.MADV_DONTNEED)
+            evict_range(self._rows.data_ptr(), self._rows.numel())
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
@@ -173,27 +161,22 @@ class FileTable:
         )
 
 
-def drop_cached_pages(path: str | os.PathLike) -> None:
-    """``posix_fadvise(DONTNEED)`` over the whole file: its clean pages leave the page cache
-    (pages still mapped by a process stay)."""
-    fd = _open(str(path), os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 
 
-def prefault_mapping(rows: torch.Tensor) -> None:
-    """Every page under ``rows`` (a CPU tensor over a file mapping) mapped and read in:
+def prefault_range(address: int, nbytes: int) -> None:
+    """Every page of [address, address + nbytes) (a file mapping) mapped and read in:
     ``MADV_POPULATE_READ``, or where the kernel lacks it, one byte read per page."""
     try:
-        _madvise(rows, MADV_POPULATE_READ)
+        madvise_range(address, nbytes, MADV_POPULATE_READ)
     except OSError:
-        flat = rows.reshape(-1)
-        int(flat[:: mmap.PAGESIZE].sum())
+        bytes((ctypes.c_char * nbytes).from_address(address)[:: mmap.PAGESIZE])
+
+
+def evict_range(address: int, nbytes: int) -> None:
+    """The pages of [address, address + nbytes) (a file mapping) out of this process's page
+    tables (``MADV_DONTNEED``): the page cache may then drop them (``posix_fadvise``)."""
+    madvise_range(address, nbytes, mmap.MADV_DONTNEED)
 
 
 def _open(path: str, flags: int) -> int:
@@ -230,13 +213,9 @@ def _map_rows(fd: int, path: str, header: TableFileHeader) -> torch.Tensor:
     return flat.view(header.num_rows, header.row_bytes)
 
 
-def _madvise(rows: torch.Tensor, advice: int) -> None:
-    """madvise over the pages of ``rows``' storage (page-aligned)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    start = rows.data_ptr() & ~(mmap.PAGESIZE - 1)
-    end = rows.data_ptr() + rows.numel() * rows.element_size()
-    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) != 0:
+def madvise_range(address: int, nbytes: int, advice: int) -> None:
+    """madvise over the pages of [address, address + nbytes) (the first page-aligned down)."""
+    start = address & ~(mmap.PAGESIZE - 1)
+    if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + nbytes - start), advice):
         errno = ctypes.get_errno()
         raise OSError(errno, f"madvise: {os.strerror(errno)}")

@@ -105,6 +105,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch import nn
 
 from qwen4exp_ext import ops, reference
 from qwen4exp_ext.bench import vllm_triton
@@ -272,9 +273,10 @@ def fill_weights(layer: PLELayer, gen: torch.Generator) -> None:
             param.copy_(values * (0.3 / math.sqrt(fan_in)))
 
 
-def copy_ple_layer(source: PLELayer, target: PLELayer) -> None:
-    """Every weight of ``source`` into ``target`` (another placement of the same layer), the
-    table bytes included: the same layer, whichever memory it reads its table from."""
+def copy_module_weights(source: nn.Module, target: nn.Module) -> None:
+    """Every weight of ``source`` into ``target`` (another placement of the same PLELayer or
+    NGramEmbedding), the table bytes included: the same layer, whichever memory it reads its
+    table from."""
     with torch.no_grad():
         targets = dict(target.named_parameters()) | dict(target.named_buffers())
         for name, tensor in [*source.named_parameters(), *source.named_buffers()]:
@@ -424,11 +426,18 @@ def reference_lookup(embedding: NGramEmbedding) -> LookupFn:
         ids = reference.ngram_ids(
             input_ids.reshape(-1), query_start_loc, ngram_context, *embedding._hashing()
         )
-        gather = embedding._gather_args(None)
-        del gather["output"], gather["max_blocks"]  # the kernel's, not the spec's
+        gather = spec_gather_args(embedding)
         return output.copy_(reference.gather_rows(embedding.table, ids, **gather))
 
     return lookup
+
+
+def spec_gather_args(embedding: NGramEmbedding) -> dict[str, Any]:
+    """``reference.gather_rows``' keyword arguments for ``embedding``'s table: its gather's, less
+    the kernel's own (output, max_blocks)."""
+    args = embedding._gather_args(None)
+    del args["output"], args["max_blocks"]
+    return args
 
 
 def no_lookup(embedding: NGramEmbedding) -> LookupFn:
@@ -519,7 +528,7 @@ def _tables(size: Size, fmt: str, device: torch.device, max_tokens: int) -> _Tab
         host = ple_layers(size, fmt, "cpu", device, max_tokens)
         for source in layers:
             for target in (pinned[layers.index(source)], host[layers.index(source)]):
-                copy_ple_layer(source, target)
+                copy_module_weights(source, target)
     staged = StagedLookupPipeline(host, max_tokens=max_tokens, device=device)
     return _Tables(fmt, layers, pinned, host, staged)
 

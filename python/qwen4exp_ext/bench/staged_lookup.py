@@ -71,7 +71,7 @@ from qwen4exp_ext.bench.registry import Case
 from qwen4exp_ext.bench.timing import Quantiles
 from qwen4exp_ext.layers import LookupPipeline, StagedLookupPipeline
 from qwen4exp_ext.layers.ngram_embedding import NGramEmbedding
-from qwen4exp_ext.table_readers import MADV_POPULATE_READ
+from qwen4exp_ext.table_readers import evict_range, prefault_range
 from qwen4exp_ext.testing import exact_mismatch
 
 from . import host_lookup as hl
@@ -203,14 +203,15 @@ class _Tables:
         if proxy.device.type == "cuda":
             self.pinned = _embeddings(proxy, fmt, placement="pinned", device=proxy.device)
             for source, target in zip(self.ram, self.pinned, strict=True):
-                _copy_embedding(source, target)
+                hl.copy_module_weights(source, target)
 
     def drop_pages(self) -> None:
-        """Every page of the files out of this process's mappings and the page cache."""
-        for embedding in self.mapped:
-            embedding.file_table.drop_cached_pages()
+        """Every page of the files out of this process's mappings (ours and the memmaps'), then
+        out of the page cache, which keeps a page while anything maps it."""
+        for rows in [e.file_table.rows for e in self.mapped]:
+            evict_range(rows.data_ptr(), rows.numel())
         for memmap in self.memmaps:
-            memmap._mmap.madvise(mmap.MADV_DONTNEED)
+            evict_range(memmap.ctypes.data, memmap.nbytes)
         for fd in self.fds:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         self.state = "cold"
@@ -222,18 +223,8 @@ class _Tables:
         for embedding in self.mapped:
             embedding.file_table.prefault()
         for memmap in self.memmaps:
-            try:
-                memmap._mmap.madvise(MADV_POPULATE_READ)
-            except OSError:  # a kernel before 5.14: one byte read per page
-                int(memmap.reshape(-1)[:: mmap.PAGESIZE].sum())
+            prefault_range(memmap.ctypes.data, memmap.nbytes)
         self.state = "warm"
-
-
-def _copy_embedding(source: NGramEmbedding, target: NGramEmbedding) -> None:
-    with torch.no_grad():
-        targets = dict(target.named_parameters()) | dict(target.named_buffers())
-        for name, tensor in [*source.named_parameters(), *source.named_buffers()]:
-            targets[name].copy_(tensor)
 
 
 # --- one case ------------------------------------------------------------------------------------
@@ -296,7 +287,7 @@ def _case(proxy: hl.StepProxy, tables: _Tables, tokens: int, source: str) -> Cas
             ids = next_ids()
             for k, embedding in enumerate(tables.ram):
                 gathered = reference.gather_rows(
-                    embedding.table, hashed(embedding, ids, k), **_spec_args(embedding)
+                    embedding.table, hashed(embedding, ids, k), **hl.spec_gather_args(embedding)
                 )
                 oracle_out[k].copy_(gathered)
             return deliver(oracle_out)
@@ -351,7 +342,7 @@ def _case(proxy: hl.StepProxy, tables: _Tables, tokens: int, source: str) -> Cas
         for k, embedding in enumerate(tables.ram):
             oracle_rows[k].copy_(
                 reference.gather_rows(
-                    embedding.table, hashed(embedding, ids, k), **_spec_args(embedding)
+                    embedding.table, hashed(embedding, ids, k), **hl.spec_gather_args(embedding)
                 )
             )
         return oracle_rows
@@ -410,12 +401,6 @@ def _case(proxy: hl.StepProxy, tables: _Tables, tokens: int, source: str) -> Cas
         host_waits=True,
         before_call=before_call,
     )
-
-
-def _spec_args(embedding: NGramEmbedding) -> dict[str, Any]:
-    args = embedding._gather_args(None)
-    del args["output"], args["max_blocks"]  # the kernel's, not the spec's
-    return args
 
 
 def _staged_call(

@@ -136,8 +136,7 @@ class NGramEmbedding(nn.Module):
             raise ValueError(f"reduce must be 'all_reduce' or 'reduce_scatter', got {reduce!r}")
         self.placement = placement
         self.table_dtype = dtype
-        quantized = self.nvfp4 or dtype in FP8_DTYPES
-        self.out_dtype = out_dtype or (torch.bfloat16 if quantized else dtype)
+        self.out_dtype = out_dtype or (torch.bfloat16 if self.quantized else dtype)
         self.process_group = process_group
         self.reduce = reduce
 
@@ -314,8 +313,8 @@ class NGramEmbedding(nn.Module):
         self._file_values = self._file_block_scales = None
         if file_table.reader == "mmap":
             rows = file_table.rows[self.vocab_start : self.vocab_end]
-            self._file_values = file_table.value_view(rows)
-            self._file_block_scales = file_table.block_scale_view(rows)
+            self._file_values = header.value_view(rows)
+            self._file_block_scales = header.block_scale_view(rows)
 
     def close_table(self) -> None:
         """Closes a ``"file"`` table (its descriptor; its mapping once no tensor views it): the
@@ -358,6 +357,11 @@ class NGramEmbedding(nn.Module):
             temporary.unlink(missing_ok=True)
             raise
         return header
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the table's rows need decoding (fp8, NVFP4)."""
+        return self.nvfp4 or self.table_dtype in FP8_DTYPES
 
     @property
     def host_table(self) -> bool:
@@ -445,9 +449,10 @@ class NGramEmbedding(nn.Module):
         self, ids: torch.Tensor, output: torch.Tensor | None = None, max_blocks: int = 0
     ) -> torch.Tensor:
         """This rank's rows of n-gram ids [..., NH] (into ``output`` when given)."""
-        if self.table is None:  # a direct-read file table
+        table = self.table
+        if table is None:  # a direct-read file table
             return self._gather_direct(ids, output)
-        return ops.gather_rows(self.table, ids, **self._gather_args(output, max_blocks))
+        return ops.gather_rows(table, ids, **self._gather_args(output, max_blocks))
 
     def _gather_direct(self, ids: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
         """Rows of a ``"direct"`` file table: the ids' raw rows read into scratch (each block
@@ -473,7 +478,7 @@ class NGramEmbedding(nn.Module):
             return output
         if not self.host_table:
             raise RuntimeError(f"raw rows are read from host tables, not a {self.placement} one")
-        owned = (flat_ids >= self.vocab_start) & (flat_ids < self.vocab_end)
+        owned = self._owns(flat_ids)
         local = torch.where(owned, flat_ids - self.vocab_start, 0)
         if self.file_table is not None:  # mmap: the mapped rows are already in this layout
             self.file_table.check_readable()
@@ -487,15 +492,18 @@ class NGramEmbedding(nn.Module):
                 output[:, code_bytes:] = scales.index_select(0, local)
         return output.masked_fill_(~owned[:, None], 0)
 
+    def _owns(self, flat_ids: torch.Tensor) -> torch.Tensor:
+        """Which of the global ids ``flat_ids`` are rows of this rank (bool [n])."""
+        return (flat_ids >= self.vocab_start) & (flat_ids < self.vocab_end)
+
     def _local_ids(self, flat_ids: torch.Tensor, output: torch.Tensor | None = None):
         """Each id's position in its raw rows [n], or -1 where this rank owns no row: the ids
         that :meth:`_decode_raw` gathers with (a zero row, as the gather of a foreign id)."""
         n = flat_ids.numel()
         if self._local_positions.numel() < n:
             self._local_positions = torch.arange(max(n, 2 * self._local_positions.numel()))
-        owned = (flat_ids >= self.vocab_start) & (flat_ids < self.vocab_end)
         local = torch.empty(n, dtype=torch.int64) if output is None else output
-        return local.copy_(self._local_positions[:n]).masked_fill_(~owned, -1)
+        return local.copy_(self._local_positions[:n]).masked_fill_(~self._owns(flat_ids), -1)
 
     def _decode_raw(
         self, raw: torch.Tensor, local_ids: torch.Tensor, output: torch.Tensor | None = None
@@ -506,17 +514,12 @@ class NGramEmbedding(nn.Module):
         scales go as Python floats (exact for fp32), so no tensor has to be on ``raw``'s
         device but the rows and ids."""
         header = self.table_file_header
-        values = raw[:, : header.code_bytes].view(header.torch_dtype())
         scale = self.weight_scale_2 if self.nvfp4 else self.weight_scale
-        block_scales = None
-        if self.nvfp4:
-            start = header.code_bytes
-            block_scales = raw[:, start : start + header.scale_bytes].view(torch.float8_e4m3fn)
         return ops.gather_rows(
-            values,
+            header.value_view(raw),
             local_ids,
             scale=None if scale is None else float(scale.item()),
-            block_scales=block_scales,
+            block_scales=header.block_scale_view(raw),
             out_dtype=self.out_dtype,
             output=output,
         )

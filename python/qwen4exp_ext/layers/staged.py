@@ -57,19 +57,12 @@ from typing import Any
 
 import torch
 
-from qwen4exp_ext.reference import FP8_DTYPES
-
 from .prefetch import _embedding_of
 
 __all__ = ["StagedLookupPipeline", "StagedStep"]
 
 SLOTS = 2  # double buffering: one step read, the next prepared
 DECODES = ("auto", "host", "device")
-
-
-def _quantized(embedding: Any) -> bool:
-    """Whether a table's rows need decoding (fp8, NVFP4): what ``decode`` chooses for."""
-    return embedding.nvfp4 or embedding.table_dtype in FP8_DTYPES
 
 
 @dataclass
@@ -97,7 +90,9 @@ class _Slot:
 class StagedStep:
     """One submitted step: its rows per layer, as the worker finishes them."""
 
-    def __init__(self, pipeline: StagedLookupPipeline, slot: _Slot, number: int, tokens: int):
+    def __init__(
+        self, pipeline: StagedLookupPipeline, slot: _Slot, number: int, tokens: int, threads: int
+    ):
         self._pipeline = pipeline
         self._slot = slot
         self.number = number
@@ -105,7 +100,7 @@ class StagedStep:
         self._ready = 0  # layers whose rows are complete (and queued to the GPU)
         self._error: BaseException | None = None
         self._released = False
-        self.threads = 1  # the worker's intra-op threads for this step (set by submit)
+        self.threads = threads  # the worker's intra-op threads for this step's lookups
 
     def rows(self, layer: int | Any, timeout: float | None = None) -> torch.Tensor:
         """Layer ``layer``'s rows [T, D_e] (an index into the pipeline's modules, or the
@@ -213,7 +208,7 @@ class StagedLookupPipeline:
         if decode not in DECODES:
             raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
         on_device = decode == "device"  # "auto": the host, as measured (module docstring)
-        self.decode_on_device = [on_device and _quantized(e) for e in self.embeddings]
+        self.decode_on_device = [on_device and e.quantized for e in self.embeddings]
         self._copy_stream = torch.cuda.Stream(device=self.device) if on_gpu else None
         self._slots = [self._make_slot(on_gpu) for _ in range(SLOTS)]
         self._cond = threading.Condition()
@@ -341,8 +336,8 @@ class StagedLookupPipeline:
                 )
             qsl[: query_start_loc.numel()].copy_(query_start_loc)
             slot.ngram_context = ngram_context.clone()
-            step = StagedStep(self, slot, self._submitted, tokens)
-            step.threads = self.threads or torch.get_num_threads()
+            threads = self.threads or torch.get_num_threads()
+            step = StagedStep(self, slot, self._submitted, tokens, threads)
             slot.step = step
             self._submitted += 1
             job_inputs = (
