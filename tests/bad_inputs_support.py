@@ -729,3 +729,94 @@ DATA_ONLY = {
     "ple_conv_prefill-qsl-nonzero-start",
 }
 DATA_CASES = [case for case in CASES if case.id in DATA_ONLY]
+
+
+# ---- the checks every op's bad-input tests run (tests/<op>/test_bad_inputs.py) ----------------
+# An op's bad-input module (tests/<op>/bad_inputs.py) holds its specs: for each variant, one valid
+# baseline (outputs filled with a sentinel pattern), the runner that calls the op of a backend's
+# `kernels` with it, and the names of the tensors it writes: (baseline, run, mutable). Its cases
+# override one argument of a baseline each, with the error message it must give.
+
+
+# The backends that take the table's CPU tensors: the CPU kernels and the SIMT emulator's HIP
+# kernels, whose host glue is the GPU build's.
+def cpu_backends() -> list:
+    from conftest import backends
+
+    return [b for b in backends() if b.device == "cpu"]
+
+
+# The backends whose kernels read index data on the device: the GPU and the SIMT emulator. Bad
+# index values are defined there instead of errors, unless debug checks are on.
+def device_index_backends() -> list:
+    from conftest import backends
+
+    return [b for b in backends() if b.reads_indices_on_device]
+
+
+def on_device(args: dict, device: str) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def synchronize(backend) -> None:
+    if backend.device == "cuda":
+        torch.cuda.synchronize()  # an out-of-bounds access would surface here
+
+
+def check_raises_and_writes_nothing(spec, backend, override, match, exc) -> None:
+    """The op raises `exc` with a message matching `match`, and every tensor it writes keeps its
+    bytes."""
+    from qwen4exp_ext.testing import assert_untouched, snapshot
+
+    baseline, run, mutable = spec
+    args = baseline()
+    override(args)
+    outputs = {name: args[name] for name in mutable}
+    before = snapshot(outputs)
+    with pytest.raises(exc, match=match):
+        run(dict(args), backend.ops)
+    assert_untouched(before, outputs)
+
+
+def bad_args_on_device(spec, override, backend) -> dict:
+    baseline, _, _ = spec
+    args = baseline()
+    override(args)
+    return on_device(args, backend.device)
+
+
+def check_debug_checks_raise_and_write_nothing(spec, backend, override, match) -> None:
+    """With debug checks, a kernel that reads indices on the device raises the CPU's error and
+    writes nothing."""
+    import qwen4exp_ext
+    from qwen4exp_ext.testing import assert_untouched, snapshot
+
+    _, run, mutable = spec
+    args = bad_args_on_device(spec, override, backend)
+    outputs = {name: args[name] for name in mutable}
+    before = snapshot(outputs)
+    with qwen4exp_ext.debug_checks(), pytest.raises(EXC, match=match):
+        run(dict(args), backend.ops)
+    synchronize(backend)
+    assert_untouched(before, outputs)
+
+
+def run_without_debug_checks(spec, backend, override) -> dict:
+    """Runs the op on the bad data with debug checks off; returns its arguments, as written."""
+    import qwen4exp_ext
+
+    _, run, _ = spec
+    args = bad_args_on_device(spec, override, backend)
+    with qwen4exp_ext.debug_checks(enabled=False):
+        run(dict(args), backend.ops)
+    synchronize(backend)
+    return args
+
+
+def check_debug_checks_pass_valid_inputs(spec, backend) -> None:
+    import qwen4exp_ext
+
+    baseline, run, _ = spec
+    with qwen4exp_ext.debug_checks():
+        run(on_device(baseline(), backend.device), backend.ops)
+    synchronize(backend)

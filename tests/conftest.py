@@ -82,20 +82,87 @@ class Backend:
     @property
     def reads_indices_on_device(self) -> bool:
         """The HIP kernels (GPU or emulator): bad index *values* are skipped, not rejected,
-        unless debug checks are on (the CPU kernels always reject them)."""
-        return self.name != "cpu"
+        unless debug checks are on (the CPU kernels and the oracle always reject them)."""
+        return self.name not in ("cpu", "oracle")
+
+    @property
+    def is_oracle(self) -> bool:
+        return self.name == "oracle"
 
     def __str__(self) -> str:
         return self.name
 
 
-def backends() -> list[Backend]:
+class OracleOps:
+    """The oracle, ``qwen4exp_ext.reference`` (SPEC's executable form), behind the kernel ops'
+    doors: the same calls as :class:`qwen4exp_ext.ops.KernelOps`, so that a property of an op
+    is written once and holds for the oracle and for every kernel. What only a kernel has is
+    accepted and means nothing here (``max_blocks``, the grid cap); outputs passed in are
+    written as the kernels write them."""
+
+    namespace = None
+
+    def __repr__(self) -> str:
+        return "OracleOps()"
+
+    def ngram_ids(self, *args, **kwargs):
+        from qwen4exp_ext import reference
+
+        return reference.ngram_ids(*args, **kwargs)
+
+    def gather_rows(self, table, ids, *, output=None, max_blocks=0, **kwargs):
+        from qwen4exp_ext import reference
+
+        if max_blocks < 0:
+            raise ValueError(f"gather_rows: max_blocks must be >= 0 (0: no cap), got {max_blocks}")
+        if output is not None and "out_dtype" not in kwargs:
+            kwargs["out_dtype"] = output.dtype
+        return _into(reference.gather_rows(table, ids, **kwargs), output)
+
+    def ngram_gather_rows(
+        self, *hashing, table=None, head_divmod=None, output=None, max_blocks=0, **gather
+    ):
+        from qwen4exp_ext import reference
+
+        if table is None:  # passed by position, after the eight hashing arguments
+            *hashing, table = hashing
+        ids = reference.ngram_ids(*hashing, head_divmod=head_divmod)
+        return self.gather_rows(table, ids, output=output, max_blocks=max_blocks, **gather)
+
+    def ple_gate(self, *args, out=None, **kwargs):
+        from qwen4exp_ext import reference
+
+        gated, conv_input = reference.ple_gate(*args, **kwargs)
+        if out is None:
+            return gated, conv_input
+        return _into(gated, out[0]), _into(conv_input, out[1])
+
+    def ple_conv(self, *args, **kwargs):
+        from qwen4exp_ext import reference
+
+        reference.ple_conv(*args, **kwargs)
+
+
+def _into(result: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
+    if output is None:
+        return result
+    output.copy_(result.view(output.shape))
+    return output
+
+
+ORACLE = Backend("oracle", "cpu", OracleOps(), None)
+
+
+def backends(*, oracle: bool = False) -> list[Backend]:
     """Every backend of the kernel tests this build and machine have: cpu, cuda (with a GPU and a
     GPU build) and the SIMT emulator at both wave sizes (a build with QWEN4EXP_BUILD_SIMT=1, which
-    tools/run-tests.sh always makes; QWEN4EXP_REQUIRE_SIMT=1 makes its absence an error)."""
+    tools/run-tests.sh always makes; QWEN4EXP_REQUIRE_SIMT=1 makes its absence an error).
+    ``oracle=True`` puts the oracle (:class:`OracleOps`) first: for properties that SPEC states
+    and that the oracle must hold as every kernel does."""
     from qwen4exp_ext import ops, simt
 
-    found = [Backend(d, d, ops, torch.ops.qwen4exp) for d in devices()]
+    found = [ORACLE] if oracle else []
+    found += [Backend(d, d, ops, torch.ops.qwen4exp) for d in devices()]
     waves = simt.available()
     if os.environ.get("QWEN4EXP_REQUIRE_SIMT") == "1" and waves != simt.WAVE_SIZES:
         raise RuntimeError(
