@@ -78,22 +78,6 @@ def gather_nvfp4_baseline() -> dict:
     )
 
 
-def gate_baseline() -> dict:
-    g = torch.Generator().manual_seed(1)
-    return dict(
-        key=torch.randn(3, 8, generator=g),
-        value=torch.randn(3, 4, generator=g),
-        hidden=torch.randn(3, 8, generator=g),
-        norm_key_w=torch.randn(8, generator=g),
-        norm_query_w=torch.randn(8, generator=g),
-        norm_conv_w=torch.randn(8, generator=g),
-        eps=1e-6,
-        rounding="vllm",
-        gated=sentinel((3, 8), torch.float32),
-        conv_input=sentinel((3, 8), torch.float32) + 0.5,
-    )
-
-
 def _conv_baseline(tokens: int, seed: int, mode: str, **extra) -> dict:
     """ple_conv of `tokens` rows of 4 channels, K = 3, on slots 1 and 2 of 4 (width 2)."""
     g = torch.Generator().manual_seed(seed)
@@ -134,13 +118,6 @@ def run_gather(a, kernels=ops):
     kernels.gather_rows(a.pop("table"), a.pop("ids"), **a)
 
 
-def run_gate(a, kernels=ops):
-    gated, conv_input = a.pop("gated"), a.pop("conv_input")
-    key, value, hidden = a.pop("key"), a.pop("value"), a.pop("hidden")
-    wk, wq, wc = a.pop("norm_key_w"), a.pop("norm_query_w"), a.pop("norm_conv_w")
-    kernels.ple_gate(key, value, hidden, wk, wq, wc, a.pop("eps"), out=(gated, conv_input), **a)
-
-
 def run_conv(a, kernels=ops):
     pos = [
         a.pop(k)
@@ -160,7 +137,6 @@ OPS = {
     "ngram_ids": (ngram_baseline, run_ngram, ("output",)),
     "gather_rows": (gather_baseline, run_gather, ("output",)),
     "gather_rows_nvfp4": (gather_nvfp4_baseline, run_gather, ("output",)),
-    "ple_gate": (gate_baseline, run_gate, ("gated", "conv_input")),
     "ple_conv": (conv_decode_baseline, run_conv, ("residual", "conv_state")),
     "ple_conv_prefill": (conv_prefill_baseline, run_conv, ("residual", "conv_state")),
 }
@@ -479,34 +455,6 @@ CASES = [
         put("output", lambda: sentinel((3, 4 * 16), torch.bfloat16)),
         "output",
     ),
-    # ---- ple_gate ----
-    p("ple_gate", "hidden-int", set_("hidden", lambda t: t.to(I32)), "hidden"),
-    p("ple_gate", "hidden-3d", set_("hidden", lambda t: t.unsqueeze(0)), "hidden"),
-    p("ple_gate", "key-f16", set_("key", lambda t: t.to(F16)), "key"),
-    p("ple_gate", "value-f16", set_("value", lambda t: t.to(F16)), "value"),
-    p("ple_gate", "key-shape", set_("key", lambda t: t[:, :4]), "key"),
-    p("ple_gate", "value-width-3", set_("value", lambda t: t[:, :3].contiguous()), "value|H"),
-    p("ple_gate", "value-rows", set_("value", lambda t: t[:2]), "value"),
-    p("ple_gate", "key-noncontig", set_("key", noncontig), "key"),
-    p("ple_gate", "hidden-noncontig", set_("hidden", noncontig), "hidden"),
-    p("ple_gate", "norm_key_w-f16", set_("norm_key_w", lambda t: t.to(F16)), "norm_key_w"),
-    p("ple_gate", "norm_query_w-f64", set_("norm_query_w", lambda t: t.double()), "norm_query_w"),
-    p("ple_gate", "norm_conv_w-len", set_("norm_conv_w", lambda t: t[:7]), "norm_conv_w"),
-    p("ple_gate", "norm_conv_w-noncontig", set_("norm_conv_w", noncontig), "norm_conv_w"),
-    p("ple_gate", "eps-negative", put("eps", -1e-6), "eps"),
-    p("ple_gate", "eps-nan", put("eps", float("nan")), "eps"),
-    p("ple_gate", "eps-zero", put("eps", 0.0), "eps"),
-    p("ple_gate", "eps-negative-zero", put("eps", -0.0), "eps"),
-    p("ple_gate", "eps-inf", put("eps", float("inf")), "eps"),
-    p("ple_gate", "eps-zero-in-fp32", put("eps", 1e-50), "eps"),  # the kernel's eps is fp32
-    p("ple_gate", "rounding-bad", put("rounding", "bf16"), "rounding"),
-    p("ple_gate", "gated-shape", put("gated", lambda: sentinel((3, 7), torch.float32)), "gated"),
-    p("ple_gate", "conv_input-f16", put("conv_input", lambda: sentinel((3, 8), F16)), "conv_input"),
-    p("ple_gate", "value-width-0", set_("value", lambda t: t[:, :0]), "value"),
-    p("ple_gate", "meta-value", set_("value", meta), "value"),
-    p("ple_gate", "meta-gated", set_("gated", meta), "gated"),
-    p("ple_gate", "meta-hidden", set_("hidden", meta), "hidden"),
-    p("ple_gate", "meta-norm_query_w", set_("norm_query_w", meta), "norm_query_w"),
     # ---- ple_conv (decode baseline) ----
     p("ple_conv", "inputs-int", set_("inputs", lambda t: t.to(I32)), "inputs"),
     p("ple_conv", "inputs-1d", set_("inputs", lambda t: t.reshape(-1)), "inputs"),

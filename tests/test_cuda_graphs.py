@@ -14,7 +14,10 @@ import torch
 
 from bad_inputs_support import OPS
 from conftest import devices
+from ple_gate.bad_inputs import OPS as PLE_GATE_OPS
 from qwen4exp_ext.testing import assert_exact
+
+OPS = {**OPS, **PLE_GATE_OPS}
 
 pytestmark = pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and a GPU build")
 
