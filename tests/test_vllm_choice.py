@@ -87,7 +87,7 @@ class Counted:
 
 def gate_args(tokens: int, dtype=torch.float16, seed: int = 3):
     """ple_gate's arguments (fp16: under the interpreter vLLM's bf16 rounding is not its GPU
-    kernel's, see test_ple_gate.py; fp16 is bit for bit)."""
+    kernel's, see tests/ple_gate/test_kernel.py; fp16 is bit for bit)."""
     g = torch.Generator().manual_seed(seed)
     m, h = 3, 40
     kv = torch.randn(tokens, m * h + h, generator=g).to(dtype)
