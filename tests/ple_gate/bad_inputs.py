@@ -2,8 +2,9 @@
 tests/bad_inputs_support.py.
 
 OPS: the valid baseline (outputs filled with a sentinel pattern), the runner that calls it with
-out=, and the names of the tensors it writes. CASES: each overrides one argument of the
-baseline, with the error message it must give. ple_gate takes no index data: DATA_ONLY is empty.
+out= (and the functional op's, without), and the names of the tensors it writes. CASES: each
+overrides one argument of the baseline, with the error message it must give. ple_gate takes no
+index data: DATA_ONLY is empty.
 """
 
 from __future__ import annotations
@@ -108,6 +109,23 @@ CASES = [
     p("ple_gate", "meta-gated", set_("gated", meta), "gated"),
     p("ple_gate", "meta-hidden", set_("hidden", meta), "hidden"),
     p("ple_gate", "meta-norm_query_w", set_("norm_query_w", meta), "norm_query_w"),
+]
+
+
+# The functional op (no out=: ple_gate allocates its outputs) checks its arguments on its own
+# entry: every case but those of the outputs applies to it as it is.
+def run_gate_functional(a, kernels=ops):
+    a.pop("gated"), a.pop("conv_input")
+    key, value, hidden = a.pop("key"), a.pop("value"), a.pop("hidden")
+    wk, wq, wc = a.pop("norm_key_w"), a.pop("norm_query_w"), a.pop("norm_conv_w")
+    kernels.ple_gate(key, value, hidden, wk, wq, wc, a.pop("eps"), **a)
+
+
+OPS["ple_gate_functional"] = (gate_baseline, run_gate_functional, ())
+CASES += [
+    p("ple_gate_functional", case.id.split("-", 1)[1], *case.values[1:])
+    for case in list(CASES)
+    if case.values[0] == "ple_gate" and case.values[1].arg not in ("gated", "conv_input")
 ]
 
 # Index values that only the data shows: ple_gate has none.
