@@ -48,3 +48,15 @@ def test_minimum_versions_are_setups():
     assert f"torch >= {torch_min}, built for\n  ROCm >= {rocm_min}" in readme
     assert f"built for ROCm < {rocm_min}" in amd_section()
     assert f'"torch>={torch_min}"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_every_torch_row_checked_in_ci_is_built_there():
+    """Each torch version the matrix says CI builds is installed by CI (the test venv's, or a venv
+    of its own) and built with the hipify generation its row names."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    venv = (ROOT / "tools" / "venv.sh").read_text()
+    rows = re.findall(r"^\| (\d+\.\d+\.\d+) \(as ROCm [\d.]+\) \| (v[12]) ", amd_section(), re.M)
+    assert {gen for _, gen in rows} == {"v1", "v2"}, rows
+    for version, generation in rows:
+        assert f"torch=={version}" in ci + venv, f"CI installs no torch {version}"
+        assert f"QWEN4EXP_EXPECT_HIPIFY={generation}" in ci, f"CI builds no hipify {generation}"

@@ -6,7 +6,8 @@
 #   1. a full build: torch hipifies the sources (into build/hipify, never into csrc/), compiles
 #      the hipified host sources with the C++ compiler against c10/hip headers generated from the
 #      installed torch's c10/cuda ones, and the hipified .hip files with hipcc (Debian's ROCm 5.2)
-#      with torch's hipcc flags (-std=c++20, --offload-arch=..., -fno-gpu-rdc), and links;
+#      with torch's hipcc flags (--offload-arch=..., -fno-gpu-rdc, -std=c++20 from torch 2.14.1,
+#      -std=c++17 from 2.10.0), and links;
 #   2. the same build again in the same tree (the second `pip install .` or `-e .`), which must
 #      succeed and recompile nothing;
 #   3. the toolchain checks before any compile (setup.py --name, seconds each): the default
@@ -16,6 +17,10 @@
 #   4. a source renamed (csrc/cpu/ple_conv.cpp) and setup.py run again: its old copies must leave
 #      build/hipify.
 # After every run, no file may have appeared in the tree outside build/ and the built module.
+# The same check covers both hipify generations, by the torch it is given: torch >= 2.11 (v2, the
+# c10::cuda names kept) and torch 2.9/2.10 (v1, the ...MasqueradingAsCUDA names, compiled against
+# that torch's own ATen/hip/impl headers); QWEN4EXP_EXPECT_HIPIFY=v1|v2 fails the check if the
+# torch given hipifies otherwise.
 #   usage: tools/check-rocm-build.sh            (PYTHON: a python with torch; default python3)
 # PYTORCH_ROCM_ARCH: default gfx90a;gfx940, the AMD targets Debian's hipcc knows.
 set -euo pipefail
@@ -65,6 +70,16 @@ compiled() { grep -c '^\[[0-9]*/[0-9]*\] ' "$work/$1.log" || true; }
 echo "check-rocm-build: torch $torch_version as a ROCm build, hipcc $(HIP_PLATFORM=amd hipcc --version 2>/dev/null | sed -n 's/^HIP version: //p'), PYTORCH_ROCM_ARCH=$PYTORCH_ROCM_ARCH"
 if simulated build1 build_ext --inplace; then
   grep -q -- '--offload-arch=' "$work/build1.log" || { echo "check-rocm-build: FAIL hipcc never ran"; status=1; }
+  # Which hipify this torch has, seen in what it made of the GPU glue: v1 (torch 2.9, 2.10)
+  # renames CUDA's guards and streams to the ...MasqueradingAsCUDA classes of
+  # ATen/hip/impl/, v2 (torch >= 2.11) keeps the c10::cuda names.
+  generation=v2
+  grep -q 'MasqueradingAsCUDA' "$tree/build/hipify/csrc/torch/gpu/glue_hip.h" && generation=v1
+  echo "   hipify $generation: $(grep -m1 'using DeviceGuard' "$tree/build/hipify/csrc/torch/gpu/glue_hip.h" | sed 's/^ *//')"
+  if [ -n "${QWEN4EXP_EXPECT_HIPIFY:-}" ] && [ "$generation" != "$QWEN4EXP_EXPECT_HIPIFY" ]; then
+    echo "check-rocm-build: FAIL torch $torch_version hipified as $generation, expected $QWEN4EXP_EXPECT_HIPIFY"
+    status=1
+  fi
   echo "   $(compiled build1) files compiled; the hipcc command of one kernel (-I dropped):"
   grep -m1 'bin/hipcc .*ple_gate_hip\.hip' "$work/build1.log" | sed 's/^\[[0-9/]*\] //; s/ -I[^ ]*//g; s/^/     /' || true
 fi

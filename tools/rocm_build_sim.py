@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import runpy
 import shutil
 import subprocess
@@ -62,6 +63,12 @@ def generate_hip_headers(torch_include: str, include: str) -> None:
     with tempfile.TemporaryDirectory() as proj:
         shutil.copytree(os.path.join(torch_include, "c10", "cuda"), f"{proj}/c10/cuda")
         shutil.copytree(os.path.join(torch_include, "ATen", "cuda"), f"{proj}/aten/src/ATen/cuda")
+        # PyTorch makes ATen/hip/HIPConfig.h as CUDAConfig.h.in -> (hipify) HIPConfig.h.in ->
+        # (CMake) HIPConfig.h. A wheel ships only the configured CUDAConfig.h: it stands in for
+        # the template here, and configure_hip_config() sets a ROCm build's values below.
+        os.rename(
+            f"{proj}/aten/src/ATen/cuda/CUDAConfig.h", f"{proj}/aten/src/ATen/cuda/CUDAConfig.h.in"
+        )
         hipify_python.hipify(
             project_directory=proj,
             output_directory=proj,
@@ -76,8 +83,34 @@ def generate_hip_headers(torch_include: str, include: str) -> None:
             f.write(HIP_COMPAT_H)
         with open(f"{proj}/c10/hip/HIPMacros.h", "a") as f:
             f.write('\n#include "qwen4exp_rocm52_compat.h"  // rocm_build_sim.py\n')
+        configure_hip_config(f"{proj}/aten/src/ATen/hip/HIPConfig.h.in")
         for src, dst in (("c10/hip", "c10/hip"), ("aten/src/ATen/hip", "ATen/hip")):
             sync_tree(os.path.join(proj, src), os.path.join(include, dst))
+
+
+# What CMake's configure writes into HIPConfig.h on a ROCm build (USE_ROCM: ROCm on; cuDNN is
+# CUDA's; hipSPARSELt, which hipify also names what was cuSPARSELt, is optional and off here).
+# The v1 glue's ATen/hip/impl/*MasqueradingAsCUDA.h include it; nothing of ours reads the values.
+ROCM_CONFIG = {
+    "AT_ROCM_ENABLED": "1",
+    "AT_CUDNN_ENABLED": "0",
+    "AT_HIPSPARSELT_ENABLED": "0",
+}
+
+
+def configure_hip_config(template: str) -> None:
+    """HIPConfig.h from the hipified HIPConfig.h.in, with a ROCm build's values."""
+
+    with open(template) as f:
+        text = f.read()
+    for name, value in ROCM_CONFIG.items():
+        text, n = re.subn(rf"(#define {name}\(\)) \S+", rf"\g<1> {value}", text)
+        if n == 0:
+            sys.exit(f"rocm_build_sim: {name}() is not defined in {template}")
+    text = re.sub(r'#define NVCC_FLAGS_EXTRA ".*"', '#define NVCC_FLAGS_EXTRA ""', text)
+    os.remove(template)
+    with open(template[: -len(".in")], "w") as f:
+        f.write(text)
 
 
 def sync_tree(src: str, dst: str) -> None:
