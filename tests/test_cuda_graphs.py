@@ -14,9 +14,13 @@ import torch
 
 from bad_inputs_support import OPS
 from conftest import devices
+from gather_rows import bad_inputs as gather_rows_bad_inputs
 from qwen4exp_ext.testing import assert_exact
 
 pytestmark = pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and a GPU build")
+
+# The ops whose bad-input tables moved into their folders (tests/<op>/bad_inputs.py).
+OPS = {**OPS, **gather_rows_bad_inputs.OPS}
 
 
 def _on_cuda(args: dict) -> dict:
