@@ -59,25 +59,6 @@ def ngram_call(a: dict) -> dict[str, torch.Tensor]:
     return {"output": a["output"]}
 
 
-def gather_baseline() -> dict:
-    return dict(
-        table=torch.randn(10, 6, generator=torch.Generator().manual_seed(0)),
-        ids=torch.tensor([[0, 3, 9, 1], [2, 2, 5, 7], [8, 4, 6, 0]]),
-        output=sentinel((3, 24), torch.float32),
-    )
-
-
-def gather_nvfp4_baseline() -> dict:
-    g = torch.Generator().manual_seed(4)
-    return dict(
-        table=torch.randint(0, 256, (10, 16), dtype=torch.uint8, generator=g),  # d = 32
-        ids=torch.tensor([[0, 3, 9, 1], [2, 2, 5, 7], [8, 4, 6, 0]]),
-        scale=torch.tensor([0.5]),
-        block_scales=torch.rand(10, 2, generator=g).to(torch.float8_e4m3fn),
-        output=sentinel((3, 4 * 32), torch.bfloat16),
-    )
-
-
 def _conv_baseline(tokens: int, seed: int, mode: str, **extra) -> dict:
     """ple_conv of `tokens` rows of 4 channels, K = 3, on slots 1 and 2 of 4 (width 2)."""
     g = torch.Generator().manual_seed(seed)
@@ -114,10 +95,6 @@ def run_ngram(a, kernels=ops):
     return {"output": a["output"]}
 
 
-def run_gather(a, kernels=ops):
-    kernels.gather_rows(a.pop("table"), a.pop("ids"), **a)
-
-
 def run_conv(a, kernels=ops):
     pos = [
         a.pop(k)
@@ -135,8 +112,6 @@ def run_conv(a, kernels=ops):
 
 OPS = {
     "ngram_ids": (ngram_baseline, run_ngram, ("output",)),
-    "gather_rows": (gather_baseline, run_gather, ("output",)),
-    "gather_rows_nvfp4": (gather_nvfp4_baseline, run_gather, ("output",)),
     "ple_conv": (conv_decode_baseline, run_conv, ("residual", "conv_state")),
     "ple_conv_prefill": (conv_prefill_baseline, run_conv, ("residual", "conv_state")),
 }
@@ -346,114 +321,6 @@ CASES = [
         "meta-divmod",
         put("head_divmod", lambda: meta(head_divmod())),
         "head_divmod is on meta but input_ids is on cpu",
-    ),
-    # ---- gather_rows ----
-    p("gather_rows", "table-int", set_("table", lambda t: t.to(I32)), "table"),
-    p("gather_rows", "table-1d", set_("table", lambda t: t.reshape(-1)), "table"),
-    p("gather_rows", "table-noncontig", set_("table", noncontig), "table"),
-    p("gather_rows", "ids-float", set_("ids", lambda t: t.float()), "ids"),
-    p("gather_rows", "ids-0d", put("ids", lambda: torch.tensor(3)), "ids"),
-    p("gather_rows", "output-shape", put("output", lambda: sentinel((3, 23), F32)), "output"),
-    p("gather_rows", "output-int", put("output", lambda: sentinel((3, 24), I32)), "output"),
-    p("gather_rows", "output-noncontig", set_("output", noncontig), "output"),
-    p("gather_rows", "out_dtype-mismatch", put("out_dtype", F16), "out_dtype"),
-    p("gather_rows", "fp8-table-no-scale", set_("table", lambda t: t.to(FP8)), "scale"),
-    p(
-        "gather_rows",
-        "fp8-scale-f64",
-        lambda a: a.update(table=a["table"].to(FP8), scale=torch.ones(1, dtype=torch.float64)),
-        "scale",
-    ),
-    p(
-        "gather_rows",
-        "fp8-scale-2-elems",
-        lambda a: a.update(table=a["table"].to(FP8), scale=torch.ones(2)),
-        "scale",
-    ),
-    p(
-        "gather_rows",
-        "meta-scale",
-        lambda a: a.update(table=a["table"].to(FP8), scale=torch.ones(1, device=META)),
-        "scale",
-    ),
-    p("gather_rows", "meta-output", set_("output", meta), "output"),
-    p("gather_rows", "meta-table", set_("table", meta), "table"),
-    p("gather_rows", "scale-non-fp8", put("scale", 2.0), "scale"),
-    p("gather_rows", "vocab_start-negative", put("vocab_start", -1), "vocab_start"),
-    p("gather_rows", "vocab_end-too-far", put("vocab_end", 11), "vocab_end"),
-    p("gather_rows", "vocab_end-before-start", put("vocab_end", -3), "vocab_end"),
-    p("gather_rows", "meta-ids", set_("ids", meta), "ids"),
-    p(
-        "gather_rows",
-        "block_scales-non-nvfp4",
-        put("block_scales", lambda: torch.ones(10, 1)),
-        "block_scales",
-    ),
-    p(
-        "gather_rows",
-        "max_blocks-negative",
-        put("max_blocks", -1),
-        r"gather_rows: max_blocks must be >= 0 \(0: no cap\), got -1",
-    ),
-    # ---- gather_rows, NVFP4 tables ----
-    p("gather_rows_nvfp4", "no-block_scales", put("block_scales", None), "block_scales"),
-    p("gather_rows_nvfp4", "no-scale", put("scale", None), "scale"),
-    p(
-        "gather_rows_nvfp4",
-        "block_scales-bf16",
-        set_("block_scales", lambda t: t.to(torch.bfloat16)),
-        "block_scales",
-    ),
-    p(
-        "gather_rows_nvfp4",
-        "block_scales-e4m3fnuz",
-        set_("block_scales", lambda t: t.view(torch.float8_e4m3fnuz)),
-        "block_scales",
-    ),
-    p(
-        "gather_rows_nvfp4",
-        "block_scales-width",
-        put("block_scales", lambda: torch.ones(10, 3).to(torch.float8_e4m3fn)),
-        "block_scales",
-    ),
-    p(
-        "gather_rows_nvfp4",
-        "block_scales-rows",
-        put("block_scales", lambda: torch.ones(9, 2).to(torch.float8_e4m3fn)),
-        "block_scales",
-    ),
-    p(
-        "gather_rows_nvfp4",
-        "block_scales-1d",
-        set_("block_scales", lambda t: t.reshape(-1)),
-        "block_scales",
-    ),
-    p(
-        "gather_rows_nvfp4",
-        "block_scales-noncontig",
-        set_("block_scales", lambda t: noncontig(t.view(torch.uint8)).view(torch.float8_e4m3fn)),
-        "block_scales",
-    ),
-    p("gather_rows_nvfp4", "meta-block_scales", set_("block_scales", meta), "block_scales"),
-    p("gather_rows_nvfp4", "meta-scale", set_("scale", meta), "scale"),
-    p("gather_rows_nvfp4", "scale-f16", set_("scale", lambda t: t.half()), "scale"),
-    # d = 24: not a whole number of 16-element blocks (block_scales [10, 1] would fit d = 16)
-    p(
-        "gather_rows_nvfp4",
-        "d-not-multiple-of-16",
-        lambda a: a.update(
-            table=a["table"][:, :12],
-            block_scales=a["block_scales"][:, :1],
-            output=sentinel((3, 4 * 24), torch.bfloat16),
-        ),
-        "packed width",
-    ),
-    # a packed width that is not d/2: the output is [T, NH·d] with d = 2 · packed width
-    p(
-        "gather_rows_nvfp4",
-        "output-unpacked-width",
-        put("output", lambda: sentinel((3, 4 * 16), torch.bfloat16)),
-        "output",
     ),
     # ---- ple_conv (decode baseline) ----
     p("ple_conv", "inputs-int", set_("inputs", lambda t: t.to(I32)), "inputs"),

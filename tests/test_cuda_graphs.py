@@ -14,12 +14,14 @@ import torch
 
 from bad_inputs_support import OPS
 from conftest import devices
+from gather_rows import bad_inputs as gather_rows_bad_inputs
 from ple_gate.bad_inputs import OPS as PLE_GATE_OPS
 from qwen4exp_ext.testing import assert_exact
 
-OPS = {**OPS, **PLE_GATE_OPS}
-
 pytestmark = pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and a GPU build")
+
+# The ops whose bad-input tables moved into their folders (tests/<op>/bad_inputs.py).
+OPS = {**OPS, **gather_rows_bad_inputs.OPS, **PLE_GATE_OPS}
 
 
 def _on_cuda(args: dict) -> dict:

@@ -316,7 +316,7 @@ def test_fp8_dequantising_before_the_vocabulary_reduction(vllm_plugged):
 def test_nvfp4_table_lookups_run_ours(vllm_plugged):
     """vLLM's NVFP4 method: the device table's ``embedding`` and the pinned table's
     ``lookup_from_pinned`` (rows and block scales in host memory, ranks' shards) run our gather;
-    equal to the reference, i.e. to vLLM's Triton lookup (tests/test_gather_rows.py)."""
+    equal to the reference, i.e. to vLLM's Triton lookup (tests/gather_rows/test_kernel.py)."""
     import vllm.models.qwen4_exp.common.ngram_embedding as ne
 
     method = ne.Qwen4ExpPLENvFp4EmbeddingMethod()

@@ -1,12 +1,14 @@
-"""gather_rows (SPEC §4): every (table dtype × id dtype × out dtype × shard) case bit-equal to
-the reference, out-of-range ids as zero rows, strided views, rows beyond element 2^31, the
-shard-sum property, the same output under a capped grid (max_blocks), opcheck, errors and a
-torch.compile smoke test — on every backend here.
+"""gather_rows (SPEC §4), the kernels against the oracle and against vLLM's lookups: every
+(table dtype × id dtype × out dtype × shard) case bit-equal to the reference, fp8 and NVFP4
+decoding, strided views, rows beyond element 2^31, the same output under a capped grid
+(max_blocks), the CPU kernel's switches, opcheck and torch.compile — on every backend here.
+SPEC's properties (shards sum to the whole, ids out of range give +0 rows) are in
+test_properties.py, the errors in test_bad_inputs.py.
 
 The CPU kernel has two paths: the cached one (csrc/cpu/gather_rows.cpp), and the streaming one
 that large outputs take (sorted reads, non-temporal stores; csrc/cpu/gather_rows_stream.cpp).
-Every CPU test here runs on both: the ``cpu_path`` fixture sets the output size from which the
-CPU streams to "never" or "always".
+Every CPU test here runs on both: the ``cpu_path`` fixture (support.py) sets the output size from
+which the CPU streams to "never" or "always".
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from conftest import backends
 from gather_support import (
@@ -28,7 +28,6 @@ from gather_support import (
     GRID_CAPS,
     blocks_for,
     cpu_fp8_lookup,
-    cpu_gather_path,
     every_fp8_code_rows,
     grid_cap_row,
     make_table,
@@ -38,36 +37,15 @@ from qwen4exp_ext import ops, reference
 from qwen4exp_ext.bench import vllm_triton
 from qwen4exp_ext.testing import assert_exact, bit_patterns, same_layout
 
+from .support import cpu_path, random_ids  # noqa: F401 - cpu_path: the fixture
+
+pytestmark = pytest.mark.usefixtures("cpu_path")  # every test once per CPU gather path
+
 BACKENDS = backends()
 FP8 = reference.FP8_DTYPES
 TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, *FP8)
 OUT_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 ID_DTYPES = (torch.int32, torch.int64)
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-
-@pytest.fixture(autouse=True, params=CPU_PATHS)
-def cpu_path(request):
-    """Every test here once per CPU gather path (GPU cases once: the switch is CPU-only)."""
-    callspec = getattr(request.node, "callspec", None)
-    backend = callspec.params.get("backend") if callspec else None
-    if backend is not None and backend.name != "cpu" and request.param != "cached":
-        pytest.skip("the CPU gather path applies to the CPU kernel only")
-    with cpu_gather_path(request.param):
-        yield request.param
-
-
-def random_ids(num_tokens: int, num_heads: int, rows: int, dtype, gen=None) -> torch.Tensor:
-    """Mostly valid rows, plus ids just outside and far outside the table (never errors)."""
-    ids = torch.randint(0, max(rows, 1), (num_tokens, num_heads), generator=gen)
-    specials = torch.tensor([-1, rows, rows + 1, -(2**31), 2**31 - 1, 0, max(rows - 1, 0)])
-    if dtype == torch.int64:
-        specials = torch.cat([specials, torch.tensor([INT64_MIN, INT64_MAX, 2**40])])
-    mask = torch.rand(num_tokens, num_heads, generator=gen) < 0.1
-    picks = specials[torch.randint(0, specials.numel(), (num_tokens, num_heads), generator=gen)]
-    return torch.where(mask, picks, ids).to(dtype)
-
-
 SHARDS = ("none", "middle", "head", "tail", "empty")
 
 
@@ -212,24 +190,6 @@ def test_cpu_fp8_lookup_switch():
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
-def test_out_of_range_ids_give_positive_zero_rows(backend):
-    ops, device = backend.ops, backend.device
-    table = make_table(50, 8, torch.bfloat16).to(device)
-    ids = torch.tensor([[-1, 50, INT64_MIN, INT64_MAX, 49, 0]], device=device)
-    got = ops.gather_rows(table, ids).cpu().view(6, 8)
-    assert torch.all(bit_patterns(got[:4]) == 0)
-    assert torch.equal(got[4:], table[[49, 0]].cpu())
-    # The same ids against a shard that owns [10, 20): only 10..19 are read.
-    shard = ops.gather_rows(
-        table[:10], torch.tensor([[9, 10, 19, 20]], device=device), vocab_start=10, vocab_end=20
-    )
-    expected = torch.cat(
-        [torch.zeros(8), table[0].cpu().float(), table[9].cpu().float(), torch.zeros(8)]
-    ).to(torch.bfloat16)
-    assert_exact(shard[0], expected, bitwise=True)
-
-
-@pytest.mark.parametrize("backend", BACKENDS, ids=str)
 @pytest.mark.parametrize("table_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
 def test_strided_views(backend, table_dtype):
     """ids as a non-contiguous view, the table as a column slice of a wider one (row stride > d),
@@ -276,7 +236,7 @@ def test_batched_ids_and_edges(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
 @pytest.mark.parametrize("table_dtype", TABLE_DTYPES, ids=str)
-def test_many_blocks_wide_rows_and_zero_rows(backend, table_dtype, cpu_path):
+def test_many_blocks_wide_rows_and_zero_rows(backend, table_dtype):
     """Beyond one unit of work: 16000 items (16 blocks on the cached path, 4 sorted blocks on
     the streaming one with 2 threads), ids out of range and repeated, 3-element heads (rows
     not whole cache lines) and 700-element heads (a converted fp32 row is 2800 bytes, more than
@@ -368,23 +328,6 @@ def test_cpu_gather_stream_bytes_switch():
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
-@given(cuts=st.lists(st.integers(0, 97), max_size=4), seed=st.integers(0, 2**16))
-def test_shard_outputs_sum_to_the_whole(backend, cuts, seed):
-    """SPEC §4: ranks owning consecutive vocabulary ranges, each gathering from its own slice,
-    sum exactly to the unsharded lookup (every element has one owner; the rest add +0)."""
-    ops, device = backend.ops, backend.device
-    gen = torch.Generator().manual_seed(seed)
-    table = make_table(97, 12, torch.bfloat16, gen=gen).to(device)
-    ids = random_ids(11, 4, 97, torch.int64, gen).to(device)
-    bounds = [0, *sorted(cuts), 97]
-    total = torch.zeros(11, 48, dtype=torch.float32, device=device)
-    for start, end in itertools.pairwise(bounds):
-        part = ops.gather_rows(table[start:end], ids, vocab_start=start, vocab_end=end)
-        total += part.float()
-    assert_exact(total.to(torch.bfloat16), ops.gather_rows(table, ids), bitwise=True)
-
-
-@pytest.mark.parametrize("backend", BACKENDS, ids=str)
 def test_rows_beyond_element_2_31(backend):
     """64-bit offsets: an fp8 table of 2^31 + 160·1024 elements (2.1 GB of address space; only the
     pages that are written or read are ever backed), rows gathered from past element 2^31."""
@@ -431,9 +374,6 @@ def test_rows_beyond_element_2_31(backend):
     finally:
         del table
         gc.collect()
-
-
-# --- opcheck, compile, errors -------------------------------------------------------------------
 
 
 # ---- NVFP4 tables ----------------------------------------------------------------------------
@@ -552,7 +492,7 @@ def test_nvfp4_strided_views(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
-def test_nvfp4_many_blocks(backend, cpu_path):
+def test_nvfp4_many_blocks(backend):
     """16000 items of the released row shape (d = 160): many units of work on either CPU path."""
     ops, device = backend.ops, backend.device
     gen = torch.Generator().manual_seed(11)
@@ -749,77 +689,6 @@ def test_torch_compile_into_an_output(backend):
         eager = ops.gather_rows(table, ids, vocab_start=8) * 2
         assert_exact(embed(ids, out), eager, bitwise=True)
         assert_exact(out * 2, eager, bitwise=True)
-
-
-def op(table, ids, scale, start, end, output):
-    torch.ops.qwen4exp.gather_rows.default(table, ids, scale, None, start, end, output)
-
-
-TABLE = torch.zeros(10, 4, dtype=torch.bfloat16)
-IDS = torch.zeros(3, 2, dtype=torch.long)
-OUT = torch.zeros(3, 8, dtype=torch.bfloat16)
-SCALE = torch.tensor([1.0])
-TABLE8 = torch.zeros(10, 4, dtype=torch.uint8).view(torch.float8_e4m3fn)
-
-
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        ((TABLE[0], IDS, None, 0, 10, OUT), "table must be 2-D"),
-        ((TABLE.int(), IDS, None, 0, 10, OUT), "table must be float32, bfloat16"),
-        (
-            (torch.zeros(4, 10, dtype=torch.bfloat16).t(), IDS, None, 0, 10, OUT),
-            r"table rows must be contiguous",
-        ),
-        ((TABLE, IDS[0], None, 0, 10, OUT), "ids must be 2-D"),
-        ((TABLE, IDS.float(), None, 0, 10, OUT), "ids must be int32 or int64"),
-        ((TABLE, IDS, None, 0, 10, OUT[:, :4]), r"output must be \[T, NH·d\] = \[3, 8\]"),
-        ((TABLE, IDS, None, 0, 10, OUT.long()), "output must be float32, bfloat16 or float16"),
-        (
-            (TABLE, IDS, None, 0, 10, OUT.view(torch.float8_e4m3fn)[:, :8]),
-            "output must be float32, bfloat16 or float16",
-        ),
-        (
-            (TABLE, IDS, None, 0, 10, torch.zeros(8, 3, dtype=torch.bfloat16).t()),
-            "output rows must be contiguous",
-        ),
-        ((TABLE, IDS, None, 0, 11, OUT), r"shard \[vocab_start, vocab_end\) = \[0, 11\)"),
-        ((TABLE, IDS, None, -1, 5, OUT), r"shard \[vocab_start, vocab_end\)"),
-        ((TABLE, IDS, None, 5, 4, OUT), r"shard \[vocab_start, vocab_end\)"),
-        ((TABLE, IDS, None, -1, None, OUT), r"shard \[vocab_start, vocab_end\) = \[-1, 9\)"),
-        ((TABLE, IDS, None, 2**63 - 5, None, OUT), r"the default vocab_end\) must fit in int64"),
-        ((TABLE8, IDS, None, 0, 10, OUT), "an fp8 table needs its per-tensor scale"),
-        ((TABLE8, IDS, SCALE.double(), 0, 10, OUT), "scale must be one float32 element"),
-        ((TABLE8, IDS, torch.ones(2), 0, 10, OUT), "scale must be one float32 element"),
-        ((TABLE, IDS, SCALE, 0, 10, OUT), "scale is only defined for fp8 and NVFP4 tables"),
-    ],
-)
-def test_bad_arguments_name_the_argument(args, message):
-    with pytest.raises(RuntimeError, match=message):
-        op(*args)
-
-
-def test_python_door_errors():
-    with pytest.raises(ValueError, match="table must be 2-D"):
-        ops.gather_rows(TABLE[0], IDS)
-    with pytest.raises(ValueError, match="output is torch.bfloat16 but out_dtype is"):
-        ops.gather_rows(TABLE, IDS, out_dtype=torch.float32, output=OUT)
-    with pytest.raises(ValueError, match=r"output must be \[3, 8\]"):
-        ops.gather_rows(TABLE, IDS, output=OUT[:2])
-    with pytest.raises(ValueError, match="table must be 2-D"):
-        ops.gather_rows(TABLE[0, 0], IDS, output=OUT)
-    # What the door does not check itself is the op's error, raised as it is.
-    with pytest.raises(RuntimeError, match="an fp8 table needs its per-tensor scale"):
-        ops.gather_rows(TABLE8, IDS, output=OUT)
-    with pytest.raises(RuntimeError, match="ids must be int32 or int64"):
-        ops.gather_rows(TABLE, IDS.float(), output=OUT)
-
-
-def test_device_mismatch_is_an_error():
-    with pytest.raises(RuntimeError, match="ids is on meta but table is on cpu"):
-        op(TABLE, IDS.to("meta"), None, 0, 10, OUT)
-    with pytest.raises(RuntimeError, match="output is on meta but table is on cpu"):
-        op(TABLE, IDS, None, 0, 10, OUT.to("meta"))
 
 
 # ---- max_blocks: a capped grid gives the same output -------------------------------------------
