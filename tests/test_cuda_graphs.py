@@ -12,9 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bad_inputs_support import OPS
+import bad_inputs_support
 from conftest import devices
+from ngram_gather_rows import bad_inputs as ngram_gather_rows_cases
+from ngram_ids import bad_inputs as ngram_ids_cases
 from qwen4exp_ext.testing import assert_exact
+
+# Every op's bad-input baseline: those still in the shared table, and those of the op folders.
+OPS = {**bad_inputs_support.OPS, **ngram_ids_cases.OPS, **ngram_gather_rows_cases.OPS}
 
 pytestmark = pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and a GPU build")
 
