@@ -1,4 +1,4 @@
-"""What the gather_rows tests share (tests/test_gather_rows.py, tests/test_ngram_gather_rows.py,
+"""What the gather_rows tests share (tests/test_gather_rows.py, tests/ngram_gather_rows/,
 tests/test_fuzz.py): the switch between the CPU kernel's two paths and the one of its fp8
 conversions, tables that hold every finite bit pattern, and what the grid-cap (max_blocks) tests
 need of the HIP kernels' launches."""
