@@ -45,8 +45,8 @@ def run_ngram(a, kernels=ops):
 
 OPS = {"ngram_ids": (ngram_baseline, run_ngram, ("output",))}
 
-# The exceptions tests/test_ngram_ids.py's test_bad_arguments_raise_clear_errors allowed, for the
-# cases it had too (each with the stricter of the two messages).
+# The exceptions that the kernel tests' own error checks allowed (merged into these cases, each
+# with the stricter of the two messages).
 CLEAR = (RuntimeError, ValueError)
 
 CASES = [
@@ -225,7 +225,7 @@ CASES = [
     p("ngram_ids", "meta-context", set_("ngram_context", meta), "ngram_context"),
     p("ngram_ids", "meta-multipliers", set_("layer_multipliers", meta), "layer_multipliers"),
     p("ngram_ids", "meta-qsl", set_("query_start_loc", meta), "query_start_loc"),
-    # From tests/test_ngram_ids.py's test_bad_arguments_raise_clear_errors: no case here had it.
+    # The one error check of the kernel tests that no case here had.
     p(
         "ngram_ids",
         "meta-output",
