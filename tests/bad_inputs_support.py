@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ngram_support import HASHING_ARGS, HEADS
-from qwen4exp_ext import layout, ops
+from qwen4exp_ext import ops
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -32,31 +31,6 @@ def sentinel(shape, dtype) -> torch.Tensor:
 
 
 # ---- baselines -------------------------------------------------------------------------------
-
-NGRAM_HEADS = HEADS  # 4 heads = (N-1)=2 x heads_per_ngram=2
-
-
-def ngram_baseline() -> dict:
-    return dict(
-        input_ids=torch.tensor([9, 5, 3, 11, 40, 5, 96, 0, 1]),
-        query_start_loc=torch.tensor([0, 4, 9], dtype=torch.int32),
-        ngram_context=torch.tensor([[5, 5], [17, 23]]),
-        layer_multipliers=torch.tensor(layout.layer_multipliers(97, 3, 7, 1)),
-        ngram_heads_vocab_sizes=torch.tensor(NGRAM_HEADS.sizes),
-        ngram_heads_offsets=torch.tensor(NGRAM_HEADS.offsets),
-        eos_token_id=5,
-        heads_per_ngram=2,
-        output=sentinel((9, 4), torch.int64),
-    )
-
-
-def head_divmod() -> torch.Tensor:
-    """The baseline layout's fast-modulo constants (ngram_ids' head_divmod)."""
-    return ops.ngram_head_divmod(torch.tensor(NGRAM_HEADS.sizes))
-
-
-def ngram_call(a: dict) -> dict[str, torch.Tensor]:
-    return {"output": a["output"]}
 
 
 def _conv_baseline(tokens: int, seed: int, mode: str, **extra) -> dict:
@@ -90,11 +64,6 @@ def conv_prefill_baseline() -> dict:
 
 
 # Each runner calls one op of `kernels` (qwen4exp_ext.ops, or a backend's ops) with the arguments.
-def run_ngram(a, kernels=ops):
-    kernels.ngram_ids(**a)
-    return {"output": a["output"]}
-
-
 def run_conv(a, kernels=ops):
     pos = [
         a.pop(k)
@@ -111,7 +80,6 @@ def run_conv(a, kernels=ops):
 
 
 OPS = {
-    "ngram_ids": (ngram_baseline, run_ngram, ("output",)),
     "ple_conv": (conv_decode_baseline, run_conv, ("residual", "conv_state")),
     "ple_conv_prefill": (conv_prefill_baseline, run_conv, ("residual", "conv_state")),
 }
@@ -156,172 +124,6 @@ F32 = torch.float32
 FP8 = torch.float8_e4m3fn
 
 CASES = [
-    # ---- ngram_ids ----
-    p("ngram_ids", "input_ids-float", set_("input_ids", lambda t: t.float()), "input_ids"),
-    p("ngram_ids", "qsl-float", set_("query_start_loc", lambda t: t.float()), "query_start_loc"),
-    p("ngram_ids", "qsl-2d", set_("query_start_loc", lambda t: t.view(1, 3)), "query_start_loc"),
-    p("ngram_ids", "context-float", set_("ngram_context", lambda t: t.double()), "ngram_context"),
-    p("ngram_ids", "context-1d", set_("ngram_context", lambda t: t.reshape(-1)), "ngram_context"),
-    p("ngram_ids", "context-rows", set_("ngram_context", lambda t: t[:1]), "ngram_context"),
-    p(
-        "ngram_ids",
-        "multipliers-int32",
-        set_("layer_multipliers", lambda t: t.to(I32)),
-        "layer_multipliers",
-    ),
-    p(
-        "ngram_ids",
-        "multipliers-len",
-        set_("layer_multipliers", lambda t: t[:2]),
-        "layer_multipliers",
-    ),
-    p(
-        "ngram_ids",
-        "multipliers-noncontig",
-        set_("layer_multipliers", noncontig),
-        "layer_multipliers",
-    ),
-    p(
-        "ngram_ids",
-        "sizes-len",
-        set_("ngram_heads_vocab_sizes", lambda t: t[:3]),
-        "ngram_heads_vocab_sizes",
-    ),
-    p(
-        "ngram_ids",
-        "sizes-zero",
-        set_("ngram_heads_vocab_sizes", lambda t: t.clone().index_fill_(0, torch.tensor([2]), 0)),
-        "ngram_heads_vocab_sizes",
-    ),
-    p(
-        "ngram_ids",
-        "sizes-negative",
-        set_("ngram_heads_vocab_sizes", lambda t: t.clone().index_fill_(0, torch.tensor([0]), -7)),
-        "ngram_heads_vocab_sizes",
-    ),
-    p(
-        "ngram_ids",
-        "offsets-float",
-        set_("ngram_heads_offsets", lambda t: t.float()),
-        "ngram_heads_offsets",
-    ),
-    p(
-        "ngram_ids",
-        "offsets-negative",
-        set_("ngram_heads_offsets", lambda t: t - 10_000),
-        "ngram_heads_offsets",
-    ),
-    p("ngram_ids", "heads_per_ngram-0", put("heads_per_ngram", 0), "heads_per_ngram"),
-    p("ngram_ids", "heads_per_ngram-negative", put("heads_per_ngram", -1), "heads_per_ngram"),
-    p(
-        "ngram_ids",
-        "context-too-many-cols",
-        put("ngram_context", lambda: torch.zeros(2, 8, dtype=torch.long)),
-        "ngram_context",
-    ),
-    p(
-        "ngram_ids",
-        "context-no-cols",
-        put("ngram_context", lambda: torch.zeros(2, 0, dtype=torch.long)),
-        "ngram_context",
-    ),
-    p(
-        "ngram_ids",
-        "qsl-empty",
-        put("query_start_loc", lambda: torch.zeros(0, dtype=I32)),
-        "query_start_loc",
-    ),
-    p(
-        "ngram_ids",
-        "offsets-overflow-int64",
-        set_("ngram_heads_offsets", lambda t: t + (INT64_MAX - 100)),
-        "ngram_heads_offsets",
-    ),
-    p(
-        "ngram_ids",
-        "output-int32-too-small",
-        lambda a: a.update(
-            output=sentinel((9, 4), I32), ngram_heads_offsets=a["ngram_heads_offsets"] + 2**31
-        ),
-        "output",
-    ),
-    p(
-        "ngram_ids",
-        "qsl-start-1",
-        put("query_start_loc", lambda: torch.tensor([1, 4, 9], dtype=I32)),
-        "query_start_loc",
-    ),
-    p(
-        "ngram_ids",
-        "qsl-decreasing",
-        put("query_start_loc", lambda: torch.tensor([0, 6, 4], dtype=I32)),
-        "query_start_loc",
-    ),
-    p(
-        "ngram_ids",
-        "qsl-past-T",
-        put("query_start_loc", lambda: torch.tensor([0, 4, 10], dtype=I32)),
-        "query_start_loc",
-    ),
-    p("ngram_ids", "output-shape", put("output", lambda: sentinel((9, 5), torch.int64)), "output"),
-    p("ngram_ids", "output-float", put("output", lambda: sentinel((9, 4), F32)), "output"),
-    p("ngram_ids", "meta-context", set_("ngram_context", meta), "ngram_context"),
-    p("ngram_ids", "meta-multipliers", set_("layer_multipliers", meta), "layer_multipliers"),
-    p("ngram_ids", "meta-qsl", set_("query_start_loc", meta), "query_start_loc"),
-    # head_divmod (ops.ngram_head_divmod of the sizes): checked like every argument, everywhere.
-    p(
-        "ngram_ids",
-        "divmod-int32",
-        put("head_divmod", lambda: head_divmod().to(I32)),
-        r"head_divmod must be int64 \[NH, 4\] = \[4, 4\]",
-    ),
-    p(
-        "ngram_ids",
-        "divmod-3-words",
-        put("head_divmod", lambda: head_divmod()[:, :3].contiguous()),
-        r"head_divmod must be int64 \[NH, 4\]",
-    ),
-    p(
-        "ngram_ids",
-        "divmod-too-few-heads",
-        put("head_divmod", lambda: head_divmod()[:3]),
-        r"head_divmod must be int64 \[NH, 4\]",
-    ),
-    p(
-        "ngram_ids",
-        "divmod-1d",
-        put("head_divmod", lambda: head_divmod().reshape(-1)),
-        r"head_divmod must be int64 \[NH, 4\]",
-    ),
-    p(
-        "ngram_ids",
-        "divmod-noncontig",
-        put("head_divmod", lambda: noncontig(head_divmod())),
-        "head_divmod must be contiguous",
-    ),
-    p(
-        "ngram_ids",
-        "divmod-transposed",
-        put("head_divmod", lambda: head_divmod().t().contiguous().t()),
-        "head_divmod must be contiguous",
-    ),
-    p(
-        "ngram_ids",
-        "divmod-misaligned",
-        put(
-            "head_divmod",
-            lambda: torch.cat([torch.zeros(1, dtype=torch.int64), head_divmod().reshape(-1)])[
-                1:
-            ].view(4, 4),
-        ),
-        "head_divmod must be 16-byte aligned",
-    ),
-    p(
-        "ngram_ids",
-        "meta-divmod",
-        put("head_divmod", lambda: meta(head_divmod())),
-        "head_divmod is on meta but input_ids is on cpu",
-    ),
     # ---- ple_conv (decode baseline) ----
     p("ple_conv", "inputs-int", set_("inputs", lambda t: t.to(I32)), "inputs"),
     p("ple_conv", "inputs-1d", set_("inputs", lambda t: t.reshape(-1)), "inputs"),
@@ -487,52 +289,9 @@ CASES = [
 ]
 
 
-def fused_baseline() -> dict:
-    """ngram_gather_rows on the n-gram baseline, into a table that holds every id it hashes."""
-    a = ngram_baseline()
-    a.pop("output")
-    a["table"] = torch.randn(NGRAM_HEADS.padded_rows, 6, generator=torch.Generator().manual_seed(5))
-    a["output"] = sentinel((9, 4 * 6), torch.float32)
-    return a
-
-
-def run_fused(a, kernels=ops):
-    hashing = [a.pop(k) for k in HASHING_ARGS]
-    kernels.ngram_gather_rows(*hashing, a.pop("table"), **a)
-
-
-OPS["ngram_gather_rows"] = (fused_baseline, run_fused, ("output",))
-# ngram_gather_rows checks its n-gram arguments with ngram_ids' own checks: every ngram_ids case
-# but those of ngram_ids' output (the one override without a named argument among them is one)
-# applies to it as it is (its table and output checks are gather_rows', tested in
-# tests/test_ngram_gather_rows.py).
-CASES += [
-    p("ngram_gather_rows", case.id.split("-", 1)[1], *case.values[1:])
-    for case in list(CASES)
-    if case.values[0] == "ngram_ids" and getattr(case.values[1], "arg", "output") != "output"
-]
-# Its own argument (gather_rows' grid cap, checked under the fused op's name).
-CASES.append(
-    p(
-        "ngram_gather_rows",
-        "max_blocks-negative",
-        put("max_blocks", -1),
-        r"ngram_gather_rows: max_blocks must be >= 0 \(0: no cap\), got -1",
-    )
-)
-
-
 # Index values that only the data shows: errors on the CPU, which reads them for free; on the GPU
 # (and the SIMT emulator) only with debug checks (tests/test_gpu_debug_checks.py).
 DATA_ONLY = {
-    "ngram_ids-output-int32-too-small",
-    "ngram_ids-sizes-zero",
-    "ngram_ids-sizes-negative",
-    "ngram_ids-offsets-negative",
-    "ngram_ids-offsets-overflow-int64",
-    "ngram_ids-qsl-start-1",
-    "ngram_ids-qsl-decreasing",
-    "ngram_ids-qsl-past-T",
     "ple_conv-state_indices-negative",
     "ple_conv-state_indices-eq-slots",
     "ple_conv-state_indices-duplicate",

@@ -1,6 +1,6 @@
-"""What the gather_rows tests share (tests/gather_rows/, tests/test_ngram_gather_rows.py): the
-switch between the CPU kernel's two paths and the one of its fp8 conversions, tables that hold
-every finite bit pattern, and what the grid-cap (max_blocks) tests need of the HIP kernels'
+"""What the gather_rows tests share (tests/gather_rows/, tests/ngram_gather_rows/): the switch
+between the CPU kernel's two paths and the one of its fp8 conversions, tables that hold every
+finite bit pattern, and what the grid-cap (max_blocks) tests need of the HIP kernels'
 launches."""
 
 from __future__ import annotations

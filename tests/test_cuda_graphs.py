@@ -12,16 +12,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bad_inputs_support import OPS
+import bad_inputs_support
 from conftest import devices
 from gather_rows import bad_inputs as gather_rows_bad_inputs
+from ngram_gather_rows import bad_inputs as ngram_gather_rows_cases
+from ngram_ids import bad_inputs as ngram_ids_cases
 from ple_gate.bad_inputs import OPS as PLE_GATE_OPS
 from qwen4exp_ext.testing import assert_exact
 
-pytestmark = pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and a GPU build")
+# Every op's bad-input baseline: those still in the shared table, and those of the op folders
+# (tests/<op>/bad_inputs.py).
+OPS = {
+    **bad_inputs_support.OPS,
+    **ngram_ids_cases.OPS,
+    **ngram_gather_rows_cases.OPS,
+    **gather_rows_bad_inputs.OPS,
+    **PLE_GATE_OPS,
+}
 
-# The ops whose bad-input tables moved into their folders (tests/<op>/bad_inputs.py).
-OPS = {**OPS, **gather_rows_bad_inputs.OPS, **PLE_GATE_OPS}
+pytestmark = pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and a GPU build")
 
 
 def _on_cuda(args: dict) -> dict:

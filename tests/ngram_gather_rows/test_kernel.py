@@ -5,7 +5,7 @@ and its generic one, vocabulary shards, requests with EOS inside and empty ones,
 and outputs, NVFP4 tables and tables whose rows are not 16-byte pieces (these, and orders other
 than N = 3, take the GPU glue's other path: the two kernels through an ids buffer); the same
 output under a capped grid (max_blocks) on both paths; plus opcheck and the errors of its own
-arguments."""
+arguments (named after the op; its bad-input cases are bad_inputs.py's)."""
 
 from __future__ import annotations
 
@@ -24,49 +24,12 @@ from gather_support import (
     take_launch_record,
 )
 from ngram_support import HASHING_ARGS
-from qwen4exp_ext import layout, ops, reference
+from qwen4exp_ext import ops, reference
 from qwen4exp_ext.testing import assert_exact, same_layout
 
+from .support import EOS, VOCAB, call, expected, make_batch
+
 BACKENDS = backends()
-VOCAB, EOS, SEED = 97, 5, 7
-
-
-def make_batch(ngram_size: int, heads_per_ngram: int, lengths: list[int], gen, device):
-    """The n-gram arguments of one batch: requests of `lengths` tokens (EOS inside), their
-    contexts, the layer's constants; and the table rows the layout spans."""
-    num_heads = (ngram_size - 1) * heads_per_ngram
-    heads = layout.head_vocab_layout(60, num_heads, 1, 8)
-    input_ids = torch.randint(0, VOCAB, (sum(lengths),), generator=gen)
-    input_ids[torch.rand(input_ids.shape, generator=gen) < 0.1] = EOS
-    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    context = torch.randint(0, VOCAB, (len(lengths), ngram_size - 1), generator=gen)
-    args = dict(
-        input_ids=input_ids,
-        query_start_loc=starts,
-        ngram_context=context,
-        layer_multipliers=torch.tensor(layout.layer_multipliers(VOCAB, ngram_size, SEED, 1)),
-        ngram_heads_vocab_sizes=torch.tensor(heads.sizes),
-        ngram_heads_offsets=torch.tensor(heads.offsets),
-        eos_token_id=EOS,
-        heads_per_ngram=heads_per_ngram,
-    )
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}, (
-        heads.padded_rows
-    )
-
-
-def expected(args: dict, table, **gather) -> torch.Tensor:
-    """The oracle's composition, on the CPU."""
-    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    ids = reference.ngram_ids(**cpu)
-    gather = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in gather.items()}
-    return reference.gather_rows(table.cpu(), ids, **gather)
-
-
-def call(backend, args: dict, table, **gather) -> torch.Tensor:
-    a = dict(args)
-    positional = [a.pop(k) for k in HASHING_ARGS]
-    return backend.ops.ngram_gather_rows(*positional, table, **a, **gather)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)

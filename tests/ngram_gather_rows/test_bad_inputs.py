@@ -1,0 +1,40 @@
+"""ngram_gather_rows' bad inputs (bad_inputs.py): each raises an error that names the offending
+argument (under the fused op's name) and leaves the output bit-identical, on the CPU kernel and
+the SIMT emulator's HIP kernels (whose host glue is the GPU build's). The DATA_ONLY cases, bad
+index values that only the data shows, are not errors there without debug checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from bad_inputs_support import (
+    check_debug_checks_pass_valid_inputs,
+    check_raises_and_writes_nothing,
+    cpu_backends,
+    device_index_backends,
+)
+
+from .bad_inputs import CASES, DATA_CASES, OPS
+
+_DATA_OVERRIDES = {case.values[1] for case in DATA_CASES}
+
+
+@pytest.mark.parametrize("backend", cpu_backends(), ids=str)
+@pytest.mark.parametrize("op,override,match,exc", CASES)
+def test_bad_input_raises_and_writes_nothing(backend, op, override, match, exc):
+    if backend.reads_indices_on_device and override in _DATA_OVERRIDES:
+        pytest.skip("an index value, not an error without debug checks on this backend")
+    check_raises_and_writes_nothing(OPS[op], backend, override, match, exc)
+
+
+@pytest.mark.parametrize("backend", cpu_backends(), ids=str)
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_baselines_are_valid(backend, op):
+    baseline, run, _ = OPS[op]
+    run(baseline(), backend.ops)
+
+
+@pytest.mark.parametrize("backend", device_index_backends(), ids=str)
+def test_debug_checks_pass_valid_inputs(backend):
+    for spec in OPS.values():
+        check_debug_checks_pass_valid_inputs(spec, backend)
