@@ -65,8 +65,6 @@ def test_debug_checks_raise_the_cpu_error_and_write_nothing(backend, op, overrid
 @pytest.mark.parametrize("op,override,match,exc", DATA_CASES)
 def test_without_debug_checks_bad_values_stay_in_bounds(backend, op, override, match, exc):
     args, run, mutable = bad_args(op, override, backend)
-    state = args.get("conv_state")
-    before = state.clone() if state is not None else None
     with qwen4exp_ext.debug_checks(enabled=False):
         run(dict(args), backend.ops)
     synchronize(backend)
@@ -80,13 +78,6 @@ def test_without_debug_checks_bad_values_stay_in_bounds(backend, op, override, m
         assert (out[bad_head] == -1).all()
         in_range = (out >= offsets) & (out - offsets < sizes)  # offsets + sizes may overflow
         assert (in_range | (out == -1)).all()
-    else:
-        # Slots no in-range index names keep their bytes.
-        slots = args["state_indices"].view(-1).long().cpu()
-        named = {int(s) for s in slots if 0 <= s < state.shape[0]}
-        for slot in range(state.shape[0]):
-            if slot not in named:
-                assert torch.equal(state[slot], before[slot]), f"slot {slot} was written"
 
 
 @pytest.mark.parametrize("backend", DEVICE_INDEX_BACKENDS, ids=str)
