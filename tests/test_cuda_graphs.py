@@ -2,7 +2,7 @@
 
 vLLM captures its decode steps in CUDA graphs: a kernel whose launcher reads a tensor on the host
 (a sync), allocates, or caches a pointer or a value at capture time fails the capture or replays
-stale work. Each op's valid baseline from the bad-input table is captured once; then its inputs
+stale work. Each op's valid baseline from the bad-input tables is captured once; then its inputs
 are rewritten in place (new values, ids pointing at other rows) and the graph is replayed, twice,
 against eager calls on the same new values, outputs and in-out state (the conv's) compared bit
 for bit. Runs where there is a GPU and a GPU build (tools/check-gpu.sh)."""
@@ -12,9 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bad_inputs_support import OPS
+from bad_inputs_support import OPS as SHARED_OPS
 from conftest import devices
+from ple_conv.bad_inputs import OPS as PLE_CONV_OPS
 from qwen4exp_ext.testing import assert_exact
+
+# Every op's valid baselines: the shared table's, and those the op folders hold.
+OPS = {**SHARED_OPS, **PLE_CONV_OPS}
 
 pytestmark = pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and a GPU build")
 
