@@ -36,9 +36,9 @@ def _import_triton_for_its_interpreter() -> None:
     (``tl.zeros``, ``tl.sum``...) is made of interpreter functions: imported first by anything
     else (torch.compile does, when it probes for Triton), vLLM's kernels then fail under the CPU
     interpreter with "Cannot call @triton.jit'd outside of the scope of a kernel", so the
-    outcome of tests/test_ple_conv.py depended on which test file ran first. On a machine with
-    no GPU, nothing else can use Triton, so the session imports it under the interpreter before
-    any test does. With a GPU, Triton stays as it is for torch.compile."""
+    outcome of tests/ple_conv/test_kernel.py depended on which test file ran first. On a machine
+    with no GPU, nothing else can use Triton, so the session imports it under the interpreter
+    before any test does. With a GPU, Triton stays as it is for torch.compile."""
     if torch.cuda.is_available() or "triton" in sys.modules:
         return
     if importlib.util.find_spec("triton") is None or vllm_triton.ple_source_path() is None:

@@ -248,3 +248,23 @@ def dtype_range(dtype) -> tuple[int, int]:
 def _current_test() -> str:
     """The running test's node id, as pytest names it (what replays it)."""
     return os.environ.get("PYTEST_CURRENT_TEST", "tests").rsplit(" ", 1)[0]
+
+
+# --- request layouts of varlen batches (ngram_ids, ple_conv) ------------------------------------
+
+
+def draw_request_lengths(draw, *, longest: int, many: int) -> list[int]:
+    """A varlen batch's chunk lengths: mixed (empty, single-token and longer requests), many
+    single-token requests (a decode batch), one long chunk, or only empty requests."""
+    kind = draw(st.sampled_from(["mixed", "many_single", "one_long", "all_empty"]), label="batch")
+    if kind == "mixed":
+        lengths = draw(
+            st.lists(sizes([0, 1, 1, 2, 3], 0, longest // 3), max_size=8), label="lengths"
+        )
+    elif kind == "many_single":
+        lengths = [1] * draw(st.integers(1, many), label="requests")
+    elif kind == "one_long":
+        lengths = [draw(st.integers(0, longest), label="length")]
+    else:
+        lengths = [0] * draw(st.integers(0, 4), label="requests")
+    return lengths

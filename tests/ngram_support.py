@@ -1,5 +1,5 @@
 """The toy n-gram config the layer tests share (tests/test_ngram_embedding.py,
-tests/test_bad_inputs.py, tests/test_sharding.py), and its table's layout."""
+tests/test_load_weights.py, tests/test_sharding.py), and its table's layout."""
 
 from __future__ import annotations
 

@@ -1634,9 +1634,9 @@ def test_every_vllm_row_declares_its_contender_as_on_a_gpu(monkeypatch: pytest.M
         assert small[name]["decode_T8"].check() is None, name
     # Not ple_gate's, ple_conv's nor NVFP4's (bf16 out): Triton's interpreter has no bf16
     # arithmetic of a GPU's (it truncates fp32 to bf16, triton-lang/triton#8322; the conv's bf16
-    # state comes out as garbage). tests/ple_gate/test_kernel.py, test_ple_conv.py and the
-    # host_lookup test above hold vLLM's kernels to ours in fp16 and fp32, and on a GPU the bench's
-    # own check does in bf16.
+    # state comes out as garbage). tests/ple_gate/test_kernel.py, tests/ple_conv/test_kernel.py
+    # and the host_lookup test above hold vLLM's kernels to ours in fp16 and fp32, and on a GPU
+    # the bench's own check does in bf16.
     # The pinned branch (a table_for_ref) in every format: vLLM's Triton lookup.
     gen = torch.Generator().manual_seed(3)
     for kind in ("bf16", "fp8", "nvfp4"):

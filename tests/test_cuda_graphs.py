@@ -2,7 +2,7 @@
 
 vLLM captures its decode steps in CUDA graphs: a kernel whose launcher reads a tensor on the host
 (a sync), allocates, or caches a pointer or a value at capture time fails the capture or replays
-stale work. Each op's valid baseline from the bad-input table is captured once; then its inputs
+stale work. Each op's valid baseline from the bad-input tables is captured once; then its inputs
 are rewritten in place (new values, ids pointing at other rows) and the graph is replayed, twice,
 against eager calls on the same new values, outputs and in-out state (the conv's) compared bit
 for bit. Runs where there is a GPU and a GPU build (tools/check-gpu.sh)."""
@@ -12,22 +12,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-import bad_inputs_support
 from conftest import devices
-from gather_rows import bad_inputs as gather_rows_bad_inputs
+from gather_rows import bad_inputs as gather_rows_cases
 from ngram_gather_rows import bad_inputs as ngram_gather_rows_cases
 from ngram_ids import bad_inputs as ngram_ids_cases
-from ple_gate.bad_inputs import OPS as PLE_GATE_OPS
+from ple_conv import bad_inputs as ple_conv_cases
+from ple_gate import bad_inputs as ple_gate_cases
 from qwen4exp_ext.testing import assert_exact
 
-# Every op's bad-input baseline: those still in the shared table, and those of the op folders
-# (tests/<op>/bad_inputs.py).
+# Every op's valid baselines, from its folder's bad-input specs (tests/<op>/bad_inputs.py).
 OPS = {
-    **bad_inputs_support.OPS,
     **ngram_ids_cases.OPS,
     **ngram_gather_rows_cases.OPS,
-    **gather_rows_bad_inputs.OPS,
-    **PLE_GATE_OPS,
+    **gather_rows_cases.OPS,
+    **ple_gate_cases.OPS,
+    **ple_conv_cases.OPS,
 }
 
 pytestmark = pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and a GPU build")

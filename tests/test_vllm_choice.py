@@ -19,11 +19,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ple_conv.support import make_batch
 from qwen4exp_ext import ops
 from qwen4exp_ext.bench import vllm_triton
 from qwen4exp_ext.testing import assert_exact
 from qwen4exp_ext.vllm import choice, shims
-from test_ple_conv import make_batch
 from vllm_support import recorded_ops, require_vllm
 
 pytestmark = require_vllm()

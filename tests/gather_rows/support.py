@@ -1,6 +1,6 @@
 """What the gather_rows tests share (test_kernel.py, test_properties.py, test_bad_inputs.py): ids
-with out-of-range values and the CPU-path fixture. The helpers that tests/test_ngram_gather_rows.py
-and the fuzzing share too (make_table, the CPU switches, the grid-cap sizes) are in
+with out-of-range values and the CPU-path fixture. The helpers that tests/ngram_gather_rows/ and
+the fuzzing share too (make_table, the CPU switches, the grid-cap sizes) are in
 tests/gather_support.py."""
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from fuzz_support import (
     assert_unchanged,
     draw_layout_1d,
     draw_layout_2d,
+    draw_request_lengths,
     dtype_range,
     fuzz,
     generator,
@@ -28,24 +29,6 @@ from fuzz_support import (
 )
 from qwen4exp_ext import reference
 from qwen4exp_ext.testing import assert_exact
-
-
-# The same as tests/test_fuzz.py's, which ple_conv's fuzzing draws from too.
-def draw_request_lengths(draw, *, longest: int, many: int) -> list[int]:
-    """A varlen batch's chunk lengths: mixed (empty, single-token and longer requests), many
-    single-token requests (a decode batch), one long chunk, or only empty requests."""
-    kind = draw(st.sampled_from(["mixed", "many_single", "one_long", "all_empty"]), label="batch")
-    if kind == "mixed":
-        lengths = draw(
-            st.lists(sizes([0, 1, 1, 2, 3], 0, longest // 3), max_size=8), label="lengths"
-        )
-    elif kind == "many_single":
-        lengths = [1] * draw(st.integers(1, many), label="requests")
-    elif kind == "one_long":
-        lengths = [draw(st.integers(0, longest), label="length")]
-    else:
-        lengths = [0] * draw(st.integers(0, 4), label="requests")
-    return lengths
 
 
 def ngram_body(backend, draw: Recorder) -> None:

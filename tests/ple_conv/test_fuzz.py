@@ -1,6 +1,7 @@
-"""Fuzzing of every op against the reference oracle (SPEC §9.8), with the time-bounded kit of
-tests/fuzz_support.py (what is drawn, the budget, how to replay a failure).
-"""
+"""Fuzzing of ple_conv (SPEC §6) against the reference oracle (SPEC §9.8), within the tolerance of
+tests/ple_conv/test_kernel.py, with the time-bounded kit of tests/fuzz_support.py (what is drawn,
+the budget, how to replay a failure): every mode, dtype, K, dilation, state layout and stride,
+index dtype, token map, null and unreferenced slots and padding requests."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from fuzz_support import (
     assert_unchanged,
     draw_layout_1d,
     draw_layout_2d,
+    draw_request_lengths,
     fuzz,
     generator,
     place,
@@ -26,28 +28,6 @@ from fuzz_support import (
 )
 from qwen4exp_ext import reference
 from qwen4exp_ext.testing import assert_exact, assert_within, tolerance
-
-# --- shared: ple_conv's batches (below); ngram_ids' fuzzing has its copy (tests/ngram_ids/) -------
-
-
-def draw_request_lengths(draw, *, longest: int, many: int) -> list[int]:
-    """A varlen batch's chunk lengths: mixed (empty, single-token and longer requests), many
-    single-token requests (a decode batch), one long chunk, or only empty requests."""
-    kind = draw(st.sampled_from(["mixed", "many_single", "one_long", "all_empty"]), label="batch")
-    if kind == "mixed":
-        lengths = draw(
-            st.lists(sizes([0, 1, 1, 2, 3], 0, longest // 3), max_size=8), label="lengths"
-        )
-    elif kind == "many_single":
-        lengths = [1] * draw(st.integers(1, many), label="requests")
-    elif kind == "one_long":
-        lengths = [draw(st.integers(0, longest), label="length")]
-    else:
-        lengths = [0] * draw(st.integers(0, 4), label="requests")
-    return lengths
-
-
-# --- ple_conv (SPEC §6): tolerance of tests/test_ple_conv.py --------------------------------------
 
 
 def draw_state(draw, state: torch.Tensor) -> Laid:

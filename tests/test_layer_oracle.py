@@ -1,0 +1,175 @@
+"""The layer-level oracle: reference.ple_layer (SPEC §7) and the hyper-connections (§8) against HF
+transformers 5.18. CPU only; every case is seeded. (Each kernel op's oracle is tested in its
+folder: tests/<op>/test_oracle.py, and its SPEC properties in tests/<op>/test_properties.py.)"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+import torch
+
+from qwen4exp_ext import reference as ref
+from qwen4exp_ext.testing import assert_exact
+
+pytest.importorskip("transformers.models.qwen4_exp")
+from transformers.models.qwen4_exp.modeling_qwen4_exp import (  # noqa: E402
+    Qwen4ExpTextGatedResidual,
+    Qwen4ExpTextPLELayer,
+)
+
+from hf_support import EOS, tiny_config  # noqa: E402
+from ple_conv.support import new_state  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------------
+# §7 the layer against transformers
+# --------------------------------------------------------------------------------------------
+def hf_ple_layer(cfg, ple_layer_index, seed):
+    torch.manual_seed(seed)
+    layer = Qwen4ExpTextPLELayer(cfg, layer_idx=0, ple_layer_index=ple_layer_index)
+    with torch.no_grad():
+        for norm in (layer.norm_key, layer.norm_query, layer.norm_conv):
+            norm.weight.normal_(0.0, 0.3)
+        layer.conv1d.weight.normal_(0.0, 0.5)
+    emb = layer.ple_embedding
+    weights = dict(
+        table=emb.ngram_embedding.weight.detach(),
+        layer_multipliers=emb.layer_multipliers,
+        head_sizes=emb.ngram_heads_vocab_sizes,
+        head_offsets=emb.ngram_heads_offsets,
+        eos_token_id=EOS,
+        heads_per_ngram=cfg.heads_per_ngram,
+        w_kv=torch.cat([layer.key_proj.weight, layer.value_proj.weight]).detach(),
+        norm_key_w=layer.norm_key.weight.detach(),
+        norm_query_w=layer.norm_query.weight.detach(),
+        norm_conv_w=layer.norm_conv.weight.detach(),
+        conv_weights=layer.conv1d.weight.detach().squeeze(1),
+        eps=cfg.rms_norm_eps,
+    )
+    return layer, weights
+
+
+LAYER_CASES = [
+    dict(ple_layer_index=0, cfg={}),
+    dict(
+        ple_layer_index=1,
+        cfg=dict(
+            ngram_size=2, heads_per_ngram=3, ple_embed_dim=12, hc_count=2, ple_conv_kernel_size=3
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=["L0-N3", "L1-N2"])
+def test_ple_layer_matches_transformers_prefill(case):
+    cfg = tiny_config(**case["cfg"])
+    layer, weights = hf_ple_layer(cfg, case["ple_layer_index"], seed=14)
+    gen = torch.Generator().manual_seed(15)
+    B, S_len, C = 3, 17, cfg.hc_count * cfg.hidden_size
+    ids = torch.randint(0, cfg.vocab_size, (B, S_len), generator=gen)
+    ids[ids % 6 == 0] = EOS
+    hidden = torch.randn(B, S_len, C, generator=gen) * 2
+    with torch.no_grad():
+        theirs = layer(hidden, ids, None)
+    qsl = torch.arange(0, B * S_len + 1, S_len, dtype=torch.int32)
+    context = torch.full((B, cfg.ngram_size - 1), EOS)
+    ours = ref.ple_layer(hidden.reshape(-1, C), ids.reshape(-1), qsl, context, **weights)
+    torch.testing.assert_close(ours.reshape(B, S_len, C), hidden + theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_ple_layer_chunked_with_state_matches_transformers():
+    """Chunked prefill + decode through one persistent conv state and the right n-gram context
+    gives transformers' whole-sequence output."""
+    cfg = tiny_config()
+    layer, weights = hf_ple_layer(cfg, 0, seed=16)
+    gen = torch.Generator().manual_seed(17)
+    S_len, C, n_ctx = 19, cfg.hc_count * cfg.hidden_size, cfg.ngram_size - 1
+    ids = torch.randint(0, cfg.vocab_size, (S_len,), generator=gen)
+    ids[[3, 4, 11]] = EOS
+    hidden = torch.randn(S_len, C, generator=gen)
+    with torch.no_grad():
+        expected = hidden + layer(hidden[None], ids[None], None)[0]
+    state_len = (cfg.ple_conv_kernel_size - 1) * cfg.ngram_size
+    state = new_state(3, C, state_len, torch.float32, "window_first")
+    slot = torch.tensor([2])
+    outs = []
+    bounds = [0, 5, 6, 13, 17, 18, 19]  # prefill chunks, then single tokens through decode
+    for a, b in pairwise(bounds):
+        before = [EOS] * n_ctx + ids[:a].tolist()
+        context = torch.tensor([before[len(before) - n_ctx :]])
+        mode = "decode" if b - a == 1 and a > 13 else "prefill"
+        outs.append(
+            ref.ple_layer(
+                hidden[a:b],
+                ids[a:b],
+                torch.tensor([0, b - a]),
+                context,
+                conv_state=state,
+                state_indices=slot,
+                mode=mode,
+                has_initial_states=torch.tensor([a > 0]),
+                **weights,
+            )
+        )
+    torch.testing.assert_close(torch.cat(outs), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_ple_layer_fp8_table_dequantises_like_vllm():
+    cfg = tiny_config()
+    _, weights = hf_ple_layer(cfg, 0, seed=18)
+    scale = torch.tensor(0.02)
+    fp8 = (weights["table"] / scale).to(torch.float8_e4m3fn)
+    gen = torch.Generator().manual_seed(19)
+    ids = torch.randint(0, cfg.vocab_size, (9,), generator=gen)
+    hidden = torch.randn(9, cfg.hc_count * cfg.hidden_size, generator=gen).to(torch.bfloat16)
+    args = (hidden, ids, torch.tensor([0, 9]), torch.full((1, 2), EOS))
+    quant = dict(weights, table=fp8, table_scale=scale)
+    dequant = dict(weights, table=fp8.to(torch.bfloat16) * scale.to(torch.bfloat16))
+    assert_exact(ref.ple_layer(*args, **quant), ref.ple_layer(*args, **dequant))
+
+
+# --------------------------------------------------------------------------------------------
+# §8 hyper-connections
+# --------------------------------------------------------------------------------------------
+def test_hc_mix_and_combine():
+    gen = torch.Generator().manual_seed(20)
+    x = torch.randn(2, 5, 3 * 4, generator=gen)
+    block = torch.randn(2, 5, 4, generator=gen)
+    torch.testing.assert_close(ref.hc_mix(x, 3), (x[..., :4] + x[..., 4:8] + x[..., 8:]) / 3)
+    assert_exact(ref.hc_combine(block, x), x + block.repeat(1, 1, 3))
+
+
+@pytest.mark.parametrize("hc_count,hidden_size,lowrank", [(2, 8, 3), (4, 6, 5)])
+def test_gated_residual_matches_transformers(hc_count, hidden_size, lowrank):
+    cfg = tiny_config(hc_count=hc_count, hidden_size=hidden_size, hc_lowrank=lowrank)
+    torch.manual_seed(21)
+    module = Qwen4ExpTextGatedResidual(cfg)
+    with torch.no_grad():
+        module.hc_norm.weight.normal_(0.0, 0.3)
+    gen = torch.Generator().manual_seed(22)
+    x = torch.randn(3, 7, hc_count * hidden_size, generator=gen) * 2
+    block = torch.randn(3, 7, hidden_size, generator=gen)
+    with torch.no_grad():
+        mixed_hf, hyper_hf, inj_hf = module(x)
+        combined_hf = hyper_hf + (block.unsqueeze(-2) * inj_hf.unsqueeze(-1)).flatten(-2)
+    w = {k: v.detach() for k, v in module.named_parameters()}
+    mixed, normed = ref.gated_residual_mix(
+        x,
+        w["hc_norm.weight"],
+        w["input_mix_weight_down.weight"],
+        w["input_mix_weight_up.weight"],
+        hc_count=hc_count,
+        eps=cfg.rms_norm_eps,
+    )
+    torch.testing.assert_close(mixed, mixed_hf, rtol=1e-5, atol=1e-6)
+    combined = ref.gated_residual_combine(block, x, normed, w["block_inject_weight.weight"])
+    torch.testing.assert_close(combined, combined_hf, rtol=1e-5, atol=1e-6)
+
+
+def test_gated_residual_shared_norm_weight():
+    """vLLM's hc_per_branch_norm=False: one [H] weight shared by every stream."""
+    gen = torch.Generator().manual_seed(23)
+    x = torch.randn(4, 3 * 8, generator=gen).to(torch.bfloat16)
+    w = torch.randn(8, generator=gen).to(torch.bfloat16)
+    assert_exact(ref.grouped_rms_norm(x, w, 8, 1e-6), ref.grouped_rms_norm(x, w.repeat(3), 8, 1e-6))
