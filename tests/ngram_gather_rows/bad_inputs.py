@@ -52,7 +52,7 @@ CASES.append(
 
 # The cases derived from ngram_ids' DATA_ONLY ones: bad values that only the index data shows, not
 # errors without debug checks on the backends that read indices on the device (skipped there, as
-# ngram_ids' are; unlike those, not yet run with debug checks).
+# ngram_ids' are; run there with and without debug checks by test_bad_inputs.py).
 DATA_ONLY = {
     case.id
     for case in CASES
