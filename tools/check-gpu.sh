@@ -98,10 +98,10 @@ stage "tests ($((SECONDS - t0)) s)" $tests_status
 
 echo "== compute-sanitizer memcheck"
 # No caching allocator: memcheck then sees each tensor's own bounds rather than a pooled block's.
-# tests/test_gpu_debug_checks.py runs the bad-index data the kernels must survive without debug
+# The debug_checks tests of tests/<op>/test_bad_inputs.py run the bad-index data the kernels must survive without debug
 # checks. 86: a memory error; 124: ran out of time.
 memcheck_seconds="${MEMCHECK_SECONDS:-150}"
-memcheck_tests="${MEMCHECK_TESTS:-cuda and (gpu_debug or matches_reference or oracle_composition or decode_window)}"
+memcheck_tests="${MEMCHECK_TESTS:-cuda and (debug_checks or matches_reference or oracle_composition or decode_window)}"
 memcheck_status=0
 if [ "$memcheck_seconds" != 0 ]; then
   t0=$SECONDS

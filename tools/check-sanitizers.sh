@@ -47,7 +47,7 @@
 # the repo, csrc/cpu/ngram_ids.cpp got, at the end of ngram_ids_cpu, (a) a one-byte write past
 # the end of the output's storage and, separately, (b) a signed int overflow of INT_MAX + T. The
 # copy's tools/check-sanitizers.sh then failed (exit 1) at the first ngram_ids call
-# (test_ngram_ids.py::test_golden_toy_case) with (a) "AddressSanitizer: heap-buffer-overflow ...
+# (then tests/test_ngram_ids.py::test_golden_toy_case) with (a) "AddressSanitizer: heap-buffer-overflow ...
 # WRITE of size 1 ... ngram_ids.cpp:99" and (b) "ngram_ids.cpp:102:28: runtime error: signed
 # integer overflow"; (b) went unreported until -fno-wrapv was added, and was lost in pytest's
 # capture until --capture=sys.
@@ -58,10 +58,11 @@ venv="${QWEN4EXP_VENV:-$root/.venv}"
 py="${PYTHON:-$venv/bin/python}"
 sanitize="${QWEN4EXP_SANITIZE:-address,undefined}"
 cxx="${CXX:-c++}"  # the compiler torch's cpp_extension builds with
+# Every kernel op's folder (its test_fuzz.py draws random shapes, strides and layouts: what a
+# sanitizer is best at catching), and the fused op's bad inputs.
 tests=(
-  tests/test_ngram_ids.py tests/test_gather_rows.py tests/test_ple_gate.py tests/test_ple_conv.py
-  tests/test_bad_inputs.py tests/test_gpu_debug_checks.py tests/test_fast_divmod.py
-  tests/test_fuzz.py  # random shapes/strides/layouts: what a sanitizer is best at catching
+  tests/ngram_ids tests/gather_rows tests/ple_gate tests/ple_conv
+  tests/ngram_gather_rows/test_bad_inputs.py tests/test_fast_divmod.py
 )
 # The fuzz budget per op under the sanitizers (slower than a plain build: fewer examples).
 export QWEN4EXP_FUZZ_SECONDS="${QWEN4EXP_FUZZ_SECONDS:-6}"

@@ -92,7 +92,7 @@ QWEN4EXP_HD float round_to(float x) {
 // The fp32 sigmoid as vLLM writes it, 1 / (1 + exp(-x)), on every backend alike: exp in double,
 // rounded once to fp32, is the correctly rounded fp32 exp (but for a double-rounding tie, some
 // 2^-29 of inputs), where a device expf is off by up to 2 units in the last place. It is what
-// makes the GPU's 16-bit ple_conv equal the CPU's bit for bit (tests/test_ple_conv.py checks
+// makes the GPU's 16-bit ple_conv equal the CPU's bit for bit (tests/ple_conv/ checks
 // every 16-bit input), with a·b+c never contracted into an FMA (setup.py's device flags).
 QWEN4EXP_HD float sigmoid_f32(float x) {
   const float e = static_cast<float>(exp(-static_cast<double>(x)));

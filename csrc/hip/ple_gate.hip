@@ -15,7 +15,7 @@
 //   (1+w_q))) (a second); g; Σ round(g·v)² (a third); then the two outputs. The rounding points
 //   are vLLM's; the summation order is a tree, not numpy's, so bf16/fp16 results can differ from
 //   the CPU kernel by one unit in the last place where a sum lands next to a rounding boundary
-//   (the tolerance tests/test_ple_gate.py states for every backend).
+//   (the tolerance tests/ple_gate/ states for every backend).
 // - "fp32" rounding: Σk², Σq², Σk·q·(1+w_k)(1+w_q), Σv² in one group sum, then the outputs.
 // Roundings to bf16/fp16 use the conversion instructions where the device has them
 // (block_reduce.h: the emulation's bits).

@@ -355,7 +355,7 @@ class KernelOps:
         (normed key and query, products, dot, d, |d|^½, g, gated): fp16 results equal vLLM's kernel
         bit for bit (as run by Triton's interpreter). ``rounding="fp32"`` is the fast single pass:
         fp32 intermediates, one fused weight (1+w_q)(1+w_k), one Σvalue² per token for all streams;
-        its tolerance against the fp32 reference is stated and tested in tests/test_ple_gate.py.
+        its tolerance against the fp32 reference is stated and tested in tests/ple_gate/.
 
         ``out=(gated, conv_input)`` writes into preallocated [T, C] row-major views instead of new
         tensors (and returns them), as vLLM's callers reuse buffers.

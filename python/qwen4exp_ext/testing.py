@@ -81,7 +81,7 @@ TOLERANCES: dict[tuple[str, str | None, torch.dtype, str], Tolerance] = {
     # ple_gate, "fp32" rounding (the fast single pass): every element within one unit in the last
     # place of the output dtype of the exactly computed (fp64) result (fp32: 2e-5 relative), and
     # so of the reference in this rounding; in bf16/fp16 also never further from the fp64 result
-    # than 2x the "vllm"-rounded result is (flash-attention's rule; tests/test_ple_gate.py). One
+    # than 2x the "vllm"-rounded result is (flash-attention's rule; tests/ple_gate/). One
     # caveat, by analysis, not by test: where d is within fp32 rounding of 0, sign(d) can differ,
     # and g differs by up to sqrt(1e-6)/4 = 2.5e-4 absolute.
     **{("ple_gate", "fp32", dt, "reference"): Tolerance(1e-5, _ULP[dt]) for dt in _FLOATS},
