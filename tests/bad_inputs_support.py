@@ -161,3 +161,61 @@ def check_debug_checks_pass_valid_inputs(spec, backend) -> None:
     with qwen4exp_ext.debug_checks():
         run(on_device(baseline(), backend.device), backend.ops)
     synchronize(backend)
+
+
+# ---- the tests every op's table gets ---------------------------------------------------------
+# Each op's tests/<op>/test_bad_inputs.py names these in its own namespace (pytest collects them
+# there, with the same ids in every folder), then adds the tests only its op has: "data, never
+# errors", and what its kernels must do with bad index values when debug checks are off.
+
+
+def table_tests(table) -> tuple:
+    """(test_bad_input_raises_and_writes_nothing, test_baselines_are_valid,
+    test_debug_checks_pass_valid_inputs) for an op's table (its bad_inputs module: OPS, CASES,
+    DATA_CASES). The DATA_ONLY cases are skipped where the kernels read indices on the device."""
+    data_overrides = {case.values[1] for case in table.DATA_CASES}
+
+    @pytest.mark.parametrize("backend", cpu_backends(), ids=str)
+    @pytest.mark.parametrize("op,override,match,exc", table.CASES)
+    def test_bad_input_raises_and_writes_nothing(backend, op, override, match, exc):
+        if backend.reads_indices_on_device and override in data_overrides:
+            pytest.skip("an index value, not an error without debug checks on this backend")
+        check_raises_and_writes_nothing(table.OPS[op], backend, override, match, exc)
+
+    @pytest.mark.parametrize("backend", cpu_backends(), ids=str)
+    @pytest.mark.parametrize("op", sorted(table.OPS))
+    def test_baselines_are_valid(backend, op):
+        baseline, run, _ = table.OPS[op]
+        run(baseline(), backend.ops)
+
+    @pytest.mark.parametrize("backend", device_index_backends(), ids=str)
+    def test_debug_checks_pass_valid_inputs(backend):
+        for spec in table.OPS.values():
+            check_debug_checks_pass_valid_inputs(spec, backend)
+
+    return (
+        test_bad_input_raises_and_writes_nothing,
+        test_baselines_are_valid,
+        test_debug_checks_pass_valid_inputs,
+    )
+
+
+def data_only_tests(table) -> tuple:
+    """(test_every_data_only_case_is_in_the_table,
+    test_debug_checks_raise_the_cpu_error_and_write_nothing) for an op whose table has DATA_ONLY
+    cases: with debug checks, the kernels that read indices on the device raise the CPU's error
+    and write nothing."""
+    assert table.DATA_CASES, "no DATA_ONLY cases: nothing for these tests to run"
+
+    def test_every_data_only_case_is_in_the_table():
+        assert {case.id for case in table.DATA_CASES} == table.DATA_ONLY
+
+    @pytest.mark.parametrize("backend", device_index_backends(), ids=str)
+    @pytest.mark.parametrize("op,override,match,exc", table.DATA_CASES)
+    def test_debug_checks_raise_the_cpu_error_and_write_nothing(backend, op, override, match, exc):
+        check_debug_checks_raise_and_write_nothing(table.OPS[op], backend, override, match)
+
+    return (
+        test_every_data_only_case_is_in_the_table,
+        test_debug_checks_raise_the_cpu_error_and_write_nothing,
+    )

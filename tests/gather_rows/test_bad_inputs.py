@@ -12,38 +12,19 @@ import torch
 from bad_inputs_support import (
     INT64_MAX,
     INT64_MIN,
-    check_debug_checks_pass_valid_inputs,
-    check_raises_and_writes_nothing,
-    cpu_backends,
-    device_index_backends,
+    table_tests,
 )
 from qwen4exp_ext import ops
 
-from .bad_inputs import CASES, DATA_CASES, OPS
+from . import bad_inputs
 from .support import cpu_path  # noqa: F401 - the fixture
 
-_DATA_OVERRIDES = {case.values[1] for case in DATA_CASES}
-
-
-@pytest.mark.parametrize("backend", cpu_backends(), ids=str)
-@pytest.mark.parametrize("op,override,match,exc", CASES)
-def test_bad_input_raises_and_writes_nothing(backend, op, override, match, exc):
-    if backend.reads_indices_on_device and override in _DATA_OVERRIDES:
-        pytest.skip("an index value, not an error without debug checks on this backend")
-    check_raises_and_writes_nothing(OPS[op], backend, override, match, exc)
-
-
-@pytest.mark.parametrize("backend", cpu_backends(), ids=str)
-@pytest.mark.parametrize("op", sorted(OPS))
-def test_baselines_are_valid(backend, op):
-    baseline, run, _ = OPS[op]
-    run(baseline(), backend.ops)
-
-
-@pytest.mark.parametrize("backend", device_index_backends(), ids=str)
-def test_debug_checks_pass_valid_inputs(backend):
-    for spec in OPS.values():
-        check_debug_checks_pass_valid_inputs(spec, backend)
+# The tests every op's table gets (tests/bad_inputs_support.py).
+(
+    test_bad_input_raises_and_writes_nothing,
+    test_baselines_are_valid,
+    test_debug_checks_pass_valid_inputs,
+) = table_tests(bad_inputs)
 
 
 # ---- the op's own checks, called directly, and the Python door's ------------------------------

@@ -10,49 +10,27 @@ from __future__ import annotations
 import pytest
 
 from bad_inputs_support import (
-    check_debug_checks_pass_valid_inputs,
-    check_debug_checks_raise_and_write_nothing,
-    check_raises_and_writes_nothing,
-    cpu_backends,
+    data_only_tests,
     device_index_backends,
     run_without_debug_checks,
+    table_tests,
 )
 
-from .bad_inputs import CASES, DATA_CASES, DATA_ONLY, OPS
+from . import bad_inputs
+from .bad_inputs import DATA_CASES, OPS
 
-_DATA_OVERRIDES = {case.values[1] for case in DATA_CASES}
-
-
-@pytest.mark.parametrize("backend", cpu_backends(), ids=str)
-@pytest.mark.parametrize("op,override,match,exc", CASES)
-def test_bad_input_raises_and_writes_nothing(backend, op, override, match, exc):
-    if backend.reads_indices_on_device and override in _DATA_OVERRIDES:
-        pytest.skip("an index value, not an error without debug checks on this backend")
-    check_raises_and_writes_nothing(OPS[op], backend, override, match, exc)
+# The tests every op's table gets (tests/bad_inputs_support.py).
+(
+    test_bad_input_raises_and_writes_nothing,
+    test_baselines_are_valid,
+    test_debug_checks_pass_valid_inputs,
+) = table_tests(bad_inputs)
 
 
-@pytest.mark.parametrize("backend", cpu_backends(), ids=str)
-@pytest.mark.parametrize("op", sorted(OPS))
-def test_baselines_are_valid(backend, op):
-    baseline, run, _ = OPS[op]
-    run(baseline(), backend.ops)
-
-
-@pytest.mark.parametrize("backend", device_index_backends(), ids=str)
-def test_debug_checks_pass_valid_inputs(backend):
-    for spec in OPS.values():
-        check_debug_checks_pass_valid_inputs(spec, backend)
-
-
-def test_every_data_only_case_is_in_the_table():
-    assert {case.id for case in DATA_CASES} == DATA_ONLY
-    assert DATA_ONLY
-
-
-@pytest.mark.parametrize("backend", device_index_backends(), ids=str)
-@pytest.mark.parametrize("op,override,match,exc", DATA_CASES)
-def test_debug_checks_raise_the_cpu_error_and_write_nothing(backend, op, override, match, exc):
-    check_debug_checks_raise_and_write_nothing(OPS[op], backend, override, match)
+(
+    test_every_data_only_case_is_in_the_table,
+    test_debug_checks_raise_the_cpu_error_and_write_nothing,
+) = data_only_tests(bad_inputs)
 
 
 @pytest.mark.parametrize("backend", device_index_backends(), ids=str)

@@ -17,35 +17,24 @@ import pytest
 import torch
 
 from bad_inputs_support import (
-    check_debug_checks_pass_valid_inputs,
-    check_debug_checks_raise_and_write_nothing,
-    check_raises_and_writes_nothing,
-    cpu_backends,
+    data_only_tests,
     device_index_backends,
     run_without_debug_checks,
+    table_tests,
 )
 from qwen4exp_ext import ops
 from qwen4exp_ext.testing import assert_untouched, same_layout, snapshot
 
-from .bad_inputs import CASES, DATA_CASES, DATA_ONLY, OPS
+from . import bad_inputs
+from .bad_inputs import DATA_CASES, OPS
 from .support import make_batch
 
-_DATA_OVERRIDES = {case.values[1] for case in DATA_CASES}
-
-
-@pytest.mark.parametrize("backend", cpu_backends(), ids=str)
-@pytest.mark.parametrize("op,override,match,exc", CASES)
-def test_bad_input_raises_and_writes_nothing(backend, op, override, match, exc):
-    if backend.reads_indices_on_device and override in _DATA_OVERRIDES:
-        pytest.skip("an index value, not an error without debug checks on this backend")
-    check_raises_and_writes_nothing(OPS[op], backend, override, match, exc)
-
-
-@pytest.mark.parametrize("backend", cpu_backends(), ids=str)
-@pytest.mark.parametrize("op", sorted(OPS))
-def test_baselines_are_valid(backend, op):
-    baseline, run, _ = OPS[op]
-    run(baseline(), backend.ops)
+# The tests every op's table gets (tests/bad_inputs_support.py).
+(
+    test_bad_input_raises_and_writes_nothing,
+    test_baselines_are_valid,
+    test_debug_checks_pass_valid_inputs,
+) = table_tests(bad_inputs)
 
 
 def test_bad_values_leave_state_and_residual_untouched():
@@ -70,14 +59,10 @@ def test_bad_values_leave_state_and_residual_untouched():
 # ---- bad index values on the HIP kernels (the GPU, and the SIMT emulator) ---------------------
 
 
-def test_every_data_only_case_is_in_the_table():
-    assert {case.id for case in DATA_CASES} == DATA_ONLY
-
-
-@pytest.mark.parametrize("backend", device_index_backends(), ids=str)
-@pytest.mark.parametrize("op,override,match,exc", DATA_CASES)
-def test_debug_checks_raise_the_cpu_error_and_write_nothing(backend, op, override, match, exc):
-    check_debug_checks_raise_and_write_nothing(OPS[op], backend, override, match)
+(
+    test_every_data_only_case_is_in_the_table,
+    test_debug_checks_raise_the_cpu_error_and_write_nothing,
+) = data_only_tests(bad_inputs)
 
 
 @pytest.mark.parametrize("backend", device_index_backends(), ids=str)
@@ -95,9 +80,3 @@ def test_without_debug_checks_bad_values_stay_in_bounds(backend, op, override, m
     for slot in range(state.shape[0]):
         if slot not in named:
             assert torch.equal(state[slot], before[slot]), f"slot {slot} was written"
-
-
-@pytest.mark.parametrize("backend", device_index_backends(), ids=str)
-def test_debug_checks_pass_valid_inputs(backend):
-    for spec in OPS.values():
-        check_debug_checks_pass_valid_inputs(spec, backend)

@@ -10,33 +10,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bad_inputs_support import (
-    check_debug_checks_pass_valid_inputs,
-    check_raises_and_writes_nothing,
-    cpu_backends,
-    device_index_backends,
-)
+from bad_inputs_support import table_tests
 from qwen4exp_ext import ops
 
-from .bad_inputs import CASES, DATA_CASES, OPS
+from . import bad_inputs
 from .support import EPS, make_inputs
 
-_DATA_OVERRIDES = {case.values[1] for case in DATA_CASES}
-
-
-@pytest.mark.parametrize("backend", cpu_backends(), ids=str)
-@pytest.mark.parametrize("op,override,match,exc", CASES)
-def test_bad_input_raises_and_writes_nothing(backend, op, override, match, exc):
-    if backend.reads_indices_on_device and override in _DATA_OVERRIDES:
-        pytest.skip("an index value, not an error without debug checks on this backend")
-    check_raises_and_writes_nothing(OPS[op], backend, override, match, exc)
-
-
-@pytest.mark.parametrize("backend", cpu_backends(), ids=str)
-@pytest.mark.parametrize("op", sorted(OPS))
-def test_baselines_are_valid(backend, op):
-    baseline, run, _ = OPS[op]
-    run(baseline(), backend.ops)
+# The tests every op's table gets (tests/bad_inputs_support.py).
+(
+    test_bad_input_raises_and_writes_nothing,
+    test_baselines_are_valid,
+    test_debug_checks_pass_valid_inputs,
+) = table_tests(bad_inputs)
 
 
 def gate_call(**overrides):
@@ -67,9 +52,3 @@ def gate_call(**overrides):
 def test_bad_arguments_raise_clear_errors(overrides, message):
     with pytest.raises((RuntimeError, ValueError), match=message):
         gate_call(**overrides)
-
-
-@pytest.mark.parametrize("backend", device_index_backends(), ids=str)
-def test_debug_checks_pass_valid_inputs(backend):
-    for spec in OPS.values():
-        check_debug_checks_pass_valid_inputs(spec, backend)
