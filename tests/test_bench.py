@@ -258,10 +258,10 @@ def test_percent_of_the_datasheet_peak(monkeypatch: pytest.MonkeyPatch) -> None:
         ("AMD Instinct MI355X", 30.0),
         ("NVIDIA A100-SXM4-80GB", None),
     ):
-        monkeypatch.setattr(machine, "_device_name", lambda device, name=name: name)
-        got = machine._pct_of_peak(2400.0, gpu)
+        monkeypatch.setattr(machine, "device_name", lambda device, name=name: name)
+        got = machine.pct_of_peak(2400.0, gpu)
         assert got == (None if expected is None else pytest.approx(expected)), name
-    assert machine._pct_of_peak(2400.0, torch.device("cpu")) is None
+    assert machine.pct_of_peak(2400.0, torch.device("cpu")) is None
 
 
 def test_wrong_kernel_fails_the_check(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -398,7 +398,7 @@ HEADLINE = {
 
 def _selection(argv: list[str]) -> tuple[argparse.Namespace, dict[str, set[str]]]:
     """The parsed arguments and the cases of CPU_CASES the run would time, by op."""
-    args, _ = bench_args._parse_args(argv)
+    args, _ = bench_args.parse_args(argv)
     ops_ = args.ops or list(OP_MODULES)
     return args, {op: set(bench_args.selected_case_names(args, CPU_CASES[op])) for op in ops_}
 
@@ -418,8 +418,8 @@ def test_default_selection_is_the_headline_cases_of_every_op() -> None:
         for phase, pattern in HEADLINE_PHASES.items():
             assert sum(bool(re.search(pattern, n)) for n in names) == 1, (op, phase)
     if not torch.cuda.is_available():
-        assert bench_args._parse_args([])[1] == THREADS
-    assert bench_args._parse_args(["--threads", "1"])[1] == [1]
+        assert bench_args.parse_args([])[1] == THREADS
+    assert bench_args.parse_args(["--threads", "1"])[1] == [1]
     # check-gpu.sh's --cases: every variant of those shapes, the subset's among them.
     args, variants = _selection(["--cases", HEADLINE_CASES])
     assert not args.subset and variants == HEADLINE_VARIANTS
@@ -444,7 +444,7 @@ def test_full_and_explicit_selections_pick_every_case() -> None:
         "ple_gate": {"decode_T1"},
     }
     with pytest.raises(SystemExit) as exc, contextlib.redirect_stderr(io.StringIO()):
-        bench_args._parse_args(["--full", "--cases", "decode"])
+        bench_args.parse_args(["--full", "--cases", "decode"])
     assert exc.value.code == 2
 
 
@@ -618,12 +618,12 @@ def test_append_adds_one_row_per_case_and_thread_count(tmp_path: Path) -> None:
 def test_append_without_a_path_uses_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     """--append alone is results/bench.jsonl; an op name after it is an op, not a file."""
     for argv in (["ngram_ids", "--append"], ["--append", "ngram_ids"]):
-        args, _ = bench_args._parse_args(argv)
+        args, _ = bench_args.parse_args(argv)
         assert args.append == bench_rows.DEFAULT_APPEND == Path("results", "bench.jsonl")
         assert args.ops == ["ngram_ids"]
-    args, _ = bench_args._parse_args(["ngram_ids", "--append=out.jsonl"])
+    args, _ = bench_args.parse_args(["ngram_ids", "--append=out.jsonl"])
     assert args.append == Path("out.jsonl") and args.ops == ["ngram_ids"]
-    assert bench_args._parse_args(["ngram_ids"])[0].append is None
+    assert bench_args.parse_args(["ngram_ids"])[0].append is None
 
 
 def test_row_of_an_old_report_has_nulls_where_it_lacks_fields() -> None:

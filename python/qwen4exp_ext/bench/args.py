@@ -1,6 +1,6 @@
-"""The command line of ``qwen4exp-bench``: the parser, its checks (``_parse_args``; argparse exits
+"""The command line of ``qwen4exp-bench``: the parser, its checks (``parse_args``; argparse exits
 2 on bad usage), the thread counts of ``--threads`` (``_thread_counts``), the device of
-``--device`` (``_device``) and which of an op's cases a run times (``selected_case_names``).
+``--device`` (``selected_device``) and which of an op's cases a run times (``selected_case_names``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from qwen4exp_ext.bench.runner import (
 DEFAULT_THREADS = "1,all"
 
 
-def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[int]]:
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[int]]:
     """The command line, checked (argparse exits 2 on bad usage), and its thread counts."""
     parser = _parser()
     args = parser.parse_args(argv)
@@ -43,7 +43,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[in
         args.cases = ""
     if args.threads is None:
         # A GPU kernel's time does not depend on the host's threads: the subset times it once.
-        on_gpu = _device(args).type == "cuda"
+        on_gpu = selected_device(args).type == "cuda"
         args.threads = "all" if args.subset and on_gpu else DEFAULT_THREADS
     unknown = [op for op in args.ops if op not in OP_MODULES]
     if unknown:
@@ -80,7 +80,7 @@ def selected_case_names(args: argparse.Namespace, names: Sequence[str]) -> list[
     return [n for n in names if args.cases.search(n)]
 
 
-def _device(args: argparse.Namespace) -> torch.device:
+def selected_device(args: argparse.Namespace) -> torch.device:
     """The device of --device: auto is a GPU where torch sees one."""
     return torch.device(
         "cuda"

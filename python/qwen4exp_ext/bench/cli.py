@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from qwen4exp_ext.bench.args import _device, _parse_args, selected_case_names
-from qwen4exp_ext.bench.machine import _device_name, _environment
+from qwen4exp_ext.bench.args import parse_args, selected_case_names, selected_device
+from qwen4exp_ext.bench.machine import describe_environment, device_name
 from qwen4exp_ext.bench.registry import OP_MODULES, load_cases, load_sections
 from qwen4exp_ext.bench.report import (
     COLUMNS,
@@ -64,8 +64,8 @@ from qwen4exp_ext.bench.runner import (
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; 0 on success, 1 if a check fails (argparse exits 2 on bad usage)."""
-    args, thread_counts = _parse_args(argv)
-    device = _device(args)
+    args, thread_counts = parse_args(argv)
+    device = selected_device(args)
     repeat: int | None = args.repeat or (QUICK_REPEAT if args.quick else None)
     budget_s = SUBSET_CASE_BUDGET_S if args.subset else CASE_BUDGET_S
     # A tenth of the run, at least two rounds: enough to settle caches, clocks and the allocator.
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "R = 64) and prefill T = 8192; --full runs every case"
         )
     print(
-        f"device: {_device_name(device)} ({device.type}), torch {torch.__version__}, "
+        f"device: {device_name(device)} ({device.type}), torch {torch.__version__}, "
         f"repeat {shown}, warmup {warmup}, threads {','.join(map(str, thread_counts))}"
     )
     print(_row([name for name, _, _ in COLUMNS], header=True))
@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "subset": args.subset,  # the representative subset: no op, no --cases, no --full
         "check_failures": failures,
     }
-    environment = _environment(device)
+    environment = describe_environment(device)
 
     def save_json(complete: bool) -> None:
         """The JSON report of what has run so far: rewritten after every case, so that a run cut

@@ -128,13 +128,13 @@ class _Table(NamedTuple):
         return _Table(*(t if not isinstance(t, torch.Tensor) else t.to(device) for t in self))
 
 
-def _rows(device: torch.device) -> int:
+def table_rows(device: torch.device) -> int:
     default = 16_000_000 if device.type == "cuda" else 4_000_000
     return int(os.environ.get("QWEN4EXP_BENCH_GATHER_ROWS", default))
 
 
 def cases(device: torch.device) -> list[Case]:
-    rows = _rows(device)
+    rows = table_rows(device)
     gen = torch.Generator().manual_seed(INPUT_SEED)
     # Random bytes below 0x70 are finite in both fp8 formats and in bf16 (no NaN checks fail).
     raw = torch.randint(0, 0x70, (rows, HEAD_DIM * 2), dtype=torch.uint8, generator=gen)

@@ -1,7 +1,8 @@
-"""What a bench run ran on: the environment every report is tagged with (``_environment``: the
-device, torch, the build, the CPU kernels' paths, the CPU's generation and caches, the source
-commit, the date), the device's name (``_device_name``), and the datasheet HBM bandwidth of the
-GPUs users serve on (``PEAK_TBPS``), against which ``_pct_of_peak`` puts our bandwidth.
+"""What a bench run ran on: the environment every report is tagged with
+(``describe_environment``: the device, torch, the build, the CPU kernels' paths, the CPU's
+generation and caches, the source commit, the date), the device's name (``device_name``), and the
+datasheet HBM bandwidth of the GPUs users serve on (``PEAK_TBPS``), against which
+``pct_of_peak`` puts our bandwidth.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from qwen4exp_ext.bench import vllm_triton
 PEAK_TBPS = {"MI300X": 5.3, "MI325X": 6.0, "MI355X": 8.0, "H200": 4.8}
 
 
-def _environment(device: torch.device) -> dict[str, Any]:
+def describe_environment(device: torch.device) -> dict[str, Any]:
     build_info = getattr(qwen4exp_ext, "build_info", None)
     return {
-        "device": _device_name(device),
+        "device": device_name(device),
         "device_type": device.type,
         "torch": torch.__version__,
         "torch_gpu_runtime": torch.version.hip or torch.version.cuda,
@@ -109,7 +110,7 @@ def _source_commit() -> str | None:
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     facts = _cpu_facts()
@@ -122,11 +123,11 @@ def _peak_tbps(device: torch.device) -> float | None:
     """The datasheet bandwidth of the GPU this runs on, where it is one of PEAK_TBPS's."""
     if device.type != "cuda":
         return None
-    name = _device_name(device).upper().replace(" ", "")
+    name = device_name(device).upper().replace(" ", "")
     return next((tbps for gpu, tbps in PEAK_TBPS.items() if gpu in name), None)
 
 
-def _pct_of_peak(gbps: float, device: torch.device) -> float | None:
+def pct_of_peak(gbps: float, device: torch.device) -> float | None:
     """Our effective bandwidth as a % of the running GPU's datasheet peak (None on a CPU or an
     unlisted GPU)."""
     peak = _peak_tbps(device)

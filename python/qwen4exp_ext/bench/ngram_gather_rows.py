@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen4exp_ext import layout, ops, reference
-from qwen4exp_ext.bench.gather_rows import COLD_BYTES, HEAD_DIM, _rows
+from qwen4exp_ext.bench.gather_rows import COLD_BYTES, HEAD_DIM, table_rows
 from qwen4exp_ext.bench.ngram_ids import (
     EOS_TOKEN_ID,
     HEADS_PER_NGRAM,
@@ -42,7 +42,7 @@ PAD_TO = 128
 
 
 def cases(device: torch.device) -> list[Case]:
-    rows = _rows(device)
+    rows = table_rows(device)
     heads = layout.head_vocab_layout(rows // NGRAM_HEADS - PAD_TO, NGRAM_HEADS, LAYER_INDEX, PAD_TO)
     gen = torch.Generator().manual_seed(INPUT_SEED)
     raw = torch.randint(

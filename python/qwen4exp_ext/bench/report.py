@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 import torch
 
-from qwen4exp_ext.bench.machine import PEAK_TBPS, _device_name
+from qwen4exp_ext.bench.machine import PEAK_TBPS, device_name
 from qwen4exp_ext.bench.registry import Section, headline_case_names
 
 COLUMNS = (
@@ -57,7 +57,7 @@ def _write_tables(
         _write_csv(results, args.csv)
         print(f"wrote {args.csv}")
     if args.plot is not None:
-        _write_plot(results, args.plot, f"{_device_name(device)} ({device.type})")
+        _write_plot(results, args.plot, f"{device_name(device)} ({device.type})")
         print(f"wrote {args.plot}")
 
 

@@ -80,8 +80,8 @@ def bench_row(
     result: Mapping[str, Any], report: Mapping[str, Any], json_path: str | None = None
 ) -> dict[str, Any]:
     """One row (``ROW_FIELDS``, in order) of one case result at one thread count: ``result`` is
-    an entry of a report's "results", ``report`` the report's environment (``machine._environment``:
-    date, device, device_type, torch, cpu, source)."""
+    an entry of a report's "results", ``report`` the report's environment
+    (``machine.describe_environment``: date, device, device_type, torch, cpu, source)."""
     commit, dirty = split_source(report.get("source"))
     baseline = result.get("baseline")
     base = (result.get("baselines") or {}).get(baseline) or {}

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from qwen4exp_ext.bench.machine import PEAK_TBPS, _pct_of_peak
+from qwen4exp_ext.bench.machine import PEAK_TBPS, pct_of_peak
 from qwen4exp_ext.bench.registry import Case
 from qwen4exp_ext.bench.timing import Quantiles, roofline_copy, time_interleaved
 from qwen4exp_ext.testing import exact_mismatch
@@ -137,7 +137,7 @@ def _run_case(
         "gbps": rates,
         "pct_of_copy": 100.0 * rates["ours"] / rates["copy"],
         "roofline_us": {gpu: case.nbytes / (tbps * 1e6) for gpu, tbps in PEAK_TBPS.items()},
-        "pct_of_peak": _pct_of_peak(rates["ours"], device),
+        "pct_of_peak": pct_of_peak(rates["ours"], device),
     }
     if case.references:
         result["references"] = {name: asdict(times[name]) for name in case.references}
