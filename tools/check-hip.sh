@@ -74,7 +74,11 @@ for arch in "${archs[@]}"; do arch_flags+=(--offload-arch="$arch"); done
 # contracted into an FMA).
 flags=(-O3 -std=c++17 -Wall -Werror -ffp-contract=off -D__HIP_NO_HALF_OPERATORS__=1
   -D__HIP_NO_HALF_CONVERSIONS__=1 -I "$root/csrc")
-for src in "$root"/csrc/hip/*.hip; do
+# The kernels the builds compile: the `kernel` lines of csrc/kernel_sources.txt.
+kernels="$(awk '$1 == "kernel" { print $2 }' "$root/csrc/kernel_sources.txt")"
+[ -n "$kernels" ] || { echo "check-hip: no kernel in csrc/kernel_sources.txt"; exit 1; }
+for rel in $kernels; do
+  src="$root/csrc/$rel"
   name="$(basename "$src" .hip)"
   work="$out/$name"
   mkdir -p "$work"

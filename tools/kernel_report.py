@@ -1,17 +1,17 @@
 #!/usr/bin/env python3
 """What each GPU kernel costs the hardware, from its machine code, and the gates CI holds it to.
 
-For every kernel of csrc/hip/*.hip, on AMD gfx90a and gfx940 (Debian's hipcc, ROCm 5.2), gfx942
-(MI300X, Debian's clang-19 with the ROCm device libraries linked: a current LLVM for the real
-target; ROCm 5.2 has no gfx942), all from check-hip.sh's --save-temps assembly, and
-NVIDIA sm_90 (nvcc -Xptxas -v, and the PTX): registers, static LDS / shared memory, scratch
-(private segment; NVIDIA stack frame) and spills, occupancy (AMD: waves per SIMD, as the
-compiler computes it for the kernel's launch bounds and LDS; NVIDIA: resident warps per SM,
-from registers, shared memory and the block size), the widths of its global loads and stores
-(bits: count of instructions in the kernel's code), and on AMD the most global loads a thread
-has in flight (issued and not yet waited for by an s_waitcnt vmcnt, counted in program order):
-where that is 1 or 2, a thread waits for each load before it issues the next, and only the
-other waves hide the memory latency.
+For every kernel of csrc/kernel_sources.txt (its csrc/hip/*.hip lines), on AMD gfx90a and gfx940
+(Debian's hipcc, ROCm 5.2), gfx942 (MI300X, Debian's clang-19 with the ROCm device libraries linked:
+a current LLVM for the real target; ROCm 5.2 has no gfx942), all from check-hip.sh's --save-temps
+assembly, and NVIDIA sm_90 (nvcc -Xptxas -v, and the PTX): registers, static LDS / shared memory,
+scratch (private segment; NVIDIA stack frame) and spills, occupancy (AMD: waves per SIMD, as the
+compiler computes it for the kernel's launch bounds and LDS; NVIDIA: resident warps per SM, from
+registers, shared memory and the block size), the widths of its global loads and stores (bits: count
+of instructions in the kernel's code), and on AMD the most global loads a thread has in flight
+(issued and not yet waited for by an s_waitcnt vmcnt, counted in program order): where that is 1 or
+2, a thread waits for each load before it issues the next, and only the other waves hide the memory
+latency.
 
 Gates (``--check``): no scratch and no spill anywhere, no call left in an AMD kernel (the device
 libraries' functions are linked in and inlined), and every kernel at or above the occupancy floor
@@ -39,7 +39,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HIP_DIR = ROOT / "csrc" / "hip"
 # Each AMD arch and the compiler check-hip.sh builds it with: hipcc, or the clang it is given as
 # QWEN4EXP_HIP_CLANG (ROCm 5.2's hipcc has no gfx942).
 AMD_ARCHS = ("gfx90a", "gfx940", "gfx942")
@@ -109,7 +108,13 @@ def demangle(names: list[str]) -> dict[str, str]:
 
 
 def kernel_sources() -> list[Path]:
-    return sorted(HIP_DIR.glob("*.hip"))
+    """The HIP kernels the builds compile: the `kernel` lines of csrc/kernel_sources.txt."""
+    found = []
+    for line in (ROOT / "csrc" / "kernel_sources.txt").read_text().splitlines():
+        fields = line.split("#", 1)[0].split()
+        if len(fields) == 2 and fields[0] == "kernel":
+            found.append(ROOT / "csrc" / fields[1])
+    return sorted(found)
 
 
 # ---- AMD ---------------------------------------------------------------------------------------
