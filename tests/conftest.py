@@ -72,7 +72,8 @@ class Backend:
     :mod:`qwen4exp_ext.ops` or a :class:`~qwen4exp_ext.ops.KernelOps`) on tensors on
     ``device``, registered in the torch op library ``library`` (for opcheck). "cpu" and "cuda"
     are torch.ops.qwen4exp's kernels; "simt32" and "simt64" are the HIP kernels on the SIMT
-    emulator, on CPU tensors."""
+    emulator, on CPU tensors; "oracle" is reference.py behind the same doors (:class:`OracleOps`,
+    no op library: ``library`` is None)."""
 
     name: str
     device: str
