@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 
+from qwen4exp_ext import reference
 from qwen4exp_ext.bench import vllm_triton
 
 # CI runs the same examples every time (derandomize); a developer can ask for a longer search with
@@ -96,59 +97,28 @@ class Backend:
 
 class OracleOps:
     """The oracle, ``qwen4exp_ext.reference`` (SPEC's executable form), behind the kernel ops'
-    doors: the same calls as :class:`qwen4exp_ext.ops.KernelOps`, so that a property of an op
-    is written once and holds for the oracle and for every kernel. What only a kernel has is
-    accepted and means nothing here (``max_blocks``, the grid cap); outputs passed in are
-    written as the kernels write them."""
+    doors (:class:`qwen4exp_ext.ops.KernelOps`' calls), so that a property of an op is written
+    once and holds for the oracle and for every kernel: the ops whose properties run on it
+    (tests/<op>/test_properties.py). Their reference functions take the doors' arguments, but
+    ple_gate's ``out=``, which is written here as the kernels write it."""
 
     namespace = None
+    ngram_ids = staticmethod(reference.ngram_ids)
+    gather_rows = staticmethod(reference.gather_rows)
+    ple_conv = staticmethod(reference.ple_conv)
 
     def __repr__(self) -> str:
         return "OracleOps()"
 
-    def ngram_ids(self, *args, **kwargs):
-        from qwen4exp_ext import reference
-
-        return reference.ngram_ids(*args, **kwargs)
-
-    def gather_rows(self, table, ids, *, output=None, max_blocks=0, **kwargs):
-        from qwen4exp_ext import reference
-
-        if max_blocks < 0:
-            raise ValueError(f"gather_rows: max_blocks must be >= 0 (0: no cap), got {max_blocks}")
-        if output is not None and "out_dtype" not in kwargs:
-            kwargs["out_dtype"] = output.dtype
-        return _into(reference.gather_rows(table, ids, **kwargs), output)
-
-    def ngram_gather_rows(
-        self, *hashing, table=None, head_divmod=None, output=None, max_blocks=0, **gather
-    ):
-        from qwen4exp_ext import reference
-
-        if table is None:  # passed by position, after the eight hashing arguments
-            *hashing, table = hashing
-        ids = reference.ngram_ids(*hashing, head_divmod=head_divmod)
-        return self.gather_rows(table, ids, output=output, max_blocks=max_blocks, **gather)
-
-    def ple_gate(self, *args, out=None, **kwargs):
-        from qwen4exp_ext import reference
-
+    @staticmethod
+    def ple_gate(*args, out=None, **kwargs):
         gated, conv_input = reference.ple_gate(*args, **kwargs)
         if out is None:
             return gated, conv_input
-        return _into(gated, out[0]), _into(conv_input, out[1])
-
-    def ple_conv(self, *args, **kwargs):
-        from qwen4exp_ext import reference
-
-        reference.ple_conv(*args, **kwargs)
-
-
-def _into(result: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
-    if output is None:
-        return result
-    output.copy_(result.view(output.shape))
-    return output
+        out_gated, out_conv_input = out
+        out_gated.copy_(gated)
+        out_conv_input.copy_(conv_input)
+        return out_gated, out_conv_input
 
 
 ORACLE = Backend("oracle", "cpu", OracleOps(), None)
