@@ -33,10 +33,13 @@ def gate_baseline() -> dict:
 
 # Calls ple_gate of `kernels` (qwen4exp_ext.ops, or a backend's ops) with the arguments.
 def run_gate(a, kernels=ops):
-    gated, conv_input = a.pop("gated"), a.pop("conv_input")
+    _call_gate(a, kernels, out=(a.pop("gated"), a.pop("conv_input")))
+
+
+def _call_gate(a, kernels, out):
     key, value, hidden = a.pop("key"), a.pop("value"), a.pop("hidden")
     wk, wq, wc = a.pop("norm_key_w"), a.pop("norm_query_w"), a.pop("norm_conv_w")
-    kernels.ple_gate(key, value, hidden, wk, wq, wc, a.pop("eps"), out=(gated, conv_input), **a)
+    kernels.ple_gate(key, value, hidden, wk, wq, wc, a.pop("eps"), out=out, **a)
 
 
 OPS = {"ple_gate": (gate_baseline, run_gate, ("gated", "conv_input"))}
@@ -116,9 +119,7 @@ CASES = [
 # entry: every case but those of the outputs applies to it as it is.
 def run_gate_functional(a, kernels=ops):
     a.pop("gated"), a.pop("conv_input")
-    key, value, hidden = a.pop("key"), a.pop("value"), a.pop("hidden")
-    wk, wq, wc = a.pop("norm_key_w"), a.pop("norm_query_w"), a.pop("norm_conv_w")
-    kernels.ple_gate(key, value, hidden, wk, wq, wc, a.pop("eps"), **a)
+    _call_gate(a, kernels, out=None)
 
 
 OPS["ple_gate_functional"] = (gate_baseline, run_gate_functional, ())
