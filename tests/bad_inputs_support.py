@@ -13,6 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import qwen4exp_ext
+from conftest import backends
+from qwen4exp_ext.testing import assert_untouched, snapshot
+
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 META = torch.device("meta")
@@ -82,16 +86,12 @@ FP8 = torch.float8_e4m3fn
 # The backends that take the table's CPU tensors: the CPU kernels and the SIMT emulator's HIP
 # kernels, whose host glue is the GPU build's.
 def cpu_backends() -> list:
-    from conftest import backends
-
     return [b for b in backends() if b.device == "cpu"]
 
 
 # The backends whose kernels read index data on the device: the GPU and the SIMT emulator. Bad
 # index values are defined there instead of errors, unless debug checks are on.
 def device_index_backends() -> list:
-    from conftest import backends
-
     return [b for b in backends() if b.reads_indices_on_device]
 
 
@@ -107,8 +107,6 @@ def synchronize(backend) -> None:
 def check_raises_and_writes_nothing(spec, backend, override, match, exc) -> None:
     """The op raises `exc` with a message matching `match`, and every tensor it writes keeps its
     bytes."""
-    from qwen4exp_ext.testing import assert_untouched, snapshot
-
     baseline, run, mutable = spec
     args = baseline()
     override(args)
@@ -129,9 +127,6 @@ def bad_args_on_device(spec, override, backend) -> dict:
 def check_debug_checks_raise_and_write_nothing(spec, backend, override, match) -> None:
     """With debug checks, a kernel that reads indices on the device raises the CPU's error and
     writes nothing."""
-    import qwen4exp_ext
-    from qwen4exp_ext.testing import assert_untouched, snapshot
-
     _, run, mutable = spec
     args = bad_args_on_device(spec, override, backend)
     outputs = {name: args[name] for name in mutable}
@@ -144,8 +139,6 @@ def check_debug_checks_raise_and_write_nothing(spec, backend, override, match) -
 
 def run_without_debug_checks(spec, backend, override) -> dict:
     """Runs the op on the bad data with debug checks off; returns its arguments, as written."""
-    import qwen4exp_ext
-
     _, run, _ = spec
     args = bad_args_on_device(spec, override, backend)
     with qwen4exp_ext.debug_checks(enabled=False):
@@ -155,8 +148,6 @@ def run_without_debug_checks(spec, backend, override) -> dict:
 
 
 def check_debug_checks_pass_valid_inputs(spec, backend) -> None:
-    import qwen4exp_ext
-
     baseline, run, _ = spec
     with qwen4exp_ext.debug_checks():
         run(on_device(baseline(), backend.device), backend.ops)
