@@ -14,15 +14,18 @@ import pytest
 import torch
 
 from conftest import devices
+from leak_support import nothing_left_behind
 from lookup_support import (
     BATCHES,
     FORMATS,
+    fill_table,
     make_batch,
     make_embedding,
     ple_layers,
     same_bits,
 )
-from qwen4exp_ext.layers import StagedLookupPipeline
+from ngram_support import CONFIG
+from qwen4exp_ext.layers import NGramEmbedding, StagedLookupPipeline
 
 STEPS = ([5, 0, 13, 1], [1], [], [32], [2, 7])
 
@@ -357,3 +360,109 @@ def test_the_worker_uses_the_submitters_thread_count_or_its_own():
     assert seen == [1, 2, 1, 2]
     with pytest.raises(ValueError, match="threads must be positive"):
         StagedLookupPipeline([module], max_tokens=8, threads=0)
+
+
+# --- the other side slow, a worker that raises: nothing hangs (every wait has a timeout) ------
+
+WAIT = 30  # seconds: any wait in these tests that takes longer is a hang
+
+
+class SlowOrFailingEmbedding(NGramEmbedding):
+    """An embedding whose lookup sleeps ``delay`` seconds for real, or raises ``failure``, each
+    time it runs: the producer side made slow or broken without touching files or the worker."""
+
+    delay = 0.0
+    failure: BaseException | None = None
+
+    def _lookup_local(self, *args, **kwargs):
+        if self.failure is not None:
+            raise self.failure
+        time.sleep(self.delay)
+        return super()._lookup_local(*args, **kwargs)
+
+
+def _slow_layers(count: int) -> list[SlowOrFailingEmbedding]:
+    layers = []
+    for index in range(count):
+        layer = SlowOrFailingEmbedding(CONFIG, index, placement="cpu", max_tokens=32)
+        fill_table(layer, index)
+        layers.append(layer)
+    return layers
+
+
+def test_a_slow_producer_is_waited_for_and_bounded_by_timeouts():
+    """Each layer's lookup takes 0.3 s for real: rows(i) waits for layer i's rows (a shorter
+    timeout raises TimeoutError, never partial rows), and the rows are forward's."""
+    layers = _slow_layers(2)
+    batch = make_batch([5, 0, 13, 1], "cpu")
+    wants = [layer(*batch) for layer in layers]
+    for layer in layers:
+        layer.delay = 0.3
+    with StagedLookupPipeline(layers, max_tokens=32) as pipeline:
+        step = pipeline.submit(*batch, timeout=WAIT)
+        with pytest.raises(TimeoutError, match="layer 1's rows not ready after 0.01 s"):
+            step.rows(1, timeout=0.01)
+        for index in (0, 1):
+            same_bits(step.rows(index, timeout=WAIT), wants[index])
+        step.release()
+        pipeline.close(timeout=WAIT)
+
+
+def test_a_slow_consumer_holds_its_slot_and_the_submit_waits_with_a_timeout():
+    """The consumer sits on step 0's rows: step 2 (step 0's slot) waits in submit, a bounded
+    wait, and step 0's rows are untouched until it releases them."""
+    (layer,) = _slow_layers(1)
+    batches = [make_batch([13, 2], "cpu", seed=s) for s in range(3)]
+    wants = [layer(*batch) for batch in batches]
+    with StagedLookupPipeline([layer], max_tokens=32) as pipeline:
+        first = pipeline.submit(*batches[0], timeout=WAIT)
+        held = first.rows(0, timeout=WAIT)
+        second = pipeline.submit(*batches[1], timeout=WAIT)
+        with pytest.raises(TimeoutError, match="step 0's buffers are still held after 0.2 s"):
+            pipeline.submit(*batches[2], timeout=0.2)
+        time.sleep(0.2)  # the consumer is slow
+        same_bits(held, wants[0])
+        first.release()
+        third = pipeline.submit(*batches[2], timeout=WAIT)
+        same_bits(second.rows(0, timeout=WAIT), wants[1])
+        same_bits(third.rows(0, timeout=WAIT), wants[2])
+        second.release()
+        third.release()
+        pipeline.close(timeout=WAIT)
+
+
+@pytest.mark.parametrize("where", ["set_num_threads", "first layer", "middle layer"])
+def test_a_worker_that_raises_fails_its_step_and_serves_the_next(where):
+    """The worker raises while running step 1 (in torch.set_num_threads, outside any layer;
+    in the first layer's lookup; in the middle one of three): every layer of step 1 from the
+    failed one on raises the error in rows() (no wait blocks), the layers before it have their
+    rows, and steps 2 and 3 are served."""
+    layers = _slow_layers(3)
+    batches = [make_batch([5, 0, 13, 1], "cpu", seed=s) for s in range(3)]
+    wants = [[layer(*batch) for layer in layers] for batch in batches]
+    failed = {"set_num_threads": 0, "first layer": 0, "middle layer": 1}[where]
+    with nothing_left_behind(), StagedLookupPipeline(layers, max_tokens=32) as pipeline:
+        step0 = pipeline.submit(*batches[0], timeout=WAIT)
+        step0.wait(timeout=WAIT)
+        if where == "set_num_threads":
+            pipeline.threads = 2**40  # past the constructor's check: torch refuses it
+        else:
+            layers[failed].failure = OSError("layer.table: pread failed: Input/output error")
+        step1 = pipeline.submit(*batches[1], timeout=WAIT)
+        message = "set_num_threads|" if where == "set_num_threads" else "pread failed"
+        for index in range(failed, 3):
+            with pytest.raises(RuntimeError, match=f"StagedStep 1: .*({message})"):
+                step1.rows(index, timeout=WAIT)
+        with pytest.raises(RuntimeError, match="StagedStep 1"):
+            step1.wait(timeout=WAIT)
+        for index in range(failed):
+            same_bits(step1.rows(index, timeout=WAIT), wants[1][index])
+        pipeline.threads = None
+        layers[failed].failure = None
+        step0.release()
+        step1.release()
+        for number in (2, 0):
+            with pipeline.submit(*batches[number], timeout=WAIT) as step:
+                for index in range(3):
+                    same_bits(step.rows(index, timeout=WAIT), wants[number][index])
+        pipeline.close(timeout=WAIT)

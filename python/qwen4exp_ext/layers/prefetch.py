@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import operator
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -204,6 +206,105 @@ def _embedding_of(module: Any) -> NGramEmbedding:
     raise TypeError(
         f"LookupPipeline takes NGramEmbedding or PLELayer modules, got {type(module).__name__}"
     )
+
+
+# --- argument checks shared by both pipelines (staged.py) and the layers' lookups --------------
+
+
+def whole_number(value: Any, name: str, who: str) -> int:
+    """``value`` as an int (any integer type; not a bool, a float or a string)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{who}: {name} must be an integer, got {type(value).__name__} {value!r}")
+    return operator.index(value)
+
+
+def positive_int(value: Any, name: str, who: str) -> int:
+    count = whole_number(value, name, who)
+    if count <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return count
+
+
+def check_timeout(timeout: Any, who: str) -> float | None:
+    """A wait's ``timeout``: None (no limit) or a number of seconds >= 0; infinity is None."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(
+            f"{who}: timeout must be a number of seconds or None, got {type(timeout).__name__}"
+        )
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"{who}: timeout must be a number of seconds >= 0, got {timeout}")
+    return None if math.isinf(timeout) else timeout
+
+
+def modules_of(modules: Any, who: str) -> list:
+    """The pipeline's modules as a list (an iterable of them, not one module)."""
+    if isinstance(modules, torch.nn.Module) or not isinstance(modules, Iterable):
+        raise TypeError(
+            f"{who}: modules must be an iterable of NGramEmbedding or PLELayer modules, got "
+            f"{type(modules).__name__}"
+        )
+    return list(modules)
+
+
+def layer_index(embeddings: Sequence[NGramEmbedding], layer: Any, who: str) -> int:
+    """The position in ``embeddings`` of ``layer``: an index into the pipeline's modules
+    (negative from the end), or one of its modules."""
+    count = len(embeddings)
+    if isinstance(layer, torch.nn.Module):
+        embedding = _embedding_of(layer)
+        for index, candidate in enumerate(embeddings):
+            if candidate is embedding:
+                return index
+        raise ValueError(f"{who}: that layer is not part of this pipeline")
+    if isinstance(layer, bool) or not hasattr(layer, "__index__"):
+        raise TypeError(
+            f"{who}: layer must be an index into the pipeline's modules or one of them, got "
+            f"{type(layer).__name__} {layer!r}"
+        )
+    index = operator.index(layer)
+    if not -count <= index < count:
+        raise IndexError(f"{who}: layer {index} out of range ({count} layers)")
+    return index % count
+
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_batch(
+    embedding: NGramEmbedding,
+    input_ids: Any,
+    query_start_loc: Any,
+    ngram_context: Any,
+    who: str,
+) -> None:
+    """The step's inputs as ``embedding``'s lookup takes them, checked by their metadata (no
+    values, nothing synchronized): tensors of int32/int64 ids, and an ``ngram_context`` as wide
+    as this layer's n-grams need (the op itself would blame the layer's ``layer_multipliers``
+    for a context of the wrong width)."""
+    for name, value in (
+        ("input_ids", input_ids),
+        ("query_start_loc", query_start_loc),
+        ("ngram_context", ngram_context),
+    ):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(value).__name__}")
+        if value.dtype not in INDEX_DTYPES:
+            raise TypeError(f"{who}: {name} must be int32 or int64, got {value.dtype}")
+    if query_start_loc.dim() != 1 or query_start_loc.numel() < 1:
+        raise ValueError(
+            f"{who}: query_start_loc must be 1-D [R+1] (R >= 0 requests), got shape "
+            f"{tuple(query_start_loc.shape)}"
+        )
+    width = embedding.ngram_size - 1
+    requests = query_start_loc.numel() - 1
+    if ngram_context.dim() != 2 or tuple(ngram_context.shape) != (requests, width):
+        raise ValueError(
+            f"{who}: ngram_context must be [R, N-1] = [{requests}, {width}] (the {width} tokens "
+            f"before each of the {requests} requests: this layer's ngram_size is "
+            f"{embedding.ngram_size}), got shape {tuple(ngram_context.shape)}"
+        )
 
 
 def _slot_of(embedding: NGramEmbedding, who: str) -> PrefetchSlot:
