@@ -466,3 +466,66 @@ def test_a_worker_that_raises_fails_its_step_and_serves_the_next(where):
                 for index in range(3):
                     same_bits(step.rows(index, timeout=WAIT), wants[number][index])
         pipeline.close(timeout=WAIT)
+
+
+# --- vocabulary shards over two real ranks: one reduction per layer and step -------------------
+
+RANKS = 2
+
+
+def _rank_rows(rank: int, init_file: str, result_dir: str) -> None:
+    """One gloo rank: the rows of its vocabulary shard of two layers, staged and reduced, read
+    as a caller does (wait(), then rows(-1) twice, then rows(0) twice)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=RANKS,
+        timeout=datetime.timedelta(seconds=WAIT),
+    )
+    try:
+        layers = []
+        for index in range(2):
+            full = make_embedding("bfloat16", "cpu", layer_index=index, seed=index)
+            layer = make_embedding("bfloat16", "cpu", layer_index=index, shard=(rank, RANKS))
+            with torch.no_grad():
+                layer.weight.copy_(full.weight[layer.vocab_start : layer.vocab_end])
+            layers.append(layer)
+        with StagedLookupPipeline(layers, max_tokens=32) as pipeline:
+            with pipeline.submit(*make_batch([5, 0, 13, 1], "cpu"), timeout=WAIT) as step:
+                step.wait(timeout=WAIT)
+                seen = [step.rows(-1, timeout=WAIT).clone(), step.rows(-1, timeout=WAIT).clone()]
+                seen += [step.rows(0, timeout=WAIT).clone(), step.rows(0, timeout=WAIT).clone()]
+        torch.save(seen, f"{result_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_reduce_each_layer_once_per_step(tmp_path):
+    """Two gloo ranks, each with its shard of two layers: wait() then rows(-1) twice, then
+    rows(0) twice give every rank the unsharded rows each time (an all-reduce per call would
+    sum them twice over, and wait() must run no collective of its own)."""
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(
+        _rank_rows, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=RANKS, join=False
+    )
+    deadline = time.monotonic() + 4 * WAIT
+    try:
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, "the ranks did not finish (a hang)"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    batch = make_batch([5, 0, 13, 1], "cpu")
+    wants = [make_embedding("bfloat16", "cpu", layer_index=i, seed=i)(*batch) for i in range(2)]
+    for rank in range(RANKS):
+        seen = torch.load(tmp_path / f"rank{rank}.pt")
+        for got, want in zip(seen, [wants[1], wants[1], wants[0], wants[0]], strict=True):
+            same_bits(got, want)

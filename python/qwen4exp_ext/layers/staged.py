@@ -109,15 +109,26 @@ class StagedStep:
         self._error: BaseException | None = None
         self._released = False
         self.threads = threads  # the worker's intra-op threads for this step's lookups
+        # Per layer, the rows handed out, reduced over vocabulary shards: the reduction is a
+        # collective (in place for an all-reduce), so it runs once per layer and step, however
+        # often rows() is called.
+        self._rows: dict[int, torch.Tensor] = {}
 
     def rows(self, layer: int | Any, timeout: float | None = None) -> torch.Tensor:
         """Layer ``layer``'s rows [T, D_e] (an index into the pipeline's modules, or the
         module), as its embedding's ``forward`` returns them, on the pipeline's device. Waits
         for that layer only (on a GPU: the current stream waits on its copy's event). Valid
-        until :meth:`release`. Raises the worker's error if this layer's lookup failed."""
+        until :meth:`release`. Raises the worker's error if this layer's lookup failed. With
+        vocabulary shards the first call of a layer all-reduces its rows (every rank must call
+        it, in the same layer order); later calls return the same rows."""
         index = self._pipeline._index(layer, "StagedStep.rows")
-        self._wait_for(index, timeout)
-        return self._pipeline.embeddings[index]._reduced(self._local_rows(index), reduce=True)
+        rows = self._rows.get(index)
+        if rows is None:
+            self._wait_for(index, timeout)
+            rows = self._rows[index] = self._pipeline.embeddings[index]._reduced(
+                self._local_rows(index), reduce=True
+            )
+        return rows
 
     def _wait_for(self, index: int, timeout: float | None) -> None:
         """Waits until layer ``index``'s rows are complete; raises the worker's error (for this
@@ -150,8 +161,10 @@ class StagedStep:
         return slot.device_rows[index][:tokens]
 
     def wait(self, timeout: float | None = None) -> None:
-        """Waits until every layer's rows are ready (or raises the worker's error)."""
-        self.rows(len(self._pipeline.embeddings) - 1, timeout)
+        """Waits until every layer's rows are ready (or raises the worker's error). Reduces
+        nothing: the reductions over vocabulary shards run in :meth:`rows`, in the caller's
+        layer order."""
+        self._wait_for(len(self._pipeline.embeddings) - 1, timeout)
 
     def release(self) -> None:
         """Hands the step's buffers back for a later step (idempotent). On a GPU, work queued so
@@ -159,6 +172,7 @@ class StagedStep:
         if self._released:
             return
         self._released = True
+        self._rows.clear()
         self._pipeline._release(self)
 
     def __enter__(self) -> StagedStep:
