@@ -115,18 +115,20 @@ def launch_on_side_stream(
 class PrefetchSlot:
     """One layer's prefetch buffers and where its lookup stands.
 
-    ``state`` is ``"idle"`` (nothing started since the buffers were made), ``"started"`` (a
-    lookup of ``num_tokens`` tokens is launched; its rows are not yet handed out) or
-    ``"finalized"`` (handed out once; the next step must start again)."""
+    ``state`` is ``"idle"`` (nothing started since the buffers were made, or a stale lookup
+    dropped), ``"started"`` (a lookup of ``num_tokens`` tokens is launched; its rows are not yet
+    handed out), ``"failed"`` (its start raised ``error``) or ``"finalized"`` (handed out once;
+    the next step must start again)."""
 
     ids: torch.Tensor  # [max_tokens, NH] int64
     rows: torch.Tensor  # [max_tokens, D_e] in the embedding's out_dtype
     event: torch.cuda.Event | None  # recorded on the side stream after the lookup (GPU only)
     state: str = "idle"
     num_tokens: int = 0
-    # (data_ptr, numel) of the input_ids the lookup was started with, so a forward can tell
-    # that a pending lookup is of its own tokens.
-    source: tuple[int, int] = (0, 0)
+    # What identifies the batch the lookup was started for (BatchSource), so that a forward
+    # takes a pending lookup only if it is of its own tokens.
+    source: BatchSource | None = None
+    error: str = ""  # why the start failed (state "failed")
     # The buffers of deduplicated lookups (_Dedupe), made by the first one (eagerly, before a
     # graph captures one).
     dedupe: _Dedupe | None = None
@@ -134,6 +136,41 @@ class PrefetchSlot:
     @property
     def max_tokens(self) -> int:
         return self.rows.shape[0]
+
+
+@dataclass(frozen=True)
+class BatchSource:
+    """The input_ids a lookup was started from: the tensor (its memory and length) and what it
+    held. A pointer alone does not tell steps apart: a static input buffer (CUDA graphs, vLLM's
+    persistent buffers) is refilled in place for every step, so a lookup started for a step
+    that failed before its forward would hand the next step's forward the old rows. What the
+    buffer held is known by torch's version counter (bumped by every in-place write through
+    torch) and, for host ids, by a copy of the values (compared exactly: that catches writes
+    behind torch's back, such as through numpy, and costs no device sync). Device ids are
+    compared by version only: comparing their values would make the host wait for the device
+    on every layer, the stall the prefetch is there to avoid; a writer that bypasses torch on
+    the device (a raw kernel into the buffer) must start the lookup again."""
+
+    data_ptr: int
+    numel: int
+    version: int
+    values: torch.Tensor | None  # a copy of host ids; None on a device
+
+    @staticmethod
+    def of(input_ids: torch.Tensor) -> BatchSource:
+        flat = input_ids.reshape(-1)
+        values = flat.clone() if flat.device.type == "cpu" else None
+        return BatchSource(flat.data_ptr(), flat.numel(), flat._version, values)
+
+    def same_tensor(self, input_ids: torch.Tensor) -> bool:
+        return (self.data_ptr, self.numel) == (input_ids.data_ptr(), input_ids.numel())
+
+    def same_ids(self, input_ids: torch.Tensor) -> bool:
+        """Whether ``input_ids`` (the same tensor) still hold the ids the lookup read."""
+        flat = input_ids.reshape(-1)
+        if flat._version != self.version:
+            return False
+        return self.values is None or torch.equal(self.values, flat)
 
 
 class _Dedupe:
@@ -348,10 +385,10 @@ def start(
                 f"{slot.rows.device}; nothing was started"
             )
         embedding._check_complete()
-    source = (input_ids.data_ptr(), num_tokens)
+    source = BatchSource.of(input_ids)
     # A failed launch must not leave a layer looking started with the rows of another step.
     for slot in slots:
-        slot.state = "idle"
+        slot.state, slot.source = "idle", None
     on_gpu = input_ids.device.type == "cuda"
     if on_gpu and max_blocks is None:
         max_blocks = default_max_blocks(input_ids.device)
@@ -361,12 +398,23 @@ def start(
         if on_gpu
         else contextlib.nullcontext()
     )
-    with side as stream:
-        for embedding, slot in zip(embeddings, slots, strict=True):
-            lookup_into_slot(embedding, slot, *inputs, max_blocks=max_blocks or 0, dedupe=dedupe)
-            if slot.event is not None:
-                slot.event.record(stream)
-            slot.num_tokens, slot.source, slot.state = num_tokens, source, "started"
+    launched = 0
+    try:
+        with side as stream:
+            for embedding, slot in zip(embeddings, slots, strict=True):
+                lookup_into_slot(
+                    embedding, slot, *inputs, max_blocks=max_blocks or 0, dedupe=dedupe
+                )
+                if slot.event is not None:
+                    slot.event.record(stream)
+                slot.num_tokens, slot.source, slot.state = num_tokens, source, "started"
+                launched += 1
+    except BaseException as error:
+        # The layers from the failed one on say why they have no rows (finalize raises it);
+        # the ones launched before keep theirs. The next start starts them all afresh.
+        for slot in slots[launched:]:
+            slot.state, slot.error = "failed", f"{type(error).__name__}: {error}"
+        raise
 
 
 def lookup_into_slot(
@@ -402,6 +450,10 @@ def finalize(embedding: NGramEmbedding, who: str = "finalize_prefetch") -> torch
     slot = _slot_of(embedding, who)
     if slot.state == "idle":
         raise RuntimeError(f"{who}: no lookup was started; call start_prefetch first")
+    if slot.state == "failed":
+        raise RuntimeError(
+            f"{who}: the lookup started for this step failed ({slot.error}); start_prefetch again"
+        )
     if slot.state == "finalized":
         raise RuntimeError(
             f"{who}: this lookup was already finalized; start_prefetch again for the next step"
@@ -410,6 +462,25 @@ def finalize(embedding: NGramEmbedding, who: str = "finalize_prefetch") -> torch
         torch.cuda.current_stream(slot.rows.device).wait_event(slot.event)
     slot.state = "finalized"
     return embedding._reduced(slot.rows[: slot.num_tokens], reduce=True)
+
+
+def started_rows(embedding: NGramEmbedding, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """For a forward of ``input_ids``: the rows of the lookup started for these very ids
+    (finalized), or None when none is pending. A pending lookup started from this tensor while
+    it held other ids (:class:`BatchSource`) is stale: it is dropped, never handed out. One
+    started from another tensor is refused (the caller meant to start it for this forward)."""
+    slot = embedding.prefetch_slot
+    if slot is None or slot.state != "started":
+        return None
+    if not slot.source.same_tensor(input_ids):
+        raise ValueError(
+            "PLELayer: a lookup was started (start_prefetch) for other input_ids than "
+            "this forward's; start it with the same input_ids tensor the layer gets"
+        )
+    if not slot.source.same_ids(input_ids):
+        slot.state, slot.source = "idle", None
+        return None
+    return finalize(embedding, "PLELayer.forward")
 
 
 class LookupPipeline:
