@@ -137,6 +137,22 @@ class PrefetchSlot:
     def max_tokens(self) -> int:
         return self.rows.shape[0]
 
+    @staticmethod
+    def allocate(
+        embedding: NGramEmbedding, max_tokens: Any, device: torch.device
+    ) -> PrefetchSlot | None:
+        """``embedding``'s buffers for ``max_tokens`` tokens on ``device`` (None: none)."""
+        if max_tokens is None:
+            return None
+        max_tokens = positive_int(max_tokens, "max_tokens", "NGramEmbedding")
+        return PrefetchSlot(
+            ids=torch.zeros(max_tokens, embedding.ngram_heads, dtype=torch.int64, device=device),
+            rows=torch.zeros(
+                max_tokens, embedding.embedding_dim, dtype=embedding.out_dtype, device=device
+            ),
+            event=torch.cuda.Event() if device.type == "cuda" else None,
+        )
+
 
 @dataclass(frozen=True)
 class BatchSource:
@@ -232,7 +248,7 @@ def _launch_deduplicated(
     torch.index_select(staging, 0, d.take[:n], out=slot.rows[:num_tokens].view(n, width))
 
 
-def _embedding_of(module: Any) -> NGramEmbedding:
+def _embedding_of(module: Any, who: str = "LookupPipeline") -> NGramEmbedding:
     from .ngram_embedding import NGramEmbedding
 
     if isinstance(module, NGramEmbedding):
@@ -240,9 +256,7 @@ def _embedding_of(module: Any) -> NGramEmbedding:
     embedding = getattr(module, "ple_embedding", None)
     if isinstance(embedding, NGramEmbedding):
         return embedding
-    raise TypeError(
-        f"LookupPipeline takes NGramEmbedding or PLELayer modules, got {type(module).__name__}"
-    )
+    raise TypeError(f"{who} takes NGramEmbedding or PLELayer modules, got {type(module).__name__}")
 
 
 # --- argument checks shared by both pipelines (staged.py) and the layers' lookups --------------
@@ -290,7 +304,7 @@ def layer_index(embeddings: Sequence[NGramEmbedding], layer: Any, who: str) -> i
     (negative from the end), or one of its modules."""
     count = len(embeddings)
     if isinstance(layer, torch.nn.Module):
-        embedding = _embedding_of(layer)
+        embedding = _embedding_of(layer, who)
         for index, candidate in enumerate(embeddings):
             if candidate is embedding:
                 return index
@@ -307,6 +321,7 @@ def layer_index(embeddings: Sequence[NGramEmbedding], layer: Any, who: str) -> i
 
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+MAX_GRID = 2**31 - 1  # the most blocks of a grid's x dimension (CUDA and HIP)
 
 
 def check_batch(
@@ -370,9 +385,11 @@ def start(
     argument is checked before the first launch: a batch larger than a layer's buffers, a layer
     without buffers or on another device raises and launches nothing, leaving every layer's
     previous result as it was."""
+    slots = [_slot_of(embedding, who) for embedding in embeddings]
+    for embedding in embeddings:
+        check_batch(embedding, input_ids, query_start_loc, ngram_context, who)
     input_ids = input_ids.reshape(-1)
     num_tokens = input_ids.numel()
-    slots = [_slot_of(embedding, who) for embedding in embeddings]
     for embedding, slot in zip(embeddings, slots, strict=True):
         if num_tokens > slot.max_tokens:
             raise ValueError(
@@ -503,15 +520,27 @@ class LookupPipeline:
         stream: torch.cuda.Stream | None = None,
         dedupe: bool = False,
     ) -> None:
-        self.modules = list(modules)
+        who = "LookupPipeline"
+        self.modules = modules_of(modules, who)
         self.embeddings = [_embedding_of(module) for module in self.modules]
         for embedding in self.embeddings:
-            _slot_of(embedding, "LookupPipeline")
-        if max_blocks is not None and max_blocks <= 0:
-            raise ValueError(f"max_blocks must be positive, got {max_blocks}")
+            _slot_of(embedding, who)
+        if max_blocks is not None:
+            max_blocks = positive_int(max_blocks, "max_blocks", who)
+            if max_blocks > MAX_GRID:
+                raise ValueError(
+                    f"{who}: max_blocks must be at most {MAX_GRID} (a grid's x dimension), got "
+                    f"{max_blocks}"
+                )
+        if stream is not None and not isinstance(stream, torch.cuda.Stream):
+            raise TypeError(
+                f"{who}: stream must be a torch.cuda.Stream or None, got {type(stream).__name__}"
+            )
+        if not isinstance(dedupe, bool):
+            raise TypeError(f"{who}: dedupe must be True or False, got {dedupe!r}")
         self.max_blocks = max_blocks
         self.stream = stream
-        self.dedupe = bool(dedupe)
+        self.dedupe = dedupe
 
     def __len__(self) -> int:
         return len(self.modules)
@@ -534,13 +563,8 @@ class LookupPipeline:
     def finalize_prefetch(self, layer: int | Any) -> torch.Tensor:
         """Layer ``layer``'s rows (an index into ``modules``, or the module itself), as its
         embedding's ``forward`` returns them."""
-        if isinstance(layer, int):
-            embedding = self.embeddings[layer]
-        else:
-            embedding = _embedding_of(layer)
-            if not any(embedding is e for e in self.embeddings):
-                raise ValueError("finalize_prefetch: that layer is not part of this pipeline")
-        return finalize(embedding, "LookupPipeline.finalize_prefetch")
+        who = "LookupPipeline.finalize_prefetch"
+        return finalize(self.embeddings[layer_index(self.embeddings, layer, who)], who)
 
     def join(self) -> None:
         """Makes the current stream wait for every started lookup (e.g. before a graph capture

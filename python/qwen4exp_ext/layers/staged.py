@@ -216,7 +216,7 @@ class StagedLookupPipeline:
         # refused pipeline leaves no thread behind.
         who = "StagedLookupPipeline"
         self.modules = modules_of(modules, who)
-        self.embeddings = [_embedding_of(module) for module in self.modules]
+        self.embeddings = [_embedding_of(module, who) for module in self.modules]
         if not self.embeddings:
             raise ValueError("StagedLookupPipeline needs at least one layer")
         for embedding in self.embeddings:
