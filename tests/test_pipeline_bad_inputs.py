@@ -702,3 +702,12 @@ def test_a_ple_layer_with_a_context_of_the_wrong_width_names_it():
         layer.start_prefetch(ids, qsl, torch.zeros(1, 3, dtype=torch.int64))
     assert not layer.ple_embedding.prefetch_pending
     layer(hidden, ids)
+
+
+def test_a_module_list_is_an_iterable_of_modules():
+    layers = torch.nn.ModuleList(_lookup_args()["modules"])
+    with nothing_left_behind():
+        assert len(LookupPipeline(layers)) == 2
+        with StagedLookupPipeline(layers, max_tokens=8) as pipeline:
+            assert len(pipeline) == 2
+            pipeline.close(timeout=WAIT)

@@ -290,8 +290,9 @@ def check_timeout(timeout: Any, who: str) -> float | None:
 
 
 def modules_of(modules: Any, who: str) -> list:
-    """The pipeline's modules as a list (an iterable of them, not one module)."""
-    if isinstance(modules, torch.nn.Module) or not isinstance(modules, Iterable):
+    """The pipeline's modules as a list (an iterable of them, such as a list or an
+    nn.ModuleList; not one module)."""
+    if not isinstance(modules, Iterable):
         raise TypeError(
             f"{who}: modules must be an iterable of NGramEmbedding or PLELayer modules, got "
             f"{type(modules).__name__}"

@@ -120,7 +120,8 @@ class StagedStep:
         for that layer only (on a GPU: the current stream waits on its copy's event). Valid
         until :meth:`release`. Raises the worker's error if this layer's lookup failed. With
         vocabulary shards the first call of a layer all-reduces its rows (every rank must call
-        it, in the same layer order); later calls return the same rows."""
+        it, in the same layer order; on a GPU, on the current stream of that call); later calls
+        return the same rows."""
         index = self._pipeline._index(layer, "StagedStep.rows")
         rows = self._rows.get(index)
         if rows is None:
