@@ -39,9 +39,13 @@ How it runs:
   moving bytes is slower than our gather decoding them), while at T = 64 the bytes saved are
   ~160 KB a layer, a few us of PCIe. ``"device"`` stays for a GPU run to compare
   (``staged_device_decode`` in the bench) and for a faster raw read later.
-- **Errors** (a short read of a file table, a table freed under the pipeline) are raised by
-  ``rows`` of the failed layer and of every later layer of that step, never as partial rows; the
-  other slot's rows, a previous step's, are untouched.
+- **Errors** (a short read of a file table, a table freed under the pipeline, anything the
+  worker raises for a step, torch refusing its thread count included) are raised by ``rows`` of
+  the failed layer and of every later layer of that step, never as partial rows; the other
+  slot's rows, a previous step's, are untouched, and the worker goes on with the next step.
+- **Vocabulary shards**: the first ``rows(l)`` of a step reduces layer l's rows across the ranks
+  (a collective: every rank calls it, in the same layer order); later calls return the same
+  rows, and ``wait`` runs no collective.
 
 On a CPU-only machine the rows are delivered in the staging buffers themselves (``device`` =
 CPU): the same calls, with the overlap of the worker thread.
@@ -202,7 +206,8 @@ class StagedLookupPipeline:
     Other tables' rows are their values: always staged as they are. ``threads``: the worker's
     intra-op threads for the CPU kernels (default: each step uses the count of the thread that
     submitted it, ``torch.get_num_threads()``; a thread's count is its own in torch, so without
-    this the worker would keep the count of its first lookup)."""
+    this the worker would keep the count of its first lookup); 1 to ``os.cpu_count()``.
+    Every argument is checked before the worker starts."""
 
     def __init__(
         self,
