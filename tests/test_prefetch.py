@@ -7,6 +7,8 @@ step replays with changing ids."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from lookup_support import (
     BATCHES,
     CONFIG,
     FORMATS,
+    fill_table,
     make_batch,
     make_embedding,
     ple_layers,
@@ -321,3 +324,93 @@ def test_gpu_a_captured_step_replays_with_changing_ids(dedupe):
         torch.cuda.synchronize()
         for layer, out in zip(layers, outs, strict=True):
             same_bits(out, layer(*batch))
+
+
+@pytest.mark.parametrize("refill", ["copy_", "numpy"])
+def test_a_static_buffer_refilled_after_a_failed_step_never_gets_the_old_rows(refill):
+    """Step 1's lookup is started from a static input buffer (as under CUDA graphs), then step
+    1 fails before its forward; the buffer is refilled in place for step 2 (through torch, or
+    behind its back through numpy, as vLLM's CPU buffers are), whose forward starts nothing:
+    it must give step 2's rows, those of a layer without a prefetch, not step 1's."""
+    config, (layer, _), (twin, _) = ple_layers("cpu", "bfloat16", max_tokens=8)
+    gen = torch.Generator().manual_seed(4)
+    steps = [torch.randint(0, config.vocab_size, (6,), generator=gen) for _ in range(2)]
+    hidden = torch.randn(6, layer.hc_hidden_size, generator=gen).to(torch.bfloat16)
+    static = steps[0].clone()
+    layer.start_prefetch(static)  # step 1 ... fails before its forward
+    if refill == "copy_":
+        static.copy_(steps[1])
+    else:
+        static.numpy()[:] = steps[1].numpy()
+    same_bits(layer(hidden, static).clone(), twin(hidden, steps[1]))
+    assert not layer.ple_embedding.prefetch_pending  # the stale lookup was dropped
+    # A lookup started for the buffer's current ids is still used.
+    layer.start_prefetch(static)
+    assert layer.ple_embedding.prefetch_pending
+    same_bits(layer(hidden, static).clone(), twin(hidden, steps[1]))
+    assert not layer.ple_embedding.prefetch_pending
+
+
+# --- the other side slow, a lookup that raises ---------------------------------------------------
+
+
+class SlowOrFailingEmbedding(NGramEmbedding):
+    """An embedding whose lookup sleeps ``delay`` seconds for real, or raises ``failure``."""
+
+    delay = 0.0
+    failure: BaseException | None = None
+
+    def _lookup_local(self, *args, **kwargs):
+        if self.failure is not None:
+            raise self.failure
+        time.sleep(self.delay)
+        return super()._lookup_local(*args, **kwargs)
+
+
+def _slow_layers(count: int) -> list[SlowOrFailingEmbedding]:
+    layers = []
+    for index in range(count):
+        layer = SlowOrFailingEmbedding(CONFIG, index, placement="cpu", max_tokens=32)
+        fill_table(layer, index)
+        layers.append(layer)
+    return layers
+
+
+def test_a_slow_lookup_and_a_slow_consumer_still_get_their_rows():
+    """Each lookup takes 0.2 s for real, and the consumer waits 0.2 s before it reads, over two
+    steps: the rows handed out are each step's own."""
+    layers = _slow_layers(2)
+    batches = [make_batch([5, 0, 13, 1], "cpu", seed=s) for s in range(2)]
+    wants = [[layer(*batch) for layer in layers] for batch in batches]
+    for layer in layers:
+        layer.delay = 0.2
+    pipeline = LookupPipeline(layers)
+    for number, batch in enumerate(batches):
+        pipeline.start_prefetch(*batch)
+        time.sleep(0.2)  # the consumer is slow
+        for index in (1, 0):
+            same_bits(pipeline.finalize_prefetch(index), wants[number][index])
+
+
+@pytest.mark.parametrize("failed", [0, 1])
+def test_a_lookup_that_raises_fails_its_layers_and_the_next_step_is_served(failed):
+    """Layer ``failed`` of three raises in step 1's start: start_prefetch raises it, the layers
+    before keep step 1's rows, the failed one and those after say that their lookup failed (not
+    "no lookup was started") and are not pending, and step 2 is served."""
+    layers = _slow_layers(3)
+    batches = [make_batch([5, 0, 13, 1], "cpu", seed=s) for s in range(2)]
+    wants = [[layer(*batch) for layer in layers] for batch in batches]
+    pipeline = LookupPipeline(layers)
+    layers[failed].failure = OSError("layer.table: pread failed: Input/output error")
+    with pytest.raises(OSError, match="pread failed"):
+        pipeline.start_prefetch(*batches[0])
+    for index in range(failed):
+        same_bits(pipeline.finalize_prefetch(index), wants[0][index])
+    for index in range(failed, 3):
+        assert not layers[index].prefetch_pending
+        with pytest.raises(RuntimeError, match="lookup started for this step failed .*pread"):
+            pipeline.finalize_prefetch(index)
+    layers[failed].failure = None
+    pipeline.start_prefetch(*batches[1])
+    for index in (2, 0, 1):
+        same_bits(pipeline.finalize_prefetch(index), wants[1][index])

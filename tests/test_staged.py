@@ -7,6 +7,7 @@ previous step's rows intact; no thread outlives the pipeline."""
 from __future__ import annotations
 
 import gc
+import re
 import threading
 import time
 
@@ -14,15 +15,18 @@ import pytest
 import torch
 
 from conftest import devices
+from leak_support import nothing_left_behind
 from lookup_support import (
     BATCHES,
     FORMATS,
+    fill_table,
     make_batch,
     make_embedding,
     ple_layers,
     same_bits,
 )
-from qwen4exp_ext.layers import StagedLookupPipeline
+from ngram_support import CONFIG
+from qwen4exp_ext.layers import NGramEmbedding, StagedLookupPipeline
 
 STEPS = ([5, 0, 13, 1], [1], [], [32], [2, 7])
 
@@ -357,3 +361,188 @@ def test_the_worker_uses_the_submitters_thread_count_or_its_own():
     assert seen == [1, 2, 1, 2]
     with pytest.raises(ValueError, match="threads must be positive"):
         StagedLookupPipeline([module], max_tokens=8, threads=0)
+
+
+# --- the other side slow, a worker that raises: nothing hangs (every wait has a timeout) ------
+
+WAIT = 30  # seconds: any wait in these tests that takes longer is a hang
+
+
+class SlowOrFailingEmbedding(NGramEmbedding):
+    """An embedding whose lookup sleeps ``delay`` seconds for real, or raises ``failure``, each
+    time it runs: the producer side made slow or broken without touching files or the worker."""
+
+    delay = 0.0
+    failure: BaseException | None = None
+
+    def _lookup_local(self, *args, **kwargs):
+        if self.failure is not None:
+            raise self.failure
+        time.sleep(self.delay)
+        return super()._lookup_local(*args, **kwargs)
+
+
+def _slow_layers(count: int) -> list[SlowOrFailingEmbedding]:
+    layers = []
+    for index in range(count):
+        layer = SlowOrFailingEmbedding(CONFIG, index, placement="cpu", max_tokens=32)
+        fill_table(layer, index)
+        layers.append(layer)
+    return layers
+
+
+def test_a_slow_producer_is_waited_for_and_bounded_by_timeouts():
+    """Each layer's lookup takes 0.3 s for real: rows(i) waits for layer i's rows (a shorter
+    timeout raises TimeoutError, never partial rows), and the rows are forward's."""
+    layers = _slow_layers(2)
+    batch = make_batch([5, 0, 13, 1], "cpu")
+    wants = [layer(*batch) for layer in layers]
+    for layer in layers:
+        layer.delay = 0.3
+    with StagedLookupPipeline(layers, max_tokens=32) as pipeline:
+        step = pipeline.submit(*batch, timeout=WAIT)
+        with pytest.raises(TimeoutError, match="layer 1's rows not ready after 0.01 s"):
+            step.rows(1, timeout=0.01)
+        for index in (0, 1):
+            same_bits(step.rows(index, timeout=WAIT), wants[index])
+        step.release()
+        pipeline.close(timeout=WAIT)
+
+
+def test_a_slow_consumer_holds_its_slot_and_the_submit_waits_with_a_timeout():
+    """The consumer sits on step 0's rows: step 2 (step 0's slot) waits in submit, a bounded
+    wait, and step 0's rows are untouched until it releases them."""
+    (layer,) = _slow_layers(1)
+    batches = [make_batch([13, 2], "cpu", seed=s) for s in range(3)]
+    wants = [layer(*batch) for batch in batches]
+    with StagedLookupPipeline([layer], max_tokens=32) as pipeline:
+        first = pipeline.submit(*batches[0], timeout=WAIT)
+        held = first.rows(0, timeout=WAIT)
+        second = pipeline.submit(*batches[1], timeout=WAIT)
+        with pytest.raises(TimeoutError, match="step 0's buffers are still held after 0.2 s"):
+            pipeline.submit(*batches[2], timeout=0.2)
+        time.sleep(0.2)  # the consumer is slow
+        same_bits(held, wants[0])
+        first.release()
+        third = pipeline.submit(*batches[2], timeout=WAIT)
+        same_bits(second.rows(0, timeout=WAIT), wants[1])
+        same_bits(third.rows(0, timeout=WAIT), wants[2])
+        second.release()
+        third.release()
+        pipeline.close(timeout=WAIT)
+
+
+def _refusal_of_set_num_threads() -> str:
+    """What torch raises for set_num_threads(2**40), as the step's error reports it."""
+    try:
+        torch.set_num_threads(2**40)
+    except Exception as error:  # noqa: BLE001 - whichever torch raises
+        return f"{type(error).__name__}: {error}"
+    raise AssertionError("torch accepted 2**40 threads")
+
+
+@pytest.mark.parametrize("where", ["set_num_threads", "first layer", "middle layer"])
+def test_a_worker_that_raises_fails_its_step_and_serves_the_next(where):
+    """The worker raises while running step 1 (in torch.set_num_threads, outside any layer;
+    in the first layer's lookup; in the middle one of three): every layer of step 1 from the
+    failed one on raises the error in rows() (no wait blocks), the layers before it have their
+    rows, and steps 2 and 3 are served."""
+    layers = _slow_layers(3)
+    batches = [make_batch([5, 0, 13, 1], "cpu", seed=s) for s in range(3)]
+    wants = [[layer(*batch) for layer in layers] for batch in batches]
+    failed = {"set_num_threads": 0, "first layer": 0, "middle layer": 1}[where]
+    with nothing_left_behind(), StagedLookupPipeline(layers, max_tokens=32) as pipeline:
+        step0 = pipeline.submit(*batches[0], timeout=WAIT)
+        step0.wait(timeout=WAIT)
+        if where == "set_num_threads":
+            pipeline.threads = 2**40  # past the constructor's check: torch refuses it
+        else:
+            layers[failed].failure = OSError("layer.table: pread failed: Input/output error")
+        step1 = pipeline.submit(*batches[1], timeout=WAIT)
+        if where == "set_num_threads":
+            message = re.escape(_refusal_of_set_num_threads())
+        else:
+            message = "OSError: layer.table: pread failed"
+        for index in range(failed, 3):
+            with pytest.raises(
+                RuntimeError,
+                match=f"StagedStep 1: no rows for layer {index}: the lookup of layer {failed} "
+                f"failed \\({message}",
+            ):
+                step1.rows(index, timeout=WAIT)
+        with pytest.raises(RuntimeError, match=f"the lookup of layer {failed} failed \\({message}"):
+            step1.wait(timeout=WAIT)
+        for index in range(failed):
+            same_bits(step1.rows(index, timeout=WAIT), wants[1][index])
+        pipeline.threads = None
+        layers[failed].failure = None
+        step0.release()
+        step1.release()
+        for number in (2, 0):
+            with pipeline.submit(*batches[number], timeout=WAIT) as step:
+                for index in range(3):
+                    same_bits(step.rows(index, timeout=WAIT), wants[number][index])
+        pipeline.close(timeout=WAIT)
+
+
+# --- vocabulary shards over two real ranks: one reduction per layer and step -------------------
+
+RANKS = 2
+
+
+def _rank_rows(rank: int, init_file: str, result_dir: str) -> None:
+    """One gloo rank: the rows of its vocabulary shard of two layers, staged and reduced, read
+    as a caller does (wait(), then rows(-1) twice, then rows(0) twice)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=RANKS,
+        timeout=datetime.timedelta(seconds=WAIT),
+    )
+    try:
+        layers = []
+        for index in range(2):
+            full = make_embedding("bfloat16", "cpu", layer_index=index, seed=index)
+            layer = make_embedding("bfloat16", "cpu", layer_index=index, shard=(rank, RANKS))
+            with torch.no_grad():
+                layer.weight.copy_(full.weight[layer.vocab_start : layer.vocab_end])
+            layers.append(layer)
+        with StagedLookupPipeline(layers, max_tokens=32) as pipeline:
+            with pipeline.submit(*make_batch([5, 0, 13, 1], "cpu"), timeout=WAIT) as step:
+                step.wait(timeout=WAIT)
+                seen = [step.rows(-1, timeout=WAIT).clone(), step.rows(-1, timeout=WAIT).clone()]
+                seen += [step.rows(0, timeout=WAIT).clone(), step.rows(0, timeout=WAIT).clone()]
+        torch.save(seen, f"{result_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_reduce_each_layer_once_per_step(tmp_path):
+    """Two gloo ranks, each with its shard of two layers: wait() then rows(-1) twice, then
+    rows(0) twice give every rank the unsharded rows each time (an all-reduce per call would
+    sum them twice over, and wait() must run no collective of its own)."""
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(
+        _rank_rows, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=RANKS, join=False
+    )
+    deadline = time.monotonic() + 4 * WAIT
+    try:
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, "the ranks did not finish (a hang)"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    batch = make_batch([5, 0, 13, 1], "cpu")
+    wants = [make_embedding("bfloat16", "cpu", layer_index=i, seed=i)(*batch) for i in range(2)]
+    for rank in range(RANKS):
+        seen = torch.load(tmp_path / f"rank{rank}.pt")
+        for got, want in zip(seen, [wants[1], wants[1], wants[0], wants[0]], strict=True):
+            same_bits(got, want)

@@ -176,22 +176,8 @@ class NGramEmbedding(nn.Module):
             self._allocate_table(compute_device)
         # Set when a streamed load failed after writing rows (see load_weights).
         self._incomplete_load: str | None = None
-        self.prefetch_slot = self._allocate_prefetch_slot(max_tokens, compute_device)
-
-    def _allocate_prefetch_slot(
-        self, max_tokens: int | None, device: torch.device
-    ) -> prefetch.PrefetchSlot | None:
-        """The fixed buffers of :meth:`start_prefetch` (none without ``max_tokens``)."""
-        if max_tokens is None:
-            return None
-        max_tokens = int(max_tokens)
-        if max_tokens <= 0:
-            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-        return prefetch.PrefetchSlot(
-            ids=torch.zeros(max_tokens, self.ngram_heads, dtype=torch.int64, device=device),
-            rows=torch.zeros(max_tokens, self.embedding_dim, dtype=self.out_dtype, device=device),
-            event=torch.cuda.Event() if device.type == "cuda" else None,
-        )
+        # The fixed buffers of start_prefetch (none without max_tokens).
+        self.prefetch_slot = prefetch.PrefetchSlot.allocate(self, max_tokens, compute_device)
 
     def _read_geometry(self, config: Any) -> None:
         """The n-gram heads, their width and the checkpoint split, from ``config``, checked."""
@@ -431,6 +417,7 @@ class NGramEmbedding(nn.Module):
         into ``output`` (and the ids into ``ids_output``) when given; each gather on a GPU
         launches at most ``max_blocks`` blocks (0: no cap)."""
         self._check_complete()
+        prefetch.check_batch(self, input_ids, query_start_loc, ngram_context, "NGramEmbedding")
         table = self.table
         if table is not None and table.device.type in FUSED_LOOKUP_DEVICES:
             return ops.ngram_gather_rows(
@@ -542,6 +529,7 @@ class NGramEmbedding(nn.Module):
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The [T, NH] row ids of the tokens (into ``output`` when given)."""
+        prefetch.check_batch(self, input_ids, query_start_loc, ngram_context, "NGramEmbedding")
         return ops.ngram_ids(
             input_ids.reshape(-1),
             query_start_loc,

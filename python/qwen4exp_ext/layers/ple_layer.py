@@ -242,19 +242,15 @@ class PLELayer(nn.Module):
         self, input_ids: torch.Tensor, query_start_loc: torch.Tensor, ngram_context: torch.Tensor
     ) -> torch.Tensor:
         """The n-gram rows of the tokens: those of a lookup started ahead for these very
-        tokens (:meth:`start_prefetch`), else looked up now (into the embedding's fixed buffers
-        when the layer has them)."""
+        tokens (:meth:`start_prefetch`; :func:`~.prefetch.started_rows` tells), else looked up
+        now (into the embedding's fixed buffers when the layer has them)."""
         emb = self.ple_embedding
         slot = emb.prefetch_slot
         if slot is None:
             return emb(input_ids, query_start_loc, ngram_context)
-        if slot.state == "started":
-            if slot.source != (input_ids.data_ptr(), input_ids.numel()):
-                raise ValueError(
-                    "PLELayer: a lookup was started (start_prefetch) for other input_ids than "
-                    "this forward's; start it with the same input_ids tensor the layer gets"
-                )
-            return emb.finalize_prefetch()
+        rows = prefetch.started_rows(emb, input_ids)
+        if rows is not None:
+            return rows
         rows = prefetch.lookup_into_slot(emb, slot, input_ids, query_start_loc, ngram_context)
         return emb._reduced(rows, reduce=True)
 

@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import operator
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -113,18 +115,20 @@ def launch_on_side_stream(
 class PrefetchSlot:
     """One layer's prefetch buffers and where its lookup stands.
 
-    ``state`` is ``"idle"`` (nothing started since the buffers were made), ``"started"`` (a
-    lookup of ``num_tokens`` tokens is launched; its rows are not yet handed out) or
-    ``"finalized"`` (handed out once; the next step must start again)."""
+    ``state`` is ``"idle"`` (nothing started since the buffers were made, or a stale lookup
+    dropped), ``"started"`` (a lookup of ``num_tokens`` tokens is launched; its rows are not yet
+    handed out), ``"failed"`` (its start raised ``error``) or ``"finalized"`` (handed out once;
+    the next step must start again)."""
 
     ids: torch.Tensor  # [max_tokens, NH] int64
     rows: torch.Tensor  # [max_tokens, D_e] in the embedding's out_dtype
     event: torch.cuda.Event | None  # recorded on the side stream after the lookup (GPU only)
     state: str = "idle"
     num_tokens: int = 0
-    # (data_ptr, numel) of the input_ids the lookup was started with, so a forward can tell
-    # that a pending lookup is of its own tokens.
-    source: tuple[int, int] = (0, 0)
+    # What identifies the batch the lookup was started for (BatchSource), so that a forward
+    # takes a pending lookup only if it is of its own tokens.
+    source: BatchSource | None = None
+    error: str = ""  # why the start failed (state "failed")
     # The buffers of deduplicated lookups (_Dedupe), made by the first one (eagerly, before a
     # graph captures one).
     dedupe: _Dedupe | None = None
@@ -132,6 +136,57 @@ class PrefetchSlot:
     @property
     def max_tokens(self) -> int:
         return self.rows.shape[0]
+
+    @staticmethod
+    def allocate(
+        embedding: NGramEmbedding, max_tokens: Any, device: torch.device
+    ) -> PrefetchSlot | None:
+        """``embedding``'s buffers for ``max_tokens`` tokens on ``device`` (None: none)."""
+        if max_tokens is None:
+            return None
+        max_tokens = positive_int(max_tokens, "max_tokens", "NGramEmbedding")
+        return PrefetchSlot(
+            ids=torch.zeros(max_tokens, embedding.ngram_heads, dtype=torch.int64, device=device),
+            rows=torch.zeros(
+                max_tokens, embedding.embedding_dim, dtype=embedding.out_dtype, device=device
+            ),
+            event=torch.cuda.Event() if device.type == "cuda" else None,
+        )
+
+
+@dataclass(frozen=True)
+class BatchSource:
+    """The input_ids a lookup was started from: the tensor (its memory and length) and what it
+    held. A pointer alone does not tell steps apart: a static input buffer (CUDA graphs, vLLM's
+    persistent buffers) is refilled in place for every step, so a lookup started for a step
+    that failed before its forward would hand the next step's forward the old rows. What the
+    buffer held is known by torch's version counter (bumped by every in-place write through
+    torch) and, for host ids, by a copy of the values (compared exactly: that catches writes
+    behind torch's back, such as through numpy, and costs no device sync). Device ids are
+    compared by version only: comparing their values would make the host wait for the device
+    on every layer, the stall the prefetch is there to avoid; a writer that bypasses torch on
+    the device (a raw kernel into the buffer) must start the lookup again."""
+
+    data_ptr: int
+    numel: int
+    version: int
+    values: torch.Tensor | None  # a copy of host ids; None on a device
+
+    @staticmethod
+    def of(input_ids: torch.Tensor) -> BatchSource:
+        flat = input_ids.reshape(-1)
+        values = flat.clone() if flat.device.type == "cpu" else None
+        return BatchSource(flat.data_ptr(), flat.numel(), flat._version, values)
+
+    def same_tensor(self, input_ids: torch.Tensor) -> bool:
+        return (self.data_ptr, self.numel) == (input_ids.data_ptr(), input_ids.numel())
+
+    def same_ids(self, input_ids: torch.Tensor) -> bool:
+        """Whether ``input_ids`` (the same tensor) still hold the ids the lookup read."""
+        flat = input_ids.reshape(-1)
+        if flat._version != self.version:
+            return False
+        return self.values is None or torch.equal(self.values, flat)
 
 
 class _Dedupe:
@@ -193,7 +248,7 @@ def _launch_deduplicated(
     torch.index_select(staging, 0, d.take[:n], out=slot.rows[:num_tokens].view(n, width))
 
 
-def _embedding_of(module: Any) -> NGramEmbedding:
+def _embedding_of(module: Any, who: str = "LookupPipeline") -> NGramEmbedding:
     from .ngram_embedding import NGramEmbedding
 
     if isinstance(module, NGramEmbedding):
@@ -201,9 +256,108 @@ def _embedding_of(module: Any) -> NGramEmbedding:
     embedding = getattr(module, "ple_embedding", None)
     if isinstance(embedding, NGramEmbedding):
         return embedding
-    raise TypeError(
-        f"LookupPipeline takes NGramEmbedding or PLELayer modules, got {type(module).__name__}"
-    )
+    raise TypeError(f"{who} takes NGramEmbedding or PLELayer modules, got {type(module).__name__}")
+
+
+# --- argument checks shared by both pipelines (staged.py) and the layers' lookups --------------
+
+
+def whole_number(value: Any, name: str, who: str) -> int:
+    """``value`` as an int (any integer type; not a bool, a float or a string)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{who}: {name} must be an integer, got {type(value).__name__} {value!r}")
+    return operator.index(value)
+
+
+def positive_int(value: Any, name: str, who: str) -> int:
+    count = whole_number(value, name, who)
+    if count <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return count
+
+
+def check_timeout(timeout: Any, who: str) -> float | None:
+    """A wait's ``timeout``: None (no limit) or a number of seconds >= 0; infinity is None."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(
+            f"{who}: timeout must be a number of seconds or None, got {type(timeout).__name__}"
+        )
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"{who}: timeout must be a number of seconds >= 0, got {timeout}")
+    return None if math.isinf(timeout) else timeout
+
+
+def modules_of(modules: Any, who: str) -> list:
+    """The pipeline's modules as a list (an iterable of them, such as a list or an
+    nn.ModuleList; not one module)."""
+    if not isinstance(modules, Iterable):
+        raise TypeError(
+            f"{who}: modules must be an iterable of NGramEmbedding or PLELayer modules, got "
+            f"{type(modules).__name__}"
+        )
+    return list(modules)
+
+
+def layer_index(embeddings: Sequence[NGramEmbedding], layer: Any, who: str) -> int:
+    """The position in ``embeddings`` of ``layer``: an index into the pipeline's modules
+    (negative from the end), or one of its modules."""
+    count = len(embeddings)
+    if isinstance(layer, torch.nn.Module):
+        embedding = _embedding_of(layer, who)
+        for index, candidate in enumerate(embeddings):
+            if candidate is embedding:
+                return index
+        raise ValueError(f"{who}: that layer is not part of this pipeline")
+    if isinstance(layer, bool) or not hasattr(layer, "__index__"):
+        raise TypeError(
+            f"{who}: layer must be an index into the pipeline's modules or one of them, got "
+            f"{type(layer).__name__} {layer!r}"
+        )
+    index = operator.index(layer)
+    if not -count <= index < count:
+        raise IndexError(f"{who}: layer {index} out of range ({count} layers)")
+    return index % count
+
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+MAX_GRID = 2**31 - 1  # the most blocks of a grid's x dimension (CUDA and HIP)
+
+
+def check_batch(
+    embedding: NGramEmbedding,
+    input_ids: Any,
+    query_start_loc: Any,
+    ngram_context: Any,
+    who: str,
+) -> None:
+    """The step's inputs as ``embedding``'s lookup takes them, checked by their metadata (no
+    values, nothing synchronized): tensors of int32/int64 ids, and an ``ngram_context`` as wide
+    as this layer's n-grams need (the op itself would blame the layer's ``layer_multipliers``
+    for a context of the wrong width)."""
+    for name, value in (
+        ("input_ids", input_ids),
+        ("query_start_loc", query_start_loc),
+        ("ngram_context", ngram_context),
+    ):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(value).__name__}")
+        if value.dtype not in INDEX_DTYPES:
+            raise TypeError(f"{who}: {name} must be int32 or int64, got {value.dtype}")
+    if query_start_loc.dim() != 1 or query_start_loc.numel() < 1:
+        raise ValueError(
+            f"{who}: query_start_loc must be 1-D [R+1] (R >= 0 requests), got shape "
+            f"{tuple(query_start_loc.shape)}"
+        )
+    width = embedding.ngram_size - 1
+    requests = query_start_loc.numel() - 1
+    if ngram_context.dim() != 2 or tuple(ngram_context.shape) != (requests, width):
+        raise ValueError(
+            f"{who}: ngram_context must be [R, N-1] = [{requests}, {width}] (the {width} tokens "
+            f"before each of the {requests} requests: this layer's ngram_size is "
+            f"{embedding.ngram_size}), got shape {tuple(ngram_context.shape)}"
+        )
 
 
 def _slot_of(embedding: NGramEmbedding, who: str) -> PrefetchSlot:
@@ -232,9 +386,11 @@ def start(
     argument is checked before the first launch: a batch larger than a layer's buffers, a layer
     without buffers or on another device raises and launches nothing, leaving every layer's
     previous result as it was."""
+    slots = [_slot_of(embedding, who) for embedding in embeddings]
+    for embedding in embeddings:
+        check_batch(embedding, input_ids, query_start_loc, ngram_context, who)
     input_ids = input_ids.reshape(-1)
     num_tokens = input_ids.numel()
-    slots = [_slot_of(embedding, who) for embedding in embeddings]
     for embedding, slot in zip(embeddings, slots, strict=True):
         if num_tokens > slot.max_tokens:
             raise ValueError(
@@ -247,10 +403,10 @@ def start(
                 f"{slot.rows.device}; nothing was started"
             )
         embedding._check_complete()
-    source = (input_ids.data_ptr(), num_tokens)
+    source = BatchSource.of(input_ids)
     # A failed launch must not leave a layer looking started with the rows of another step.
     for slot in slots:
-        slot.state = "idle"
+        slot.state, slot.source = "idle", None
     on_gpu = input_ids.device.type == "cuda"
     if on_gpu and max_blocks is None:
         max_blocks = default_max_blocks(input_ids.device)
@@ -260,12 +416,23 @@ def start(
         if on_gpu
         else contextlib.nullcontext()
     )
-    with side as stream:
-        for embedding, slot in zip(embeddings, slots, strict=True):
-            lookup_into_slot(embedding, slot, *inputs, max_blocks=max_blocks or 0, dedupe=dedupe)
-            if slot.event is not None:
-                slot.event.record(stream)
-            slot.num_tokens, slot.source, slot.state = num_tokens, source, "started"
+    launched = 0
+    try:
+        with side as stream:
+            for embedding, slot in zip(embeddings, slots, strict=True):
+                lookup_into_slot(
+                    embedding, slot, *inputs, max_blocks=max_blocks or 0, dedupe=dedupe
+                )
+                if slot.event is not None:
+                    slot.event.record(stream)
+                slot.num_tokens, slot.source, slot.state = num_tokens, source, "started"
+                launched += 1
+    except BaseException as error:
+        # The layers from the failed one on say why they have no rows (finalize raises it);
+        # the ones launched before keep theirs. The next start starts them all afresh.
+        for slot in slots[launched:]:
+            slot.state, slot.error = "failed", f"{type(error).__name__}: {error}"
+        raise
 
 
 def lookup_into_slot(
@@ -301,6 +468,10 @@ def finalize(embedding: NGramEmbedding, who: str = "finalize_prefetch") -> torch
     slot = _slot_of(embedding, who)
     if slot.state == "idle":
         raise RuntimeError(f"{who}: no lookup was started; call start_prefetch first")
+    if slot.state == "failed":
+        raise RuntimeError(
+            f"{who}: the lookup started for this step failed ({slot.error}); start_prefetch again"
+        )
     if slot.state == "finalized":
         raise RuntimeError(
             f"{who}: this lookup was already finalized; start_prefetch again for the next step"
@@ -309,6 +480,25 @@ def finalize(embedding: NGramEmbedding, who: str = "finalize_prefetch") -> torch
         torch.cuda.current_stream(slot.rows.device).wait_event(slot.event)
     slot.state = "finalized"
     return embedding._reduced(slot.rows[: slot.num_tokens], reduce=True)
+
+
+def started_rows(embedding: NGramEmbedding, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """For a forward of ``input_ids``: the rows of the lookup started for these very ids
+    (finalized), or None when none is pending. A pending lookup started from this tensor while
+    it held other ids (:class:`BatchSource`) is stale: it is dropped, never handed out. One
+    started from another tensor is refused (the caller meant to start it for this forward)."""
+    slot = embedding.prefetch_slot
+    if slot is None or slot.state != "started":
+        return None
+    if not slot.source.same_tensor(input_ids):
+        raise ValueError(
+            "PLELayer: a lookup was started (start_prefetch) for other input_ids than "
+            "this forward's; start it with the same input_ids tensor the layer gets"
+        )
+    if not slot.source.same_ids(input_ids):
+        slot.state, slot.source = "idle", None
+        return None
+    return finalize(embedding, "PLELayer.forward")
 
 
 class LookupPipeline:
@@ -331,15 +521,27 @@ class LookupPipeline:
         stream: torch.cuda.Stream | None = None,
         dedupe: bool = False,
     ) -> None:
-        self.modules = list(modules)
+        who = "LookupPipeline"
+        self.modules = modules_of(modules, who)
         self.embeddings = [_embedding_of(module) for module in self.modules]
         for embedding in self.embeddings:
-            _slot_of(embedding, "LookupPipeline")
-        if max_blocks is not None and max_blocks <= 0:
-            raise ValueError(f"max_blocks must be positive, got {max_blocks}")
+            _slot_of(embedding, who)
+        if max_blocks is not None:
+            max_blocks = positive_int(max_blocks, "max_blocks", who)
+            if max_blocks > MAX_GRID:
+                raise ValueError(
+                    f"{who}: max_blocks must be at most {MAX_GRID} (a grid's x dimension), got "
+                    f"{max_blocks}"
+                )
+        if stream is not None and not isinstance(stream, torch.cuda.Stream):
+            raise TypeError(
+                f"{who}: stream must be a torch.cuda.Stream or None, got {type(stream).__name__}"
+            )
+        if not isinstance(dedupe, bool):
+            raise TypeError(f"{who}: dedupe must be True or False, got {dedupe!r}")
         self.max_blocks = max_blocks
         self.stream = stream
-        self.dedupe = bool(dedupe)
+        self.dedupe = dedupe
 
     def __len__(self) -> int:
         return len(self.modules)
@@ -362,13 +564,8 @@ class LookupPipeline:
     def finalize_prefetch(self, layer: int | Any) -> torch.Tensor:
         """Layer ``layer``'s rows (an index into ``modules``, or the module itself), as its
         embedding's ``forward`` returns them."""
-        if isinstance(layer, int):
-            embedding = self.embeddings[layer]
-        else:
-            embedding = _embedding_of(layer)
-            if not any(embedding is e for e in self.embeddings):
-                raise ValueError("finalize_prefetch: that layer is not part of this pipeline")
-        return finalize(embedding, "LookupPipeline.finalize_prefetch")
+        who = "LookupPipeline.finalize_prefetch"
+        return finalize(self.embeddings[layer_index(self.embeddings, layer, who)], who)
 
     def join(self) -> None:
         """Makes the current stream wait for every started lookup (e.g. before a graph capture

@@ -39,9 +39,13 @@ How it runs:
   moving bytes is slower than our gather decoding them), while at T = 64 the bytes saved are
   ~160 KB a layer, a few us of PCIe. ``"device"`` stays for a GPU run to compare
   (``staged_device_decode`` in the bench) and for a faster raw read later.
-- **Errors** (a short read of a file table, a table freed under the pipeline) are raised by
-  ``rows`` of the failed layer and of every later layer of that step, never as partial rows; the
-  other slot's rows, a previous step's, are untouched.
+- **Errors** (a short read of a file table, a table freed under the pipeline, anything the
+  worker raises for a step, torch refusing its thread count included) are raised by ``rows`` of
+  the failed layer and of every later layer of that step, never as partial rows; the other
+  slot's rows, a previous step's, are untouched, and the worker goes on with the next step.
+- **Vocabulary shards**: the first ``rows(l)`` of a step reduces layer l's rows across the ranks
+  (a collective: every rank calls it, in the same layer order); later calls return the same
+  rows, and ``wait`` runs no collective.
 
 On a CPU-only machine the rows are delivered in the staging buffers themselves (``device`` =
 CPU): the same calls, with the overlap of the worker thread.
@@ -49,6 +53,7 @@ CPU): the same calls, with the overlap of the worker thread.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Iterable
@@ -57,7 +62,14 @@ from typing import Any
 
 import torch
 
-from .prefetch import _embedding_of
+from .prefetch import (
+    _embedding_of,
+    check_batch,
+    check_timeout,
+    layer_index,
+    modules_of,
+    positive_int,
+)
 
 __all__ = ["StagedLookupPipeline", "StagedStep"]
 
@@ -101,13 +113,32 @@ class StagedStep:
         self._error: BaseException | None = None
         self._released = False
         self.threads = threads  # the worker's intra-op threads for this step's lookups
+        # Per layer, the rows handed out, reduced over vocabulary shards: the reduction is a
+        # collective (in place for an all-reduce), so it runs once per layer and step, however
+        # often rows() is called.
+        self._rows: dict[int, torch.Tensor] = {}
 
     def rows(self, layer: int | Any, timeout: float | None = None) -> torch.Tensor:
         """Layer ``layer``'s rows [T, D_e] (an index into the pipeline's modules, or the
         module), as its embedding's ``forward`` returns them, on the pipeline's device. Waits
         for that layer only (on a GPU: the current stream waits on its copy's event). Valid
-        until :meth:`release`. Raises the worker's error if this layer's lookup failed."""
-        index = self._pipeline._index(layer)
+        until :meth:`release`. Raises the worker's error if this layer's lookup failed. With
+        vocabulary shards the first call of a layer all-reduces its rows (every rank must call
+        it, in the same layer order; on a GPU, on the current stream of that call); later calls
+        return the same rows."""
+        index = self._pipeline._index(layer, "StagedStep.rows")
+        rows = self._rows.get(index)
+        if rows is None:
+            self._wait_for(index, timeout)
+            rows = self._rows[index] = self._pipeline.embeddings[index]._reduced(
+                self._local_rows(index), reduce=True
+            )
+        return rows
+
+    def _wait_for(self, index: int, timeout: float | None) -> None:
+        """Waits until layer ``index``'s rows are complete; raises the worker's error (for this
+        layer and every later one) or TimeoutError."""
+        timeout = check_timeout(timeout, "StagedStep.rows")
         if self._released:
             raise RuntimeError(f"StagedStep {self.number} was released; its rows are gone")
         with self._pipeline._cond:
@@ -124,19 +155,21 @@ class StagedStep:
                     f"StagedStep {self.number}: no rows for layer {index}: the lookup of layer "
                     f"{self._ready} failed ({type(error).__name__}: {error})"
                 ) from error
+
+    def _local_rows(self, index: int) -> torch.Tensor:
+        """This rank's rows of layer ``index`` (complete), not yet reduced."""
         slot, tokens = self._slot, self.num_tokens
-        embedding = self._pipeline.embeddings[index]
         if slot.device_rows is None:
-            rows = slot.staging[index][:tokens]
-        else:
-            device = slot.device_rows[index].device
-            torch.cuda.current_stream(device).wait_event(slot.copied[index])
-            rows = slot.device_rows[index][:tokens]
-        return embedding._reduced(rows, reduce=True)
+            return slot.staging[index][:tokens]
+        device = slot.device_rows[index].device
+        torch.cuda.current_stream(device).wait_event(slot.copied[index])
+        return slot.device_rows[index][:tokens]
 
     def wait(self, timeout: float | None = None) -> None:
-        """Waits until every layer's rows are ready (or raises the worker's error)."""
-        self.rows(len(self._pipeline.embeddings) - 1, timeout)
+        """Waits until every layer's rows are ready (or raises the worker's error). Reduces
+        nothing: the reductions over vocabulary shards run in :meth:`rows`, in the caller's
+        layer order."""
+        self._wait_for(len(self._pipeline.embeddings) - 1, timeout)
 
     def release(self) -> None:
         """Hands the step's buffers back for a later step (idempotent). On a GPU, work queued so
@@ -144,6 +177,7 @@ class StagedStep:
         if self._released:
             return
         self._released = True
+        self._rows.clear()
         self._pipeline._release(self)
 
     def __enter__(self) -> StagedStep:
@@ -172,7 +206,8 @@ class StagedLookupPipeline:
     Other tables' rows are their values: always staged as they are. ``threads``: the worker's
     intra-op threads for the CPU kernels (default: each step uses the count of the thread that
     submitted it, ``torch.get_num_threads()``; a thread's count is its own in torch, so without
-    this the worker would keep the count of its first lookup)."""
+    this the worker would keep the count of its first lookup); 1 to ``os.cpu_count()``.
+    Every argument is checked before the worker starts."""
 
     def __init__(
         self,
@@ -183,8 +218,11 @@ class StagedLookupPipeline:
         decode: str = "auto",
         threads: int | None = None,
     ) -> None:
-        self.modules = list(modules)
-        self.embeddings = [_embedding_of(module) for module in self.modules]
+        # Every argument is checked before anything is allocated or the worker is started: a
+        # refused pipeline leaves no thread behind.
+        who = "StagedLookupPipeline"
+        self.modules = modules_of(modules, who)
+        self.embeddings = [_embedding_of(module, who) for module in self.modules]
         if not self.embeddings:
             raise ValueError("StagedLookupPipeline needs at least one layer")
         for embedding in self.embeddings:
@@ -193,20 +231,13 @@ class StagedLookupPipeline:
                     "StagedLookupPipeline reads host tables (placement 'cpu' or 'file'); a "
                     f"{embedding.placement!r} table is read by its device: use LookupPipeline"
                 )
-        self.max_tokens = int(max_tokens)
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-        if threads is not None and int(threads) <= 0:
-            raise ValueError(f"threads must be positive, got {threads}")
-        self.threads = None if threads is None else int(threads)
-        self.device = torch.device("cpu" if device is None else device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be the CPU or a CUDA/ROCm device, got {self.device}")
+        self.max_tokens = positive_int(max_tokens, "max_tokens", who)
+        self.threads = None if threads is None else _check_threads(threads)
+        self.device = _check_device(device)
         on_gpu = self.device.type == "cuda"
-        if decode not in DECODES:
+        if not isinstance(decode, str) or decode not in DECODES:
             raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
+        self._check_memory()
         on_device = decode == "device"  # "auto": the host, as measured (module docstring)
         self.decode_on_device = [on_device and e.quantized for e in self.embeddings]
         self._copy_stream = torch.cuda.Stream(device=self.device) if on_gpu else None
@@ -225,6 +256,20 @@ class StagedLookupPipeline:
         # The worker holds no reference to the pipeline between jobs: when the pipeline is
         # dropped without close(), this stops and joins it.
         self._finalizer = weakref.finalize(self, _stop, self._cond, self._jobs, self._worker)
+
+    def _check_memory(self) -> None:
+        """Refuses a ``max_tokens`` whose buffers (two slots of every layer's staging and ids)
+        would not fit in this machine's memory, before allocating any."""
+        per_token = sum(
+            e.embedding_dim * e.out_dtype.itemsize + e.ngram_heads * 8 for e in self.embeddings
+        )
+        need = SLOTS * self.max_tokens * (per_token + 12)  # + input_ids, query_start_loc
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > have:
+            raise ValueError(
+                f"StagedLookupPipeline: max_tokens={self.max_tokens} needs {need} bytes of "
+                f"staging buffers, more than this machine's memory ({have} bytes)"
+            )
 
     def _make_slot(self, on_gpu: bool) -> _Slot:
         n = self.max_tokens
@@ -277,16 +322,8 @@ class StagedLookupPipeline:
     def __len__(self) -> int:
         return len(self.modules)
 
-    def _index(self, layer: int | Any) -> int:
-        if isinstance(layer, int):
-            if not -len(self.embeddings) <= layer < len(self.embeddings):
-                raise IndexError(f"layer {layer} out of range ({len(self.embeddings)} layers)")
-            return layer % len(self.embeddings)
-        embedding = _embedding_of(layer)
-        for index, candidate in enumerate(self.embeddings):
-            if candidate is embedding:
-                return index
-        raise ValueError("that layer is not part of this pipeline")
+    def _index(self, layer: int | Any, who: str) -> int:
+        return layer_index(self.embeddings, layer, who)
 
     def submit(
         self,
@@ -299,8 +336,12 @@ class StagedLookupPipeline:
         """Starts the lookups of one step (host tensors, as ``NGramEmbedding.forward`` takes
         them; copied here, so the caller may reuse them at once) and returns its handle. Waits
         while the slot it needs is still held by the step two before (``release``)."""
+        who = "StagedLookupPipeline.submit"
         if self._closed:
-            raise RuntimeError("StagedLookupPipeline.submit: the pipeline is closed")
+            raise RuntimeError(f"{who}: the pipeline is closed")
+        timeout = check_timeout(timeout, who)
+        for embedding in self.embeddings:
+            check_batch(embedding, input_ids, query_start_loc, ngram_context, who)
         inputs = (input_ids.reshape(-1), query_start_loc, ngram_context)
         for name, tensor in zip(
             ("input_ids", "query_start_loc", "ngram_context"), inputs, strict=True
@@ -310,6 +351,8 @@ class StagedLookupPipeline:
                     f"StagedLookupPipeline.submit: {name} must be on the host (the step's ids "
                     f"are there when it is prepared), got {tensor.device}"
                 )
+        if not self._worker.is_alive():
+            raise RuntimeError(f"{who}: the pipeline's worker thread has stopped")
         tokens = inputs[0].numel()
         if tokens > self.max_tokens:
             raise ValueError(
@@ -366,18 +409,12 @@ class StagedLookupPipeline:
         if torch.get_num_threads() != step.threads:  # this thread's count (module docstring)
             torch.set_num_threads(step.threads)
         for index in range(len(self.embeddings)):
-            try:
-                if slot.copied is not None:
-                    slot.copied[index].synchronize()  # the last copy out of this staging is done
-                if self.decode_on_device[index]:
-                    self._stage_raw(slot, index, tokens, job.inputs)
-                else:
-                    self._stage_rows(slot, index, tokens, job.inputs)
-            except BaseException as error:  # noqa: BLE001 - handed to the consumer
-                with self._cond:
-                    step._error = error
-                    self._cond.notify_all()
-                return
+            if slot.copied is not None:
+                slot.copied[index].synchronize()  # the last copy out of this staging is done
+            if self.decode_on_device[index]:
+                self._stage_raw(slot, index, tokens, job.inputs)
+            else:
+                self._stage_rows(slot, index, tokens, job.inputs)
             with self._cond:
                 step._ready = index + 1
                 self._cond.notify_all()
@@ -417,10 +454,18 @@ class StagedLookupPipeline:
             embedding._decode_raw(raw, local.view(ids.shape), rows)
         slot.copied[index].record(stream)
 
-    def close(self) -> None:
-        """Stops the worker after the steps already submitted and joins it (idempotent)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stops the worker after the steps already submitted and joins it (idempotent); raises
+        TimeoutError when it is still running after ``timeout`` seconds (then a later close
+        joins it again)."""
+        timeout = check_timeout(timeout, "StagedLookupPipeline.close")
         self._closed = True
-        self._finalizer()
+        _stop(self._cond, self._jobs, self._worker, timeout)
+        if self._worker.is_alive():
+            raise TimeoutError(
+                f"StagedLookupPipeline.close: the worker is still running after {timeout} s"
+            )
+        self._finalizer.detach()
 
     def __enter__(self) -> StagedLookupPipeline:
         return self
@@ -430,7 +475,10 @@ class StagedLookupPipeline:
 
 
 def _work(pipeline_ref: weakref.ref, cond: threading.Condition, jobs: list) -> None:
-    """The worker thread: runs submitted jobs in order; stops on ``None`` (from :func:`_stop`)."""
+    """The worker thread: runs submitted jobs in order; stops on ``None`` (from :func:`_stop`).
+    Whatever a job raises, wherever (torch.set_num_threads, a layer's lookup, a copy), is handed
+    to that step's ``rows`` and the worker goes on with the next job: a step never waits on a
+    worker that is gone."""
     while True:
         with cond:
             cond.wait_for(lambda: bool(jobs))
@@ -439,14 +487,69 @@ def _work(pipeline_ref: weakref.ref, cond: threading.Condition, jobs: list) -> N
             return
         pipeline = pipeline_ref()
         if pipeline is None:
+            _fail(cond, job.step, RuntimeError("the StagedLookupPipeline was garbage-collected"))
             return
-        pipeline._run(job)
+        try:
+            pipeline._run(job)
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer
+            _fail(cond, job.step, error)
         del pipeline, job  # hold no reference to the pipeline while waiting
 
 
-def _stop(cond: threading.Condition, jobs: list, worker: threading.Thread) -> None:
+def _fail(cond: threading.Condition, step: StagedStep, error: BaseException) -> None:
     with cond:
-        jobs.append(None)
+        step._error = error
+        cond.notify_all()
+
+
+def _stop(
+    cond: threading.Condition,
+    jobs: list,
+    worker: threading.Thread,
+    timeout: float | None = None,
+) -> None:
+    with cond:
+        if None not in jobs:
+            jobs.append(None)
         cond.notify_all()
     if worker is not threading.current_thread():
-        worker.join()
+        worker.join(timeout)
+
+
+def _check_threads(threads: Any) -> int:
+    """``threads`` as an int in [1, the machine's CPUs]: torch takes any count up to 2**31 - 1
+    but more intra-op threads than CPUs only oversubscribe them, and a count torch refuses would
+    surface only in the worker."""
+    count = positive_int(threads, "threads", "StagedLookupPipeline")
+    cpus = os.cpu_count() or 1
+    if count > cpus:
+        raise ValueError(
+            f"StagedLookupPipeline: threads must be at most {cpus} (this machine's CPUs; more "
+            f"intra-op threads than CPUs only oversubscribe them), got {threads}"
+        )
+    return count
+
+
+def _check_device(device: Any) -> torch.device:
+    """``device`` (None: the CPU) as a torch.device, the CPU or an existing CUDA/ROCm device."""
+    if device is not None and not isinstance(device, (str, torch.device)):
+        raise TypeError(
+            f"StagedLookupPipeline: device must be a torch.device, a string or None, got "
+            f"{type(device).__name__}"
+        )
+    try:
+        device = torch.device("cpu" if device is None else device)
+    except RuntimeError as error:
+        raise ValueError(f"StagedLookupPipeline: device {device!r} is not a device") from error
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be the CPU or a CUDA/ROCm device, got {device}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.index is None and count:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.index is None or device.index >= count:
+            raise ValueError(
+                f"StagedLookupPipeline: device {device} does not exist here ({count} CUDA/ROCm "
+                "devices)"
+            )
+    return device
