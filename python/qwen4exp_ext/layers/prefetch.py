@@ -496,6 +496,10 @@ def started_rows(embedding: NGramEmbedding, input_ids: torch.Tensor) -> torch.Te
             "this forward's; start it with the same input_ids tensor the layer gets"
         )
     if not slot.source.same_ids(input_ids):
+        # The stale lookup may still be writing the slot's buffers on its side stream, and the
+        # caller looks these ids up into the same buffers next, on the current stream.
+        if slot.event is not None:
+            torch.cuda.current_stream(slot.rows.device).wait_event(slot.event)
         slot.state, slot.source = "idle", None
         return None
     return finalize(embedding, "PLELayer.forward")
