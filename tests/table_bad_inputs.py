@@ -128,16 +128,27 @@ def baseline(world: World, command: str) -> dict:
     }
 
 
+OMIT = "<omitted>"  # an argument left off the command line
+
+
 def argv(command: str, args: dict) -> list[str]:
-    """The command line of ``command`` with ``args``."""
+    """The command line of ``command`` with ``args`` (those that are OMIT left off)."""
+
+    def option(flag: str, name: str) -> list[str]:
+        return [] if args[name] in (OMIT, None) else [flag, args[name]]
+
+    def positional(name: str) -> list[str]:
+        value = args[name]
+        return [] if value == OMIT else list(value) if isinstance(value, list) else [value]
+
     if command == "info":
-        return ["info", args["table"]]
-    line = [command, "--config", args["config"], "--layer", args["layer"]]
-    line += ["--prefix", args["prefix"]]
+        return ["info", *positional("table")]
+    line = [command, *option("--config", "config"), *option("--layer", "layer")]
+    line += option("--prefix", "prefix")
     if command == "pack":
-        line += ["--dtype", args["dtype"]] if args["dtype"] is not None else []
-        return [*line, "-o", args["output"], *args["checkpoint"]]
-    return [*line, args["table"], *args["checkpoint"]]
+        line += option("--dtype", "dtype") + option("-o", "output")
+        return [*line, *positional("checkpoint")]
+    return [*line, *positional("table"), *positional("checkpoint")]
 
 
 def cli(case_id, arg, value, match, code=1, commands=("pack", "verify")):
@@ -154,7 +165,14 @@ def _c(changes):
 
 
 NOT_REGULAR = "is a {}, not a regular file"
+REQUIRED = "the following arguments are required: "
 CLI_CASES = [
+    # left off (argparse)
+    *cli("omitted", "config", lambda w: OMIT, REQUIRED + "--config", 2),
+    *cli("omitted", "layer", lambda w: OMIT, REQUIRED + "--layer", 2),
+    *cli("omitted", "output", lambda w: OMIT, REQUIRED + "-o/--output", 2, commands=("pack",)),
+    *cli("omitted", "checkpoint", lambda w: OMIT, REQUIRED + "checkpoint", 2),
+    *cli("omitted", "table", lambda w: OMIT, REQUIRED + "table", 2, commands=("info",)),
     # --config: the file, then each field's JSON type and range
     *cli("missing", "config", lambda w: w.path("absent.json"), "absent.json: no such config file"),
     *cli("fifo", "config", lambda w: w.fifo(), "fifo: the config " + NOT_REGULAR.format("FIFO")),
