@@ -47,8 +47,9 @@ __all__ = ["FileTable", "TableReader", "evict_range", "madvise_range", "prefault
 TableReader = Literal["mmap", "direct"]
 _libc = ctypes.CDLL(None, use_errno=True)
 READERS = ("mmap", "direct")
-# The most direct reads in flight (io_threads): each is a thread of ops.read_file_rows, and an
-# NVMe queue takes no more than 1024 commands; the op's own default is 32.
+# The most direct reads in flight (io_threads): each is a thread of ops.read_file_rows. The op's
+# default, 32, already keeps a drive busy with random 4 KiB reads; a thousand threads is far past
+# any gain (and 2**63 overflowed the op's int64 deep inside it, naming nothing).
 MAX_IO_THREADS = 1024
 
 
