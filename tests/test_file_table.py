@@ -7,14 +7,21 @@ outlives the table. Real files and real O_DIRECT reads throughout."""
 
 from __future__ import annotations
 
+import errno
 import gc
+import itertools
 import os
+import subprocess
+import sys
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from leak_support import nothing_left_behind
 from lookup_support import (
     BATCHES,
     CONFIG,
@@ -25,7 +32,8 @@ from lookup_support import (
     same_bits,
 )
 from qwen4exp_ext.layers import NGramEmbedding, StagedLookupPipeline
-from qwen4exp_ext.table_file import TableFileError
+from qwen4exp_ext.table_file import TableFileError, TableFileHeader, read_header, write_header
+from qwen4exp_ext.table_readers import FileTable
 from qwen4exp_ext.table_tool import pack_table
 
 READERS = ("mmap", "direct")
@@ -245,8 +253,6 @@ def test_file_tables_refuse_misuse(tmp_path):
         on_file.load_weights([("ngram_embedding.weight", ram.weight)])
     with pytest.raises(ValueError, match="come from its file"):
         on_file.load_weights([("ngram_embedding.shard_0.weight", ram.weight[:3])])
-    on_file.load_weights([("ngram_embedding.weight_scale", torch.tensor([0.5]))])
-    assert on_file.weight_scale.item() == 0.5
     with pytest.raises(ValueError, match="table is already a file"):
         on_file.save_table_file(tmp_path / "again.table")
     with pytest.raises(ValueError, match="placement='file' needs table_path"):
@@ -290,3 +296,191 @@ def test_prefault_maps_every_page_of_an_mmap_table(tmp_path):
     _, direct = _in_ram_and_file(tmp_path, "bfloat16", "direct")
     with pytest.raises(RuntimeError, match="prefault needs the 'mmap' reader"):
         direct.file_table.prefault()
+
+
+# --- the descriptor, the file and what it is checked against (issue #47) -------------------------
+
+
+def _table_of(path, num_rows, fill: int, checksum: str = "0" * 64, head_dim=1024):
+    """A float32 table file of ``num_rows`` rows of ``head_dim`` elements (one 4 KiB block a
+    row at 1024), row i holding ``fill`` + i in every element; any layout checksum."""
+    header = TableFileHeader("float32", 0, num_rows, head_dim, head_dim * 4, 4096, None, checksum)
+    with open(path, "wb") as f:
+        write_header(f, header)
+        rows = torch.arange(fill, fill + num_rows, dtype=torch.int32)
+        f.write(rows.repeat_interleave(head_dim).numpy().tobytes())
+    return header
+
+
+def _in_thread(call, timeout):
+    """Runs ``call`` in a thread and waits at most ``timeout`` seconds: (thread, result box)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = call()
+        except BaseException as error:  # handed to the test
+            box["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return thread, box
+
+
+def test_a_close_during_a_direct_read_never_lets_another_file_be_read(tmp_path):
+    """close() while read_rows is in flight (8192 separate O_DIRECT reads on one I/O thread,
+    about a second): the descriptor must not be closed under the reader, or the next open gets
+    its number and the rest of the rows come from that other file."""
+    path, other = tmp_path / "table.bin", tmp_path / "other.bin"
+    rows = 16384
+    _table_of(path, rows, fill=0)
+    _table_of(other, rows, fill=1 << 20)  # another file of the same size, other bytes
+    table = FileTable(path, None, "direct", io_threads=1)
+    ids = torch.arange(0, rows, 2)  # every other block: no two reads merge
+    output = torch.zeros(ids.numel(), 4096, dtype=torch.uint8)
+    box: dict = {}
+
+    def read():
+        try:
+            table.read_rows(ids, output, 0, rows)
+        except BaseException as error:
+            box["error"] = error
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    time.sleep(0.15)
+    assert reader.is_alive(), "the read ended before close(): it must be slower for this test"
+    closer, closed = _in_thread(table.close, 60)
+    assert not closer.is_alive() and "error" not in closed
+    reused = os.open(other, os.O_RDONLY)  # the lowest free number: the closed one's, if free
+    try:
+        reader.join(60)
+        assert not reader.is_alive()
+        assert "error" not in box, box.get("error")
+        got = output.view(torch.int32)[:, ::1024].reshape(-1)
+        assert torch.equal(got, ids.to(torch.int32)), "rows read from another file"
+    finally:
+        os.close(reused)
+    with pytest.raises(RuntimeError, match=f"{path}: the table file was closed"):
+        table.read_rows(ids[:4], output[:4], 0, rows)
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_a_file_replaced_while_it_is_opened_is_read_whole_or_not_at_all(tmp_path, reader):
+    """The header and the rows must come from one file: another thread keeps replacing the path
+    with one of two tables of the same size (layout checksums a..., b...; rows 0xA..., 0xB...),
+    and every FileTable opened meanwhile must read the rows of the file its header is from."""
+    path = tmp_path / "table.bin"
+    sources = {"a": tmp_path / "a.src", "b": tmp_path / "b.src"}
+    fills = {"a": 0xA0000, "b": 0xB0000}
+    for name, source in sources.items():
+        _table_of(source, 4, fills[name], checksum=name * 64)
+    os.link(sources["a"], path)
+    stop = threading.Event()
+
+    def swap():
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            fresh = tmp_path / "fresh.tmp"
+            os.link(sources["ba"[i % 2]], fresh)  # never the file at path: a no-op
+            os.replace(fresh, path)
+
+    swapper = threading.Thread(target=swap, daemon=True)
+    swapper.start()
+    mismatches, deadline = [], time.monotonic() + 4
+    try:
+        while time.monotonic() < deadline and not mismatches:
+            try:
+                table = FileTable(path, None, reader)
+            except OSError:  # the mmap reader refusing a file whose size changed: allowed
+                continue
+            if reader == "mmap":
+                first = int(table.rows[0, :4].view(torch.int32))
+            else:
+                output = torch.empty(1, 4096, dtype=torch.uint8)
+                table.read_rows(torch.zeros(1, dtype=torch.int64), output, 0, 4)
+                first = int(output[0, :4].view(torch.int32))
+            table.close()
+            if first != fills[table.header.layout_checksum[0]]:
+                mismatches.append((table.header.layout_checksum[0], hex(first)))
+    finally:
+        stop.set()
+        swapper.join(10)
+    assert not swapper.is_alive()
+    assert not mismatches, f"header of one file, rows of the other: {mismatches}"
+
+
+def test_load_weights_keeps_the_scale_and_hash_layout_the_file_was_checked_against(tmp_path):
+    ram, on_file = _in_ram_and_file(tmp_path, "float8_e4m3fn", "direct")
+    path = on_file.file_table.path
+    batch = make_batch([5, 0, 13, 1], "cpu")
+    header_scale = on_file.weight_scale.clone()
+    multipliers = on_file.layer_multipliers.clone()
+    with nothing_left_behind(tmp_path):
+        with pytest.raises(ValueError, match=f"weight_scale .*differs from the table file's "
+                           f"\\({path}\\)"):  # fmt: skip
+            on_file.load_weights([("ngram_embedding.weight_scale", torch.tensor([0.5]))])
+        with pytest.raises(ValueError, match=f"layer_multipliers .*differs from the table "
+                           f"file's \\({path}\\)"):  # fmt: skip
+            on_file.load_weights([("layer_multipliers", multipliers + 2)])
+    assert torch.equal(on_file.weight_scale, header_scale)
+    assert torch.equal(on_file.layer_multipliers, multipliers)
+    # the file's own values (a checkpoint's, loaded beside the file) are accepted
+    loaded = on_file.load_weights(
+        [("ngram_embedding.weight_scale", header_scale), ("layer_multipliers", multipliers)]
+    )
+    assert loaded == {"ngram_embedding.weight_scale", "layer_multipliers"}
+    same_bits(on_file(*batch), ram(*batch))
+
+
+def test_save_table_file_never_writes_through_a_planted_temporary_name(tmp_path):
+    """A link planted where a predictable temporary name would be must not be written through
+    (the victim file keeps its bytes) and the table still appears whole."""
+    ram = make_embedding("bfloat16", "cpu")
+    target = tmp_path / "layer1.table"
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    planted = tmp_path / f".{target.name}.{os.getpid()}.partial"
+    planted.symlink_to(victim)
+    ram.save_table_file(target)
+    assert victim.read_bytes() == b"precious"
+    assert not target.is_symlink()
+    assert read_header(target).num_rows == ram.num_rows
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [target.name, victim.name, planted.name]
+    )
+
+
+PREFAULT_TRUNCATED = """
+import mmap, os, sys, warnings
+import torch
+from qwen4exp_ext.table_readers import prefault_range
+fd = os.open(sys.argv[1], os.O_RDWR)
+os.ftruncate(fd, 4 * mmap.PAGESIZE)
+mapping = mmap.mmap(fd, 4 * mmap.PAGESIZE, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    address = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+os.ftruncate(fd, mmap.PAGESIZE)  # three of the four mapped pages are past the end now
+try:
+    prefault_range(address, 4 * mmap.PAGESIZE)
+except OSError as error:
+    print("errno", error.errno)
+"""
+
+
+def test_prefault_of_a_file_truncated_under_its_mapping_raises_not_sigbus(tmp_path):
+    """MADV_POPULATE_READ says EFAULT where a page is past the file's end; only EINVAL (a
+    kernel without it) may fall back to touching the pages, which would be a SIGBUS here."""
+    path = tmp_path / "t.bin"
+    path.write_bytes(b"")
+    done = subprocess.run(
+        [sys.executable, "-c", PREFAULT_TRUNCATED, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"killed by signal {-done.returncode}: {done.stderr}"
+    assert done.stdout.strip() == f"errno {errno.EFAULT}"

@@ -8,6 +8,7 @@ tests/test_layout.py against transformers 5.18).
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 MASK64 = (1 << 64) - 1
@@ -17,6 +18,33 @@ SPLITMIX_M2 = 0x94D049BB133111EB
 # Seeds of consecutive PLE layers are 10007 apart (a prime, so layers never share a stream).
 PLE_LAYER_PRIME = 10007
 INT64_MAX = (1 << 63) - 1
+# The largest dense PLE layer index. Layer L's head sizes are the primes after the first L·NH
+# primes >= ngram_vocab_size_base: a walk of L·NH primes, ~12 us each in Python (tests at B_v
+# = 2e7), so the bound is what keeps a mistyped layer (10^6, 2^63) from running for minutes or
+# forever. No model comes near it: the released model has 16 heads a layer and a few dozen
+# layers; at this bound and its 16 heads the walk takes ~0.2 s.
+MAX_LAYER_INDEX = 1023
+# The walk's length bound for configs with many heads a layer (NH up to 1024, SPEC §3):
+# (layer_index + 1) * NH global heads, ~1 s of walk at most.
+MAX_GLOBAL_HEADS = 1 << 16
+
+
+def check_layer_index(layer_index, name: str = "layer_index") -> int:
+    """``layer_index`` as an int in [0, MAX_LAYER_INDEX]; raises naming ``name`` otherwise."""
+    try:
+        if isinstance(layer_index, bool):
+            raise TypeError
+        value = operator.index(layer_index)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {layer_index!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    if value > MAX_LAYER_INDEX:
+        raise ValueError(
+            f"{name} must be <= {MAX_LAYER_INDEX}, got {value} (no model has that many PLE "
+            "layers: the hash layout of a layer that far would take minutes to compute)"
+        )
+    return value
 
 
 def splitmix64(x: int) -> int:
@@ -37,6 +65,7 @@ def layer_multipliers(vocab_size: int, ngram_size: int, seed: int, layer_index: 
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
     if ngram_size < 1:
         raise ValueError(f"ngram_size must be >= 1, got {ngram_size}")
+    layer_index = check_layer_index(layer_index)
     half = max(1, (INT64_MAX // vocab_size) // 2)
     base = seed + PLE_LAYER_PRIME * layer_index
     return [
@@ -113,6 +142,13 @@ def head_vocab_layout(
         raise ValueError(f"ngram_heads must be positive, got {ngram_heads}")
     if pad_to <= 0:
         raise ValueError(f"pad_to must be positive, got {pad_to}")
+    layer_index = check_layer_index(layer_index)
+    if (layer_index + 1) * ngram_heads > MAX_GLOBAL_HEADS:
+        raise ValueError(
+            f"layer_index {layer_index} with {ngram_heads} n-gram heads a layer: its heads are "
+            f"past global head {MAX_GLOBAL_HEADS} (the hash layout's prime walk is bounded "
+            "there; no model has that many)"
+        )
     first_global = layer_index * ngram_heads
     p = nth_prime_at_or_above(ngram_vocab_size_base, first_global + 1)
     sizes = [p]

@@ -27,13 +27,16 @@ a checkpoint into a file and verifying it: :mod:`qwen4exp_ext.table_tool` (``qwe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
-import math
 import os
+import secrets
+import stat
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -51,14 +54,19 @@ __all__ = [
     "TableFileError",
     "TableFileNotFoundError",
     "TableFileHeader",
+    "atomic_write",
     "check_header",
     "expected_header",
+    "file_rows",
     "format_name",
     "hash_layout",
     "layout_checksum",
+    "open_regular",
     "read_header",
+    "read_header_at",
     "row_bytes_of",
     "write_header",
+    "write_table_file",
 ]
 
 MAGIC = b"Q4XPLETB"
@@ -80,6 +88,8 @@ _FIELDS = (
     "scale",
     "layout_checksum",
 )
+# Every integer field and the file's size are int64 offsets for the readers (ops.read_file_rows).
+_INT_LIMIT = 2**63
 
 
 class TableFileError(ValueError):
@@ -191,7 +201,7 @@ def expected_header(config: Any, layer_index: int, dtype: Any) -> TableFileHeade
     (the fields NGramEmbedding reads), with its layout computed as NGramEmbedding.__init__
     computes it; ``scale`` is None (a model does not know it before reading the file)."""
     fmt = format_name(dtype)
-    layer_index = int(layer_index)
+    layer_index = layout.check_layer_index(layer_index)
     head_dim = _head_dim(config)
     if fmt == NVFP4 and head_dim % NVFP4_BLOCK:
         raise ValueError(
@@ -244,12 +254,12 @@ def hash_layout(
         int(config.vocab_size),
         int(config.ngram_size),
         int(getattr(config, "seed", 1234)),
-        int(layer_index),
+        layout.check_layer_index(layer_index),
     )
     vocab = layout.head_vocab_layout(
         int(config.ngram_vocab_size_base),
         _ngram_heads(config),
-        int(layer_index),
+        layout.check_layer_index(layer_index),
         int(config.make_ngram_vocab_size_divisible_by),
     )
     return multipliers, vocab.sizes, vocab.offsets, vocab.padded_rows
@@ -276,15 +286,17 @@ def write_header(fileobj: BinaryIO, header: TableFileHeader) -> None:
 def _inconsistency(header: TableFileHeader) -> str | None:
     """What is wrong with a header's fields on their own, or None."""
     h = header
-    if h.format not in FORMATS:
-        return f"unknown format {h.format!r} (known: {', '.join(FORMATS)})"
+    if not isinstance(h.format, str) or h.format not in FORMATS:
+        return f"unknown format {_short(h.format)} (known: {', '.join(FORMATS)})"
     ints = ("layer_index", "num_rows", "head_dim", "row_bytes", "data_offset")
     for name in ints:
         value = getattr(h, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            return f"{name} must be a non-negative integer, got {value!r}"
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _INT_LIMIT:
+            return f"{name} must be a non-negative integer below 2**63, got {_short(value)}"
     if h.head_dim == 0:
         return "head_dim must be positive"
+    if h.num_rows == 0:  # no layout has no rows, and an empty data region cannot be mapped
+        return "num_rows must be positive"
     if h.format == NVFP4 and h.head_dim % NVFP4_BLOCK:
         return f"an nvfp4 head_dim must be a multiple of {NVFP4_BLOCK}, got {h.head_dim}"
     expected_row_bytes = row_bytes_of(h.format, h.head_dim)
@@ -298,33 +310,85 @@ def _inconsistency(header: TableFileHeader) -> str | None:
     quantized = h.format == NVFP4 or h.format in FP8_FORMATS
     if quantized:
         if isinstance(h.scale, bool) or not isinstance(h.scale, (int, float)):
-            return f"a {h.format} table needs a float scale, got {h.scale!r}"
-        if not math.isfinite(h.scale):
-            return f"scale must be finite, got {h.scale!r}"
+            return f"a {h.format} table needs a float scale, got {_short(h.scale)}"
+        if not (-_FLOAT_MAX <= h.scale <= _FLOAT_MAX):  # an int past float range, inf, nan
+            return f"scale must be finite, got {_short(h.scale)}"
     elif h.scale is not None:
-        return f"a {h.format} table has no scale, got {h.scale!r}"
+        return f"a {h.format} table has no scale, got {_short(h.scale)}"
+    if h.file_bytes >= _INT_LIMIT:
+        return f"{h.num_rows} rows of {h.row_bytes} bytes do not fit a file (2**63 bytes)"
     checksum = h.layout_checksum
     if not (isinstance(checksum, str) and len(checksum) == 64 and _is_hex(checksum)):
-        return f"layout_checksum must be 64 lowercase hex digits, got {checksum!r}"
+        return f"layout_checksum must be 64 lowercase hex digits, got {_short(checksum)}"
     return None
+
+
+_FLOAT_MAX = 1.7976931348623157e308
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """repr of a header value, cut to ``limit`` characters (a header can hold a 4000-digit
+    number or a list nested a thousand deep)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 def _is_hex(text: str) -> bool:
     return all(c in "0123456789abcdef" for c in text)
 
 
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def open_regular(path: str | os.PathLike, what: str = "the table file", noun: str = "") -> int:
+    """A read-only descriptor of the regular file at ``path`` (``what`` it is, for messages).
+    Anything else is refused before a byte is read: a FIFO would block the open or the read
+    forever, a device (``/dev/zero``) never ends. The open itself is non-blocking (a FIFO
+    without a writer opens at once), so that the check comes first."""
+    noun = noun or what.removeprefix("the ")  # "no such <noun>"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise TableFileNotFoundError(f"{path}: no such {noun}") from None
+    except OSError as error:
+        raise TableFileError(f"{path}: cannot open {what}: {error.strerror}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = _KINDS.get(stat.S_IFMT(mode), "not a file")
+            raise TableFileError(f"{path}: {what} is {kind}, not a regular file")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_header(path: str | os.PathLike) -> TableFileHeader:
     """The header of the table file at ``path``, validated: magic, version, the header's
     checksum, its fields' consistency, and the file's size (exactly ``file_bytes``)."""
-    path = Path(path)
+    fd = open_regular(path)
     try:
-        with open(path, "rb") as f:
-            region = f.read(HEADER_BYTES)
-            size = os.fstat(f.fileno()).st_size
-    except FileNotFoundError:
-        raise TableFileNotFoundError(f"{path}: no such table file") from None
+        return read_header_at(fd, path)
+    finally:
+        os.close(fd)
+
+
+def read_header_at(fd: int, path: str | os.PathLike) -> TableFileHeader:
+    """:func:`read_header` of the table file open as ``fd`` (not O_DIRECT; named ``path`` in
+    errors). Readers read the header and the rows through one descriptor: a path replaced
+    between two opens would give one file's header and another's rows."""
+    try:
+        region = os.pread(fd, HEADER_BYTES, 0)
+        size = os.fstat(fd).st_size
     except OSError as error:
-        raise TableFileError(f"{path}: cannot read the table file: {error}") from error
+        raise TableFileError(f"{path}: cannot read the table file: {error.strerror}") from None
     if region[: len(MAGIC)] != MAGIC:
         raise TableFileError(f"{path}: not a qwen4exp table file (no {MAGIC!r} magic)")
     if len(region) < HEADER_BYTES:
@@ -346,11 +410,15 @@ def read_header(path: str | os.PathLike) -> TableFileHeader:
         raise TableFileError(f"{path}: corrupted table file header (nonzero padding)")
     try:
         fields = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except RecursionError:
+        raise TableFileError(f"{path}: corrupted table file header (too deeply nested)") from None
+    except ValueError as error:  # not UTF-8, not JSON, a number past int's digit limit
         raise TableFileError(f"{path}: corrupted table file header ({error})") from None
     if not isinstance(fields, dict) or sorted(fields) != sorted(_FIELDS):
         got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
-        raise TableFileError(f"{path}: table file header has fields {got}, expected {_FIELDS}")
+        raise TableFileError(
+            f"{path}: table file header has fields {_short(got, 200)}, expected {_FIELDS}"
+        )
     header = TableFileHeader(**fields)
     problem = _inconsistency(header)
     if problem:
@@ -362,6 +430,63 @@ def read_header(path: str | os.PathLike) -> TableFileHeader:
             f"{header.row_bytes} bytes after {header.data_offset}) needs {header.file_bytes}"
         )
     return header
+
+
+def write_table_file(
+    path: str | os.PathLike, header: TableFileHeader, rows: Iterable[torch.Tensor]
+) -> None:
+    """Writes the table file ``path``: ``header``, then ``rows`` (uint8 [n, row_bytes] chunks in
+    row order, every row once), atomically (:func:`atomic_write`): it appears complete or not
+    at all. The one writer of table files (``qwen4exp-table pack``,
+    ``NGramEmbedding.save_table_file``)."""
+    with atomic_write(path) as f:
+        write_header(f, header)
+        for chunk in rows:
+            f.write(memoryview(chunk.contiguous().numpy()))
+        if f.tell() != header.file_bytes:  # a check of the caller, not of the input
+            raise TableFileError(f"{path}: wrote {f.tell()} bytes, expected {header.file_bytes}")
+
+
+def file_rows(
+    values: torch.Tensor, block_scales: torch.Tensor | None, chunk_rows: int
+) -> Iterator[torch.Tensor]:
+    """A table's rows as a table file holds them (uint8 [n, row_bytes], ``chunk_rows`` at a
+    time, on the CPU): each row's values, then its NVFP4 ``block_scales`` if given."""
+    for start in range(0, values.shape[0], chunk_rows):
+        rows = values[start : start + chunk_rows].detach().cpu().contiguous().view(torch.uint8)
+        if block_scales is not None:
+            scales = block_scales[start : start + chunk_rows].detach().cpu().contiguous()
+            rows = torch.cat((rows, scales.view(torch.uint8)), dim=1)
+        yield rows
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """A file object whose bytes replace ``path`` only when the block ends without an error:
+    they go to a temporary file beside it (a random name created with O_EXCL, so nothing
+    planted there is written through, and never ``*.safetensors``: a checkpoint scan of the
+    directory must not pick it up), which is fsynced and renamed over ``path``, and the
+    directory fsynced (the rename survives a crash). On any failure the temporary file is
+    removed and ``path`` is left as it was."""
+    path = Path(path)
+    directory = path.parent
+    temporary = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def check_header(

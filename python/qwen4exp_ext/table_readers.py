@@ -21,8 +21,12 @@ or when it is garbage-collected (tensors still viewing the mapping keep it mappe
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import mmap
+import operator
 import os
+import threading
 import warnings
 import weakref
 from pathlib import Path
@@ -31,13 +35,22 @@ from typing import Literal
 import torch
 
 from qwen4exp_ext import ops
-from qwen4exp_ext.table_file import TableFileHeader, check_header, read_header
+from qwen4exp_ext.table_file import (
+    TableFileHeader,
+    check_header,
+    open_regular,
+    read_header_at,
+)
 
 __all__ = ["FileTable", "TableReader", "evict_range", "madvise_range", "prefault_range"]
 
 TableReader = Literal["mmap", "direct"]
 _libc = ctypes.CDLL(None, use_errno=True)
 READERS = ("mmap", "direct")
+# The most direct reads in flight (io_threads): each is a thread of ops.read_file_rows. The op's
+# default, 32, already keeps a drive busy with random 4 KiB reads; a thousand threads is far past
+# any gain (and 2**63 overflowed the op's int64 deep inside it, naming nothing).
+MAX_IO_THREADS = 1024
 
 
 class FileTable:
@@ -54,26 +67,52 @@ class FileTable:
         reader: TableReader = "mmap",
         io_threads: int = 0,
     ) -> None:
-        if reader not in READERS:
-            raise ValueError(f"table_reader must be 'mmap' or 'direct', got {reader!r}")
-        self.path = str(Path(path))
+        if not isinstance(reader, str) or reader not in READERS:
+            raise ValueError(f"table_reader must be one of {READERS}, got {reader!r}")
+        try:
+            self.path = str(Path(path))
+        except TypeError:
+            raise TypeError(
+                f"table_path must be a path (str or os.PathLike), got {path!r}"
+            ) from None
         self.reader = reader
-        self.io_threads = int(io_threads)
-        self.header = header = read_header(self.path)
-        if expected is not None:
-            check_header(header, expected, self.path)
+        self.io_threads = _io_threads(io_threads)
         self._rows: torch.Tensor | None = None  # uint8 [num_rows, row_bytes] over the mapping
-        # Direct: the O_DIRECT descriptor the reads use. mmap: a descriptor kept to check the
+        # Reads in flight through the descriptor, and whether close() was called: close waits
+        # for the reads to end, so that no read ever uses a descriptor number closed under it
+        # (and perhaps reused by another open: rows of another file).
+        self._in_flight = 0
+        self._closing = False
+        self._idle = threading.Condition(threading.Lock())
+        # One descriptor for the header and the rows (a path replaced between two opens would
+        # give one file's header and the other's rows). Direct: O_DIRECT set on it once the
+        # header is read (a buffered read). mmap: the mapping's source, kept to check the
         # file's size before each lookup (check_readable).
-        direct = os.O_DIRECT if reader == "direct" else 0
-        self._fd = _open(self.path, os.O_RDONLY | direct)
+        self._fd = open_regular(self.path)
         self._finalizer = weakref.finalize(self, os.close, self._fd)
-        if reader == "mmap":
-            try:
+        try:
+            self.header = header = read_header_at(self._fd, self.path)
+            if expected is not None:
+                check_header(header, expected, self.path)
+            if reader == "direct":
+                _set_direct(self._fd, self.path)
+            else:
                 self._rows = _map_rows(self._fd, self.path, header)
-            except BaseException:
-                self._finalizer()
-                raise
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _begin_read(self) -> None:
+        """Counts a read that uses the descriptor, or raises if the table was closed."""
+        with self._idle:
+            if self._closing:
+                raise RuntimeError(f"{self.path}: the table file was closed")
+            self._in_flight += 1
+
+    def _end_read(self) -> None:
+        with self._idle:
+            self._in_flight -= 1
+            self._idle.notify_all()
 
     # --- the file's rows as tensors (mmap reader) -----------------------------------------------
 
@@ -83,15 +122,16 @@ class FileTable:
         with SIGBUS, so each lookup checks first (one fstat). A truncation in the middle of a
         lookup, or a disk error under a mapping, cannot be caught this way: the direct reader
         reports both as errors."""
-        if not self._finalizer.alive:
-            raise RuntimeError(f"{self.path}: the table file was closed")
-        if self._rows is not None:
-            size = os.fstat(self._fd).st_size
-            if size != self.header.file_bytes:
-                raise OSError(
-                    f"{self.path}: the table file is now {size} bytes, its header says "
-                    f"{self.header.file_bytes} (changed while mapped); not read"
-                )
+        self._begin_read()
+        try:
+            size = os.fstat(self._fd).st_size if self._rows is not None else None
+        finally:
+            self._end_read()
+        if size is not None and size != self.header.file_bytes:
+            raise OSError(
+                f"{self.path}: the table file is now {size} bytes, its header says "
+                f"{self.header.file_bytes} (changed while mapped); not read"
+            )
 
     @property
     def rows(self) -> torch.Tensor:
@@ -110,20 +150,23 @@ class FileTable:
         """Raw rows of global ``ids`` into ``output`` (uint8 [ids.numel(), row_bytes]); ids
         outside [vocab_start, vocab_end) give zero rows. Raises naming the file on a read error
         or a short read; ``output`` is then partly written (callers read into scratch)."""
-        self.check_readable()
         if self.reader != "direct":
             raise RuntimeError(f"{self.path}: read_rows needs the 'direct' reader")
-        ops.read_file_rows(
-            self._fd,
-            ids,
-            output,
-            data_offset=self.header.data_offset,
-            row_bytes=self.header.row_bytes,
-            vocab_start=vocab_start,
-            vocab_end=vocab_end,
-            io_threads=self.io_threads,
-            path=self.path,
-        )
+        self._begin_read()  # close() waits for this read: the descriptor stays this file's
+        try:
+            ops.read_file_rows(
+                self._fd,
+                ids,
+                output,
+                data_offset=self.header.data_offset,
+                row_bytes=self.header.row_bytes,
+                vocab_start=vocab_start,
+                vocab_end=vocab_end,
+                io_threads=self.io_threads,
+                path=self.path,
+            )
+        finally:
+            self._end_read()
 
     def prefault(self) -> None:
         """Maps every page of the file into this process now (mmap reader), reading what the
@@ -133,7 +176,10 @@ class FileTable:
         self.check_readable()
         if self._rows is None:
             raise RuntimeError(f"{self.path}: prefault needs the 'mmap' reader")
-        prefault_range(self._rows.data_ptr(), self._rows.numel())
+        try:
+            prefault_range(self._rows.data_ptr(), self._rows.numel())
+        except OSError as error:
+            raise OSError(error.errno, f"{self.path}: prefault: {error.strerror}") from None
 
     def drop_cached_pages(self) -> None:
         """Evicts the file's pages from the page cache and from this process's mapping (for
@@ -141,17 +187,25 @@ class FileTable:
         self.check_readable()
         if self._rows is not None:
             evict_range(self._rows.data_ptr(), self._rows.numel())
-        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        self._begin_read()
+        try:
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            self._end_read()
 
     def close(self) -> None:
         """Closes the descriptor (direct) or drops this object's view of the mapping (the
-        mapping goes when no tensor views it any more). Idempotent."""
-        self._rows = None
-        self._finalizer()
+        mapping goes when no tensor views it any more). Idempotent. Reads already in flight
+        (other threads' read_rows) end first, on this file; later ones raise."""
+        with self._idle:
+            self._closing = True
+            self._idle.wait_for(lambda: self._in_flight == 0)
+            self._rows = None
+            self._finalizer()
 
     @property
     def closed(self) -> bool:
-        return not self._finalizer.alive
+        return self._closing
 
     def __repr__(self) -> str:
         h = self.header
@@ -169,7 +223,12 @@ def prefault_range(address: int, nbytes: int) -> None:
     ``MADV_POPULATE_READ``, or where the kernel lacks it, one byte read per page."""
     try:
         madvise_range(address, nbytes, MADV_POPULATE_READ)
-    except OSError:
+    except OSError as error:
+        # Only a kernel without MADV_POPULATE_READ (EINVAL) falls back to touching the pages.
+        # EFAULT says a page cannot be read (past the end of a file truncated under the
+        # mapping): touching it would kill the process with SIGBUS.
+        if error.errno != errno.EINVAL:
+            raise
         bytes((ctypes.c_char * nbytes).from_address(address)[:: mmap.PAGESIZE])
 
 
@@ -179,12 +238,30 @@ def evict_range(address: int, nbytes: int) -> None:
     madvise_range(address, nbytes, mmap.MADV_DONTNEED)
 
 
-def _open(path: str, flags: int) -> int:
+def _io_threads(value) -> int:
+    """``io_threads`` checked: an int in [0, MAX_IO_THREADS] (the op takes an int64)."""
     try:
-        return os.open(path, flags | os.O_CLOEXEC)
+        if isinstance(value, bool):
+            raise TypeError
+        count = operator.index(value)
+    except TypeError:
+        count = None
+    if count is None or not 0 <= count <= MAX_IO_THREADS:
+        raise ValueError(
+            f"io_threads must be an integer in [0, {MAX_IO_THREADS}] (0: the default), "
+            f"got {value!r}"
+        )
+    return count
+
+
+def _set_direct(fd: int, path: str) -> None:
+    """O_DIRECT on the open ``fd`` (the file system must support it)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
     except OSError as error:
         raise OSError(
-            error.errno, f"{path}: cannot open the table file: {error.strerror}"
+            error.errno,
+            f"{path}: cannot read the table file with O_DIRECT ('direct' reader): {error.strerror}",
         ) from None
 
 

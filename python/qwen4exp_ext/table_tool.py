@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import json
 import math
 import os
-import secrets
 import shutil
+import stat
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from qwen4exp_ext import layout
 from qwen4exp_ext.layers.ngram_embedding import (
     BUFFER_NAMES,
     GLOBAL_SCALE_NAME,
@@ -52,8 +54,10 @@ from qwen4exp_ext.table_file import (
     expected_header,
     format_name,
     hash_layout,
+    open_regular,
     read_header,
-    write_header,
+    read_header_at,
+    write_table_file,
 )
 
 __all__ = ["CHUNK_BYTES", "load_config", "main", "pack_table", "verify_table"]
@@ -70,6 +74,23 @@ CONFIG_FIELDS = (
     "ngram_vocab_size_base",
     "make_ngram_vocab_size_divisible_by",
 )
+_INT64_MAX = 2**63 - 1
+# Each integer field's range [lo, hi] (SPEC §1-§3; the rest: what an int64 kernel argument or
+# the exact prime test, below 2^64, takes). seed and split_ngram_parts are optional.
+_CONFIG_RANGES = {
+    "vocab_size": (1, _INT64_MAX),
+    "ngram_size": (2, 8),
+    "heads_per_ngram": (1, 1024),
+    "ple_embed_dim": (1, _INT64_MAX),
+    "ngram_vocab_size_base": (2, 2**48),
+    "make_ngram_vocab_size_divisible_by": (1, 2**32),
+    "seed": (-(2**63), _INT64_MAX),
+    "split_ngram_parts": (1, 2**32),
+}
+_MAX_HEADS = 1024  # NH = (N - 1) * heads_per_ngram (SPEC §3)
+_CONFIG_MAX_BYTES = 64 << 20  # a config.json is a few KiB; anything far larger is not one
+# The checkpoint files a directory given as a checkpoint holds.
+CHECKPOINT_GLOB = "*.safetensors"
 
 
 @dataclass(frozen=True)
@@ -127,16 +148,18 @@ def checkpoint_files(paths: Iterable[str | os.PathLike]) -> list[str]:
     for path in paths:
         path = Path(path)
         if path.is_dir():
-            found = sorted(str(p) for p in path.glob("*.safetensors"))
+            found = sorted(str(p) for p in path.glob(CHECKPOINT_GLOB))
             if not found:
                 raise TableFileError(f"{path}: no .safetensors files in the directory")
             files.extend(found)
-        elif path.exists():
+        elif path.exists() or path.is_symlink():
             files.append(str(path))
         else:
             raise TableFileError(f"{path}: no such checkpoint file or directory")
     if not files:
         raise TableFileError("no checkpoint files given")
+    for file in files:  # a FIFO would block safetensors' open forever, /dev/zero never end
+        os.close(open_regular(file, "the checkpoint file"))
     return files
 
 
@@ -399,19 +422,63 @@ def _row_chunks(plan: _Plan) -> Iterator[tuple[_Piece, int, torch.Tensor]]:
 
 
 def load_config(path: str | os.PathLike) -> SimpleNamespace:
-    """A Qwen4Exp text config from a HF config.json (its "text_config" when it has one)."""
+    """A Qwen4Exp text config from a HF config.json (its "text_config" when it has one), each
+    field the table's layout depends on checked: a JSON integer in its range."""
+    fd = open_regular(path, "the config", "config file")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(_CONFIG_MAX_BYTES + 1)
+    if len(data) > _CONFIG_MAX_BYTES:
+        raise TableFileError(f"{path}: the config is over {_CONFIG_MAX_BYTES} bytes")
     try:
-        with open(path) as f:
-            fields = json.load(f)
-    except (OSError, json.JSONDecodeError) as error:
-        raise TableFileError(f"{path}: cannot read the config: {error}") from None
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise TableFileError(f"{path}: the config is not UTF-8 ({error})") from None
+    try:
+        fields = json.loads(text)
+    except RecursionError:
+        raise TableFileError(f"{path}: the config is not JSON (nested too deeply)") from None
+    except ValueError as error:
+        raise TableFileError(f"{path}: the config is not JSON ({error})") from None
     if not isinstance(fields, dict):
         raise TableFileError(f"{path}: the config is not a JSON object")
-    fields = fields.get("text_config", fields)
+    if "text_config" in fields:
+        fields = fields["text_config"]
+        if not isinstance(fields, dict):
+            raise TableFileError(
+                f"{path}: text_config must be a JSON object, got {_json_value(fields)}"
+            )
     missing = [name for name in CONFIG_FIELDS if name not in fields]
     if missing:
         raise TableFileError(f"{path}: the config has no {', '.join(missing)}")
+    for name, (lo, hi) in _CONFIG_RANGES.items():
+        if name not in fields:
+            continue
+        value = fields[name]
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TableFileError(f"{path}: {name} must be an integer, got {_json_value(value)}")
+        if not lo <= value <= hi:
+            raise TableFileError(f"{path}: {name} must be in [{lo}, {hi}], got {value}")
+    heads = (fields["ngram_size"] - 1) * fields["heads_per_ngram"]
+    if heads > _MAX_HEADS:
+        raise TableFileError(
+            f"{path}: (ngram_size - 1) * heads_per_ngram = {heads} n-gram heads, at most "
+            f"{_MAX_HEADS}"
+        )
+    if fields["ple_embed_dim"] % heads:
+        raise TableFileError(
+            f"{path}: ple_embed_dim must be divisible by the number of n-gram heads: "
+            f"{fields['ple_embed_dim']} % {heads} != 0"
+        )
     return SimpleNamespace(**fields)
+
+
+def _json_value(value: Any) -> str:
+    """A config value as its JSON spells it (null, true, "3"), cut to 40 characters."""
+    try:
+        text = json.dumps(value)
+    except (RecursionError, ValueError):  # nested as deep as the parser let it be
+        return f"a JSON {type(value).__name__}"
+    return text if len(text) <= 40 else f"{text[:40]}..."
 
 
 def _config(config: Any) -> Any:
@@ -432,34 +499,59 @@ def pack_table(
     written; the rows are streamed to a temporary file beside ``out_path`` that replaces it only
     when complete (no partial file is ever left)."""
     out_path = Path(out_path)
-    plan = _plan(_scan(checkpoint_files, prefix), _config(config), layer_index, dtype)
+    inputs = [Path(p) for p in checkpoint_files]
+    _check_output(out_path, inputs)
+    checkpoint = _scan(inputs, prefix)
+    _check_output(out_path, [Path(p) for p in checkpoint.files])  # also each file found
+    plan = _plan(checkpoint, _config(config), layer_index, dtype)
     header = plan.header
     directory = out_path.parent
-    if not directory.is_dir():
-        raise TableFileError(f"{out_path}: the directory {directory} does not exist")
     free = shutil.disk_usage(directory).free
     if free < header.file_bytes:
         raise TableFileError(
             f"{out_path}: the table file needs {header.file_bytes} bytes, {free} are free"
         )
-    temp = directory / f".{out_path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as out:
-            write_header(out, header)
-            for _, _, data in _row_chunks(plan):
-                out.write(memoryview(data.numpy()))
-            out.flush()
-            size = out.tell()
-            os.fsync(out.fileno())
-        if size != header.file_bytes:  # a check of this code, not of the input
-            raise TableFileError(f"{out_path}: wrote {size} bytes, expected {header.file_bytes}")
-        os.replace(temp, out_path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        raise
+    write_table_file(out_path, header, (data for _, _, data in _row_chunks(plan)))
     return header
+
+
+def _check_output(out_path: Path, inputs: list[Path]) -> None:
+    """Refuses an output that would destroy or join its own input, before anything is read or
+    written: one of the checkpoint files (the same path, or the same file through a hard or
+    symbolic link), or a name in a checkpoint directory that the directory's scan reads
+    (CHECKPOINT_GLOB), and anything at the output that is not a regular file."""
+    directory = out_path.parent
+    if not directory.is_dir():
+        raise TableFileError(f"{out_path}: the directory {directory} does not exist")
+    try:
+        target = os.stat(out_path)
+    except FileNotFoundError:
+        target = None
+    if target is not None and not stat.S_ISREG(target.st_mode):
+        kind = "a directory" if stat.S_ISDIR(target.st_mode) else "a FIFO"
+        if not stat.S_ISDIR(target.st_mode) and not stat.S_ISFIFO(target.st_mode):
+            kind = "a special file"
+        raise TableFileError(f"{out_path}: the output is {kind}, not a regular file")
+    for given in inputs:
+        with contextlib.suppress(OSError):  # an input that is not there: the scan says so
+            if given.is_dir():
+                if fnmatch.fnmatchcase(out_path.name, CHECKPOINT_GLOB) and os.path.samefile(
+                    given, directory
+                ):
+                    if target is not None:
+                        raise TableFileError(
+                            f"{out_path}: the output is the checkpoint file {out_path} (in the "
+                            f"checkpoint directory {given}): packing would replace it"
+                        )
+                    raise TableFileError(
+                        f"{out_path}: the output is inside the checkpoint directory {given} "
+                        f"whose scan reads {CHECKPOINT_GLOB}: write the table elsewhere"
+                    )
+            elif target is not None and os.path.samestat(target, os.stat(given)):
+                raise TableFileError(
+                    f"{out_path}: the output is the checkpoint file {given} (the same file): "
+                    "packing would replace it"
+                )
 
 
 def verify_table(
@@ -473,16 +565,17 @@ def verify_table(
     (read_header, then check_header against expected_header of the checkpoint's format), its
     scale, and every row byte for byte. Raises TableFileError naming the first difference;
     returns {"rows", "pieces", "bytes"} compared."""
-    header = read_header(path)
-    plan = _plan(_scan(checkpoint_files, prefix), _config(config), layer_index, None)
-    check_header(header, plan.header, path)
-    if header.scale != plan.header.scale:
-        raise TableFileError(
-            f"{path}: the table file's scale {header.scale!r} differs from the checkpoint's "
-            f"{plan.header.scale!r}"
-        )
-    compared = 0
-    with open(path, "rb") as f:
+    # The header and the rows through one descriptor: the file checked is the file compared.
+    with os.fdopen(open_regular(path), "rb") as f:
+        header = read_header_at(f.fileno(), path)
+        plan = _plan(_scan(checkpoint_files, prefix), _config(config), layer_index, None)
+        check_header(header, plan.header, path)
+        if header.scale != plan.header.scale:
+            raise TableFileError(
+                f"{path}: the table file's scale {header.scale!r} differs from the checkpoint's "
+                f"{plan.header.scale!r}"
+            )
+        compared = 0
         f.seek(header.data_offset)
         for piece, first_row, want in _row_chunks(plan):
             got = f.read(want.numel())
@@ -527,7 +620,7 @@ def _parser() -> argparse.ArgumentParser:
             "--config", required=True, help="the model's HF config.json (its text_config)"
         )
         command.add_argument(
-            "--layer", required=True, type=int, help="dense PLE layer index L (0 = first)"
+            "--layer", required=True, type=_layer, help="dense PLE layer index L (0 = first)"
         )
         command.add_argument(
             "--prefix",
@@ -551,6 +644,18 @@ def _parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="print a table file's header (validated)")
     info.add_argument("table", help="the table file")
     return parser
+
+
+def _layer(text: str) -> int:
+    """--layer: an integer in [0, layout.MAX_LAYER_INDEX] (argparse names the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    try:
+        return layout.check_layer_index(value, "it")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("it ")) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -40,7 +39,7 @@ from torch import nn
 from qwen4exp_ext import layout, ops, sharding
 from qwen4exp_ext.host_table import device_view, empty_host_table, pinned_host_table
 from qwen4exp_ext.reference import FP8_DTYPES, NVFP4_BLOCK
-from qwen4exp_ext.table_file import TableFileHeader, expected_header, write_header
+from qwen4exp_ext.table_file import TableFileHeader, expected_header, file_rows, write_table_file
 from qwen4exp_ext.table_readers import READERS, FileTable, TableReader
 
 from . import prefetch
@@ -302,6 +301,19 @@ class NGramEmbedding(nn.Module):
             self._file_values = header.value_view(rows)
             self._file_block_scales = header.block_scale_view(rows)
 
+    def _check_file_values(self, staged: list[tuple[str, str, torch.Tensor]]) -> None:
+        """A file table's scale is its header's, its hash buffers the layout its checksum was
+        checked against: a checkpoint may repeat them, never change them."""
+        for _, name, tensor in staged:
+            current = getattr(self, name.removeprefix("ngram_embedding."))
+            value = tensor.detach().reshape(current.shape).to("cpu", current.dtype)
+            if not torch.equal(value, current.cpu()):
+                path = self.file_table.path
+                raise ValueError(
+                    f"{name} {value.tolist()} differs from the table file's ({path}) "
+                    f"{current.tolist()}: a file table's scale and hash layout are its file's"
+                )
+
     def close_table(self) -> None:
         """Closes a ``"file"`` table (its descriptor; its mapping once no tensor views it): the
         module refuses to run afterwards. Nothing to do for other placements."""
@@ -326,22 +338,8 @@ class NGramEmbedding(nn.Module):
         header = dataclasses.replace(
             self.table_file_header, scale=None if scale is None else float(scale.item())
         )
-        path = Path(path)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
-        try:
-            with open(temporary, "wb") as f:
-                write_header(f, header)
-                for start in range(0, self.num_rows, chunk_rows):
-                    rows = self.weight[start : start + chunk_rows].detach().cpu()
-                    rows = rows.contiguous().view(torch.uint8)
-                    if self.nvfp4:
-                        scales = self.weight_scale[start : start + chunk_rows].detach().cpu()
-                        rows = torch.cat((rows, scales.contiguous().view(torch.uint8)), dim=1)
-                    f.write(rows.numpy().tobytes())
-            os.replace(temporary, path)
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
+        block_scales = self.weight_scale if self.nvfp4 else None
+        write_table_file(path, header, file_rows(self.weight, block_scales, chunk_rows))
         return header
 
     @property
@@ -801,6 +799,8 @@ class NGramEmbedding(nn.Module):
             if wrote_rows:
                 self._mark_incomplete(error)
             raise
+        if self.file_table is not None:  # the file was checked against these: they stay
+            self._check_file_values(staged)
         self._commit_small(staged)
         if wrote_rows:
             self._incomplete_load = None
