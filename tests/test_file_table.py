@@ -435,6 +435,22 @@ def test_load_weights_keeps_the_scale_and_hash_layout_the_file_was_checked_again
     same_bits(on_file(*batch), ram(*batch))
 
 
+def test_load_state_dict_keeps_the_scale_and_hash_layout_the_file_was_checked_against(tmp_path):
+    ram, on_file = _in_ram_and_file(tmp_path, "float8_e4m3fn", "mmap")
+    batch = make_batch([5, 0, 13, 1], "cpu")
+    state = on_file.state_dict()
+    for name, changed in (
+        ("weight_scale", torch.tensor([0.5])),
+        ("layer_multipliers", state["layer_multipliers"] + 2),
+        ("ngram_heads_offsets", state["ngram_heads_offsets"] + 1),
+    ):
+        with pytest.raises(ValueError, match=f"{name} .*differs from the table file's"):
+            on_file.load_state_dict({**state, name: changed})
+    assert all(torch.equal(on_file.state_dict()[k], v) for k, v in state.items())
+    on_file.load_state_dict(state)  # the file's own values are accepted
+    same_bits(on_file(*batch), ram(*batch))
+
+
 def test_save_table_file_never_writes_through_a_planted_temporary_name(tmp_path):
     """A link planted where a predictable temporary name would be must not be written through
     (the victim file keeps its bytes) and the table still appears whole."""

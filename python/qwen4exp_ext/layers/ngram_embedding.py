@@ -223,6 +223,7 @@ class NGramEmbedding(nn.Module):
             "ngram_heads_divmod", ops.ngram_head_divmod(sizes).to(device), persistent=False
         )
         self.register_load_state_dict_post_hook(_refresh_head_divmod_after_load)
+        self.register_load_state_dict_pre_hook(_keep_file_values_on_load)
 
     def _refresh_head_divmod(self) -> None:
         """Recomputes ``ngram_heads_divmod`` from the sizes, in place when it can (a captured
@@ -894,6 +895,21 @@ def checkpoint_shard_rows(num_rows: int, parts: int, shard_index: int) -> tuple[
     shard_size = -(-num_rows // parts)
     start = shard_index * shard_size
     return start, max(0, min(shard_size, num_rows - start))
+
+
+def _keep_file_values_on_load(module: NGramEmbedding, state_dict: dict, prefix: str, *_) -> None:
+    """load_state_dict pre hook: as load_weights, a state dict may repeat a file table's scale
+    and hash buffers, never change them (its rows were checked against them)."""
+    if module.file_table is None:
+        return
+    names = (*BUFFER_NAMES, "weight_scale", "weight_scale_2")
+    module._check_file_values(
+        [
+            (key, name, state_dict[key])
+            for name in names
+            if (key := prefix + name) in state_dict and getattr(module, name, None) is not None
+        ]
+    )
 
 
 def _refresh_head_divmod_after_load(module: NGramEmbedding, incompatible_keys: Any) -> None:
