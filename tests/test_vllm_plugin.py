@@ -476,10 +476,10 @@ print(json.dumps({**probe(), "swapped": plugin.swapped()}))
 
     found = json.loads(out.strip().splitlines()[-1])
     assert found["plugin_imported"] is True
-    assert found["ple.ple_ngram_ids"] == "qwen4exp_ext.vllm.shims+ours"
-    assert found["ple_layer.ple_ngram_ids"] == "qwen4exp_ext.vllm.shims+ours"
+    assert found["ple.ple_ngram_ids"] == "qwen4exp_ext.vllm.shims.ple+ours"
+    assert found["ple_layer.ple_ngram_ids"] == "qwen4exp_ext.vllm.shims.ple+ours"
     for name, our_op in FUNCTIONS.items():
-        want = "qwen4exp_ext.vllm.shims+ours" if hasattr(ops, our_op) else PLE_OPS
+        want = "qwen4exp_ext.vllm.shims.ple+ours" if hasattr(ops, our_op) else PLE_OPS
         assert found[f"ple_layer.{name}"] == want
         assert (name in found["swapped"]) == hasattr(ops, our_op)
 
