@@ -1,4 +1,4 @@
-"""The vLLM plugin's step-entry lookups for vLLM 0.33.0's AMD Qwen4Exp model
+"""The vLLM plugin's step-entry lookups for vLLM's (0.33.0, 0.34.0) AMD Qwen4Exp model
 (python/qwen4exp_ext/vllm/prefetch.py), against the real vLLM: the swaps are in place by default
 and say so in vLLM's log, ``QWEN4EXP_VLLM_PREFETCH=0`` leaves vLLM's code and says that, and the
 lookups start only on eager steps (never during a CUDA-graph capture or replay, whose pieces

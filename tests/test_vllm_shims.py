@@ -1,15 +1,18 @@
 """The vLLM shims' own logic, without vLLM: the ngram_ids constants that ``ple_ngram_ids``
-caches per head-sizes tensor (vLLM passes the sizes on every call) and passes to our kernel."""
+caches per head-sizes tensor (vLLM passes the sizes on every call) and passes to our kernel, and
+the swap table as each supported vLLM release has it."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 
 import pytest
 import torch
 
 from ngram_support import spy_on_ngram_ids
 from qwen4exp_ext import layout, ops, reference
+from qwen4exp_ext.vllm import SUPPORTED_VLLM, shims
 from qwen4exp_ext.vllm.shims import ple as ple_shims
 
 
@@ -109,3 +112,45 @@ def test_ple_ngram_ids_passes_the_cached_constants(monkeypatch):
         assert torch.equal(ple_ngram_ids(*args), reference.ngram_ids(*args))
     assert seen[0] is not None and seen[1] is seen[0]
     assert torch.equal(seen[0], ops.ngram_head_divmod(args[4]))
+
+
+# ---- the table's releases ------------------------------------------------------------------
+
+
+def _row(**changes) -> shims.Swap:
+    """A row of the table as the oldest release has it, with ``changes`` (release -> Change)."""
+    base = next(row for row in shims.SWAPS if row.name == "ple_ngram_ids")
+    return replace(base, changes=tuple(changes.items()))
+
+
+def test_every_release_gets_every_row():
+    labels = [row.label for row in shims.SWAPS]
+    assert len(set(labels)) == len(labels)
+    for release in SUPPORTED_VLLM:
+        rows = shims.swaps_for(release)
+        assert [row.label for row in rows] == labels
+        assert all(row.changes == () for row in rows)
+
+
+def test_a_change_holds_from_its_release_on():
+    """A change made by the second release is that release's row (and a later one's); the
+    oldest keeps the row as written. Fields the change leaves None stay the row's."""
+    oldest, newer = SUPPORTED_VLLM[0], SUPPORTED_VLLM[1]
+
+    def make(original):
+        return original
+
+    change = shims.Change(owner="vllm.elsewhere:Moved", signature="(input_ids, *, new_flag=False)")
+    row = _row(**{newer: change}, **{oldest: shims.Change(make=make)})
+    first, second = row.for_release(oldest), row.for_release(newer)
+    assert (first.owner, first.signature, first.make) == (row.owner, row.signature, make)
+    assert (second.owner, second.signature) == (change.owner, change.signature)
+    assert second.make is make and second.name == row.name and second.needs == row.needs
+    assert second.label == "Moved.ple_ngram_ids"
+
+
+def test_an_unknown_release_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"'0\.32\.0' is not in the swap table's releases"):
+        shims.swaps_for("0.32.0")
+    with pytest.raises(ValueError, match=r"'9\.9\.9'"):
+        _row(**{"9.9.9": shims.Change(signature="()")}).for_release(SUPPORTED_VLLM[0])

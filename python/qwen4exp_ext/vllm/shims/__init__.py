@@ -4,7 +4,12 @@ replacements live by op family in :mod:`.ple` (``ple_ngram_ids``, ``ple_gate``, 
 :mod:`.amd` (vLLM's AMD code: its NVFP4 refusal and loader, the step-entry lookups), over
 :mod:`.base` (what they share).
 
-Every replacement has vLLM 0.33.0's exact signature and calls :mod:`qwen4exp_ext.ops`. Where
+Every vLLM release the plugin supports (:data:`qwen4exp_ext.vllm.SUPPORTED_VLLM`) gets every row:
+a row names its target and signature as in the oldest supported release, and where a later
+release moved or changed them the row's ``changes`` say so, from that release on
+(:func:`swaps_for` resolves the table for one release); nothing is repeated per release where
+it is the same. Every replacement has its release's exact signature and calls
+:mod:`qwen4exp_ext.ops`. Where
 our build has no kernel for a tensor's device (a CPU-only build in a GPU process), it calls
 vLLM's own function instead, so vLLM never breaks because of us.
 
@@ -27,10 +32,10 @@ This package imports neither vLLM nor anything that does: the plugin hands it vL
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from .. import prefetch
+from .. import SUPPORTED_VLLM, prefetch
 from .amd import (
     _lift_amd_nvfp4_refusal,
     _make_amd_load_weights,
@@ -70,9 +75,11 @@ __all__ = [
     "NVIDIA_EMBEDDING_MODULE",
     "PLE_OPS_MODULE",
     "SWAPS",
+    "Change",
     "Swap",
     "head_divmod_for",
     "signature_text",
+    "swaps_for",
 ]
 
 
@@ -80,18 +87,31 @@ __all__ = [
 
 
 @dataclass(frozen=True)
+class Change:
+    """What a vLLM release changed in a row, from that release on: the fields given replace the
+    row's (``owner``, ``name``, ``signature``, ``make``, ``trigger``: see :class:`Swap`)."""
+
+    owner: str | None = None
+    name: str | None = None
+    signature: str | None = None
+    make: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+    trigger: str | None = None
+
+
+@dataclass(frozen=True)
 class Swap:
     """One vLLM callable that runs our kernel after register().
 
     ``owner`` is a module (for a function) or ``module:Class`` (for a method); ``signature`` is
-    vLLM 0.33.0's, as :func:`signature_text` writes it; ``needs`` is the :mod:`qwen4exp_ext.ops`
-    function the replacement calls (the row is skipped while our build lacks it);
-    ``torch_op`` names the ``torch.ops.vllm`` op that vLLM registered with this very function
-    object, and ``torch_op_module`` the module that registers it. ``rebind_consumers`` (module
-    owners) also replaces the copies other vLLM Qwen4Exp modules imported; ``applies`` says
-    whether the row applies to this build at all; ``what`` names a row that is not a function;
-    ``trigger`` is the vLLM module whose import applies the row (with the other rows of the same
-    trigger: all of them or none).
+    the oldest supported vLLM's, as :func:`signature_text` writes it; ``needs`` is the
+    :mod:`qwen4exp_ext.ops` function the replacement calls (the row is skipped while our build
+    lacks it); ``torch_op`` names the ``torch.ops.vllm`` op that vLLM registered with this very
+    function object, and ``torch_op_module`` the module that registers it.
+    ``rebind_consumers`` (module owners) also replaces the copies other vLLM Qwen4Exp modules
+    imported; ``applies`` says whether the row applies to this build at all; ``what`` names a
+    row that is not a function; ``trigger`` is the vLLM module whose import applies the row
+    (with the other rows of the same trigger: all of them or none). ``changes`` holds
+    ``(release, Change)`` pairs: what that release of vLLM changed, kept by later ones.
     """
 
     owner: str
@@ -105,6 +125,7 @@ class Swap:
     applies: Callable[[], bool] | None = None
     what: str | None = None
     trigger: str = PLE_OPS_MODULE
+    changes: tuple[tuple[str, Change], ...] = ()
 
     @property
     def label(self) -> str:
@@ -112,6 +133,32 @@ class Swap:
             return self.what
         cls = self.owner.partition(":")[2]
         return f"{cls}.{self.name}" if cls else self.name
+
+    def for_release(self, release: str) -> Swap:
+        """This row as vLLM ``release`` (one of SUPPORTED_VLLM) has it: every change of that
+        release and the releases before it applied, oldest first."""
+        order = _release_order(release)
+        row = self
+        for since, change in sorted(self.changes, key=lambda c: _release_order(c[0])):
+            if _release_order(since) <= order:
+                fields = {k: v for k, v in vars(change).items() if v is not None}
+                row = replace(row, **fields)
+        return replace(row, changes=())
+
+
+def _release_order(release: str) -> int:
+    try:
+        return SUPPORTED_VLLM.index(release)
+    except ValueError:
+        raise ValueError(
+            f"vLLM release {release!r} is not in the swap table's releases {SUPPORTED_VLLM}"
+        ) from None
+
+
+def swaps_for(release: str) -> tuple[Swap, ...]:
+    """The rows of :data:`SWAPS` as vLLM ``release`` has them (ValueError for a release the
+    table does not know)."""
+    return tuple(swap.for_release(release) for swap in SWAPS)
 
 
 SWAPS: tuple[Swap, ...] = (
