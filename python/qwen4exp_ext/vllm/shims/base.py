@@ -24,6 +24,9 @@ AMD_LAYER_MODULE = "vllm.models.qwen4_exp.amd.ple_layer"
 AMD_MODEL_MODULE = "vllm.models.qwen4_exp.amd.model"
 # vLLM's NVIDIA n-gram embedding, whose load_weights knows NVFP4 shards.
 NVIDIA_EMBEDDING_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
+# vLLM 0.34.0's disk-offloaded PLE table (in NVIDIA_EMBEDDING_MODULE): no table in memory; vLLM
+# stages each step's raw rows from the checkpoint files itself, never through a lookup method.
+DISK_OFFLOAD_EMBEDDING = "Qwen4ExpPLEDiskOffloadEmbedding"
 # Modules whose globals may hold a copy of a swapped function (`from ..ops.ple import x`).
 CONSUMER_PREFIX = "vllm.models.qwen4_exp."
 

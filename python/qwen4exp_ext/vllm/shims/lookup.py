@@ -7,6 +7,7 @@ This module imports neither vLLM nor anything that does: the plugin hands it vLL
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 from ... import ops
 from .. import choice
 from ..choice import OURS, token_bucket
-from .base import DEVICE_TYPES, MARK
+from .base import DEVICE_TYPES, DISK_OFFLOAD_EMBEDDING, MARK, NVIDIA_EMBEDDING_MODULE
 
 # Row formats that our gather copies exactly (out dtype == table dtype).
 _EXACT_TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -31,13 +32,24 @@ def _kernel_table(layer: Any) -> torch.Tensor:
     return uva if uva is not None else layer.weight
 
 
+def _staged_by_vllm(layer: Any) -> bool:
+    """Whether ``layer`` is vLLM 0.34's disk-offloaded table, whose rows vLLM stages itself
+    (raw, from the checkpoint files) without calling a lookup of ours."""
+    nvidia = sys.modules.get(NVIDIA_EMBEDDING_MODULE)
+    cls = getattr(nvidia, DISK_OFFLOAD_EMBEDDING, None)
+    return isinstance(cls, type) and isinstance(layer, cls)
+
+
 def _fp8_fused(layer: Any) -> bool:
     """Whether our gather looks up *and dequantises* this FP8 table: its rows and its scale where
     our kernels run. The lookups, ``lookup_dtype`` and ``dequantize`` all ask this one question
-    of the same layer, so a row is scaled exactly once, by us or by vLLM."""
+    of the same layer, so a row is scaled exactly once, by us or by vLLM. Never for a table whose
+    rows vLLM stages itself (0.34's disk offload): its raw rows reach ``dequantize``."""
     weight = getattr(layer, "weight", None)
     scale = getattr(layer, "weight_scale", None)
     if weight is None or scale is None or weight.dtype != _FP8_TABLE_DTYPE:
+        return False
+    if _staged_by_vllm(layer):
         return False
     table = _kernel_table(layer)
     return (
