@@ -1,5 +1,6 @@
-"""Issue test 4b: vLLM 0.33.0's own ``Qwen4ExpPLELayer`` (AMD path) on our kernels equals
-transformers 5.18's ``Qwen4ExpTextPLELayer``, for a dense, an FP8 and an NVFP4 PLE table.
+"""Issue test 4b (and #48 on 0.34.0): the installed vLLM's own ``Qwen4ExpPLELayer`` (AMD path)
+on our kernels equals transformers 5.18's ``Qwen4ExpTextPLELayer``, for a dense, an FP8 and an
+NVFP4 PLE table.
 
 vLLM's layer is built on CPU from a small config (a ``VllmConfig``, a single-process gloo
 distributed init), given transformers' weights, and run through chunked prefills and decode
@@ -31,7 +32,7 @@ from vllm_support import require_vllm, run_python
 
 pytestmark = require_vllm()
 
-if os.environ.get("QWEN4EXP_REQUIRE_VLLM") != "1":  # vLLM 0.33.0 itself needs it
+if os.environ.get("QWEN4EXP_REQUIRE_VLLM") != "1":  # vLLM itself needs it
     pytest.importorskip("transformers.models.qwen4_exp")
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextPLELayer  # noqa: E402
 

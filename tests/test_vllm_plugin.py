@@ -1,7 +1,8 @@
-"""The vLLM plugin against the real vLLM 0.33.0 (no mocks): entry point, VLLM_PLUGINS filtering,
-idempotent register(), the version/signature guard, and the swap itself — vLLM's module-level
-functions and its torch.ops.vllm ops run our kernels (profiler record) with results equal to our
-reference. With the plugin filtered out, vLLM's functions are untouched."""
+"""The vLLM plugin against the real vLLM (each supported release: 0.33.0, 0.34.0; no mocks):
+entry point, VLLM_PLUGINS filtering, idempotent register(), the release/signature guard, and the
+swap itself — vLLM's module-level functions and its torch.ops.vllm ops run our kernels (profiler
+record) with results equal to our reference. With the plugin filtered out, vLLM's functions are
+untouched."""
 
 from __future__ import annotations
 
@@ -476,12 +477,63 @@ print(json.dumps({**probe(), "swapped": plugin.swapped()}))
 
     found = json.loads(out.strip().splitlines()[-1])
     assert found["plugin_imported"] is True
-    assert found["ple.ple_ngram_ids"] == "qwen4exp_ext.vllm.shims+ours"
-    assert found["ple_layer.ple_ngram_ids"] == "qwen4exp_ext.vllm.shims+ours"
+    assert found["ple.ple_ngram_ids"] == "qwen4exp_ext.vllm.shims.ple+ours"
+    assert found["ple_layer.ple_ngram_ids"] == "qwen4exp_ext.vllm.shims.ple+ours"
     for name, our_op in FUNCTIONS.items():
-        want = "qwen4exp_ext.vllm.shims+ours" if hasattr(ops, our_op) else PLE_OPS
+        want = "qwen4exp_ext.vllm.shims.ple+ours" if hasattr(ops, our_op) else PLE_OPS
         assert found[f"ple_layer.{name}"] == want
         assert (name in found["swapped"]) == hasattr(ops, our_op)
+
+
+# Every row of the swap table, as swapped() names it: the same on every supported vLLM release
+# (the ops, every table format's lookups, the AMD layer's NVFP4 tables and step-entry lookups).
+EVERY_ROW = (
+    "ple_ngram_ids",
+    "ple_gate",
+    "ple_conv",
+    "Qwen4ExpPLEEmbeddingMethod.embedding",
+    "Qwen4ExpPLEEmbeddingMethod.lookup_from_pinned",
+    "Qwen4ExpPLEEmbeddingMethod.lookup_dtype",
+    "Qwen4ExpPLEFp8EmbeddingMethod.dequantize",
+    "Qwen4ExpPLENvFp4EmbeddingMethod.embedding",
+    "Qwen4ExpPLENvFp4EmbeddingMethod.lookup_from_pinned",
+    "Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight",
+    "amd.ple_layer NVFP4 refusal",
+    "qwen4_exp_amd_ple_ngram_embedding_pinned",
+    "Qwen4ExpNGramEmbedding.load_weights",
+    "amd.model Qwen4ExpModel step-entry PLE lookups",
+)
+
+
+def test_every_row_is_swapped_on_the_installed_release():
+    """On each supported vLLM (0.33.0, 0.34.0), once vLLM imports its AMD model (which imports
+    the PLE ops, the embeddings and the AMD layer) every row of the table is swapped, with no
+    warning, and vLLM's log names them."""
+    out = run_python(
+        _CAPTURE_PLUGIN_LOG
+        + """
+import importlib, json, logging
+logging.getLogger("vllm.qwen4exp_ext").setLevel(logging.INFO)
+import vllm.plugins
+vllm.plugins.load_general_plugins()
+importlib.import_module("vllm.models.qwen4_exp.amd.model")
+import qwen4exp_ext.vllm as plugin
+print(json.dumps({
+    "swapped": plugin.swapped(),
+    "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING],
+    "info": [r.getMessage() for r in records if r.levelno == logging.INFO],
+}))
+""",
+        env={"VLLM_PLUGINS": "qwen4exp"},
+    )
+    import json
+
+    found = json.loads(out.strip().splitlines()[-1])
+    assert found["warnings"] == []
+    want = [row for row in EVERY_ROW if row not in FUNCTIONS or hasattr(ops, FUNCTIONS[row])]
+    assert sorted(found["swapped"]) == sorted(want)
+    logged = " ".join(found["info"])
+    assert all(row in logged for row in want), found["info"]
 
 
 def test_unknown_vllm_version_warns_once_and_swaps_nothing():
@@ -538,3 +590,59 @@ print(json.dumps({"warnings": warnings, "swapped": plugin.swapped(),
     assert len(found["warnings"]) == 1, found["warnings"]
     assert "ple_ngram_ids" in found["warnings"][0] and "new_flag" in found["warnings"][0]
     assert found["swapped"] == [] and found["unchanged"] is True
+
+
+def test_a_release_whose_signature_changed_is_swapped_by_its_row():
+    """A row's change for the installed release is what the plugin checks: with vLLM's
+    ple_ngram_ids given one more parameter and the row told that this release has it (and a
+    replacement made for it), the plugin swaps it, warns nothing, and the call runs ours."""
+    out = run_python(
+        _CAPTURE_PLUGIN_LOG
+        + """
+import importlib, json, logging
+from dataclasses import replace
+from importlib.metadata import version
+import torch
+ple = importlib.import_module("vllm.models.qwen4_exp.common.ops.ple")
+vllm_fn = ple.ple_ngram_ids
+def ple_ngram_ids(input_ids, query_start_loc, ngram_context, layer_multipliers,
+                  ngram_heads_vocab_sizes, ngram_heads_offsets, eos_token_id, heads_per_ngram,
+                  output=None, new_flag=False):
+    raise AssertionError("vLLM's function ran")
+ple_ngram_ids.__module__ = ple.__name__
+ple.ple_ngram_ids = ple_ngram_ids  # this release's vLLM, with one more parameter
+from qwen4exp_ext.vllm import shims
+from qwen4exp_ext.vllm.shims import ple as ple_shims
+def make(original):
+    ours = ple_shims._make_ple_ngram_ids(original)
+    def ple_ngram_ids(*args, new_flag=False):
+        return ours(*args)
+    return ple_ngram_ids
+new_signature = shims.signature_text(ple_ngram_ids)
+release = version("vllm").split("+")[0]
+change = shims.Change(signature=new_signature, make=make)
+shims.SWAPS = tuple(
+    replace(row, changes=((release, change),)) if row.name == "ple_ngram_ids" else row
+    for row in shims.SWAPS
+)
+import qwen4exp_ext.vllm as plugin
+plugin.register()
+importlib.import_module("vllm.models.qwen4_exp.amd.ple_layer")
+from qwen4exp_ext import reference
+g = torch.Generator().manual_seed(3)
+args = (torch.randint(0, 40, (6,), generator=g), torch.tensor([0, 2, 6], dtype=torch.int32),
+        torch.randint(0, 40, (2, 2), generator=g), torch.tensor([3, 5, 7]),
+        torch.tensor([1009, 1013, 1019, 1021]), torch.tensor([0, 1009, 2022, 3041]), 7, 2)
+got = ple.ple_ngram_ids(*args, new_flag=True)
+print(json.dumps({
+    "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING],
+    "swapped": plugin.swapped(),
+    "equal": bool(torch.equal(got, reference.ngram_ids(*args))),
+}))
+"""
+    )
+    import json
+
+    found = json.loads(out.strip().splitlines()[-1])
+    assert found["warnings"] == []
+    assert "ple_ngram_ids" in found["swapped"] and found["equal"] is True

@@ -1,4 +1,4 @@
-"""The vLLM plugin's step-entry lookups for vLLM 0.33.0's AMD Qwen4Exp model
+"""The vLLM plugin's step-entry lookups for vLLM's (0.33.0, 0.34.0) AMD Qwen4Exp model
 (python/qwen4exp_ext/vllm/prefetch.py), against the real vLLM: the swaps are in place by default
 and say so in vLLM's log, ``QWEN4EXP_VLLM_PREFETCH=0`` leaves vLLM's code and says that, and the
 lookups start only on eager steps (never during a CUDA-graph capture or replay, whose pieces
@@ -73,13 +73,13 @@ def test_lookups_start_only_on_eager_steps():
 import json, torch
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import ForwardContext, override_forward_context
-from qwen4exp_ext.vllm import shims
-seen = {"none": shims._eager_forward_context() is None}
+from qwen4exp_ext.vllm.shims import amd
+seen = {"none": amd._eager_forward_context() is None}
 for mode in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
     context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={},
                              cudagraph_runtime_mode=mode)
     with override_forward_context(context):
-        seen[mode.name] = shims._eager_forward_context() is context
+        seen[mode.name] = amd._eager_forward_context() is context
 print(json.dumps(seen))
 """
     )
@@ -96,14 +96,15 @@ import json, torch
 from types import SimpleNamespace
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import ForwardContext, override_forward_context
-from qwen4exp_ext.vllm import prefetch, shims
+from qwen4exp_ext.vllm import prefetch
+from qwen4exp_ext.vllm.shims import amd
 context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={},
                          cudagraph_runtime_mode=CUDAGraphMode.NONE)
 model = SimpleNamespace(layers=[SimpleNamespace(ple=None)], start_layer=0, end_layer=1)
 ids = torch.arange(6)
 with override_forward_context(context):
-    shims._start_step_lookups(model, (ids, None, None, None, torch.tensor([0, 6]),
-                                      torch.zeros(1, 2, dtype=torch.long)), {})
+    amd._start_step_lookups(model, (ids, None, None, None, torch.tensor([0, 6]),
+                                    torch.zeros(1, 2, dtype=torch.long)), {})
 print(json.dumps({"slots": len(prefetch.STEP_LOOKUPS._slots),
                   "taken": prefetch.STEP_LOOKUPS.take(torch.nn.Module(), 6, context) is None}))
 """

@@ -16,33 +16,57 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-VLLM_VERSION = "0.33.0"
+from qwen4exp_ext.vllm import SUPPORTED_VLLM
+
+# The vLLM releases the plugin knows: its own table (one source of truth). CI runs every test that
+# requires vLLM once per release (.ci/run, tools/check-vllm.sh).
+VLLM_VERSIONS: tuple[str, ...] = SUPPORTED_VLLM
+REQUIRE_ENV = "QWEN4EXP_REQUIRE_VLLM"
 
 
 def vllm_version() -> str | None:
+    """The installed vLLM's version, without a local part ("0.34.0+cu130" -> "0.34.0")."""
     if importlib.util.find_spec("vllm") is None:
         return None
     from importlib.metadata import version
 
-    return version("vllm")
+    return version("vllm").split("+", 1)[0]
 
 
-def require_vllm() -> pytest.MarkDecorator:
-    """Skip when vLLM is absent, unless QWEN4EXP_REQUIRE_VLLM=1 (CI): there a missing vLLM is a
-    failure, so that the vLLM tests can never be skipped silently."""
+class _Marks(list):
+    """Marks that go together: a module's ``pytestmark`` (a list) or a test's decorator."""
+
+    def __call__(self, test):
+        for mark in self:
+            test = mark(test)
+        return test
+
+
+def require_vllm() -> _Marks:
+    """The marks of a test that needs the real vLLM: ``vllm`` (so that ``pytest -m vllm``, as
+    tools/check-vllm.sh runs it, finds every such test) and a skip unless a vLLM release the
+    plugin supports is installed, except with $QWEN4EXP_REQUIRE_VLLM set (CI): there a missing
+    or unsupported vLLM is a failure, so that the vLLM tests can never be skipped silently.
+    ``1`` accepts any supported release; a version (``0.34.0``) only that one, so that a run
+    meant for one release cannot pass on another."""
     found = vllm_version()
-    if os.environ.get("QWEN4EXP_REQUIRE_VLLM") == "1":
-        if found is None or found.split("+")[0] != VLLM_VERSION:
+    required = os.environ.get(REQUIRE_ENV, "")
+    if required:
+        wanted = VLLM_VERSIONS if required == "1" else (required,)
+        if found not in wanted or found not in VLLM_VERSIONS:
             pytest.fail(
-                f"QWEN4EXP_REQUIRE_VLLM=1 but vllm=={VLLM_VERSION} is not installed "
-                f"(found {found})",
+                f"{REQUIRE_ENV}={required} but the installed vLLM is {found}; wanted "
+                f"{' or '.join(wanted)} (the plugin supports {', '.join(VLLM_VERSIONS)})",
                 pytrace=False,
             )
-        return pytest.mark.skipif(False, reason="vLLM required (QWEN4EXP_REQUIRE_VLLM=1)")
-    return pytest.mark.skipif(
-        found is None or found.split("+")[0] != VLLM_VERSION,
-        reason=f"needs vllm=={VLLM_VERSION} (pip install --no-deps vllm=={VLLM_VERSION} + pins)",
-    )
+        skip = pytest.mark.skipif(False, reason=f"vLLM required ({REQUIRE_ENV}={required})")
+    else:
+        skip = pytest.mark.skipif(
+            found not in VLLM_VERSIONS,
+            reason=f"needs vllm {' or '.join(VLLM_VERSIONS)} (found {found}; pip install "
+            "--no-deps -r tools/requirements-vllm.txt, or tools/requirements-vllm-<version>.txt)",
+        )
+    return _Marks([pytest.mark.vllm, skip])
 
 
 def run_python(script: str, *, env: dict[str, str] | None = None, timeout: int = 300) -> str:

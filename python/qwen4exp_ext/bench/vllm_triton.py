@@ -1,4 +1,5 @@
-"""vLLM 0.33.0's own Triton PLE kernels, without importing vLLM: for the bench on a GPU (the
+"""vLLM's own Triton PLE kernels (0.33.0 or 0.34.0: the releases the plugin supports, whose
+kernels these loaders read alike), without importing vLLM: for the bench on a GPU (the
 ``vllm`` baselines) and for the tests on Triton's CPU interpreter.
 
 Importing ``vllm`` pulls in far more than these kernels need, vLLM turns Triton off on a machine
@@ -42,10 +43,14 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..vllm import SUPPORTED_VLLM
+
 if TYPE_CHECKING:
     import torch
 
-VLLM_VERSION = "0.33.0"
+# The releases whose sources these loaders know: the plugin's (their imports and kernel names
+# are the same; 0.34.0 only widened the program ids to int64).
+VLLM_VERSIONS = SUPPORTED_VLLM
 SOURCE_ENV = "QWEN4EXP_VLLM_SOURCE"
 VERSION_FILE = "VLLM_VERSION"
 PLE_PATH = ("models", "qwen4_exp", "common", "ops", "ple.py")
@@ -84,7 +89,7 @@ class _InterpreterPlatform:
 
 
 class _GpuPlatform:
-    """Stands in for vllm.platforms.current_platform on a GPU, as vLLM 0.33.0 answers: PDL
+    """Stands in for vllm.platforms.current_platform on a GPU, as vLLM 0.33.0/0.34.0 answer: PDL
     (CudaPlatform.is_arch_support_pdl) from compute capability 9 on; none on ROCm (the base
     Platform's answer, which RocmPlatform keeps)."""
 
@@ -156,8 +161,9 @@ def load(interpret: bool = True) -> types.ModuleType | None:
     for original, replacement in _REPLACED_IMPORTS.items():
         if original not in source:
             raise RuntimeError(
-                f"{path}: expected import line {original.strip()!r} not found; this loader "
-                f"is written for vLLM {VLLM_VERSION}, the source is {vllm_source_version()}"
+                f"{path}: expected import line {original.strip()!r} not found; this loader is "
+                f"written for vLLM {', '.join(VLLM_VERSIONS)}, the source is "
+                f"{vllm_source_version()}"
             )
         source = source.replace(original, replacement)
     module = types.ModuleType(f"qwen4exp_vllm_ple_{'interpreted' if interpret else 'gpu'}")
@@ -246,14 +252,14 @@ def load_lookup_kernels(interpret: bool = True) -> types.ModuleType | None:
         if missing:
             raise RuntimeError(
                 f"{path}: {sorted(missing)} not found; this loader is written for vLLM "
-                f"{VLLM_VERSION}, the source is {vllm_source_version()}"
+                f"{', '.join(VLLM_VERSIONS)}, the source is {vllm_source_version()}"
             )
         for name in names:
             pieces.append(ast.get_source_segment(text, found[name], padded=False) + "\n")
             # the decorator line precedes the def node's own segment
             pieces[-1] = "@triton.jit\n" + pieces[-1]
     source = "\n\n".join(pieces)
-    filename = f"<vllm {VLLM_VERSION} PLE lookups, {kind}>"
+    filename = f"<vllm {vllm_source_version()} PLE lookups, {kind}>"
     module.__file__ = filename
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     with interpreter() if interpret else contextlib.nullcontext():
@@ -273,7 +279,7 @@ def lookup_rows(
     vocab_end: int | None = None,
     staging: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The rows of ``ids`` (any shape, int64) into ``output`` [..., ids' heads · d] as vLLM 0.33.0
+    """The rows of ``ids`` (any shape, int64) into ``output`` [..., ids' heads · d] as vLLM
     looks them up with ``load_lookup_kernels``' kernels: a pinned table's bf16 or fp8 rows by its
     Triton row copy (``Qwen4ExpPLEEmbeddingMethod.lookup_from_pinned``), one program per id, of
     raw bytes (fp8: into ``staging`` [>= ids, d] uint8, then its eager ``dequantize``,

@@ -2,23 +2,23 @@
 
 vLLM finds :func:`register` through the ``vllm.general_plugins`` entry point ``qwen4exp`` and
 calls it in every process it starts (``VLLM_PLUGINS`` filters by that name, as vLLM documents).
-After it, vLLM 0.33.0's ``ple_ngram_ids``, ``ple_gate``, ``ple_conv`` and the PLE table lookups of
-every format (``embedding`` for the device table, ``lookup_from_pinned`` for the pinned host
-table, of the unquantized, FP8 and NVFP4 methods) run our kernels, wherever vLLM's Qwen4Exp code
-calls them: the module globals of every ``vllm.models.qwen4_exp`` module that imported them, and
-``torch.ops.vllm.qwen4_exp_ple_gate``, which vLLM registered with its own function object. Pinned
-tables are allocated at their exact size, vLLM's AMD layer takes NVFP4 tables, and vLLM's AMD
-model looks its pinned tables up at step entry (:mod:`.prefetch`; ``QWEN4EXP_VLLM_PREFETCH=0``
-turns that off). The table of
-swaps is :data:`qwen4exp_ext.vllm.shims.SWAPS` (its module docstring says what differs from
-vLLM); a row whose kernel our build lacks is skipped. Each swapped kernel runs ours or vLLM's
-original, whichever :mod:`.choice` measured faster for that shape class on this GPU
-(``QWEN4EXP_VLLM_KERNELS=auto|ours|vllm``; ours on the CPU).
+After it, the ``ple_ngram_ids``, ``ple_gate``, ``ple_conv`` and the PLE table lookups of every
+format (``embedding`` for the device table, ``lookup_from_pinned`` for the pinned host table, of
+the unquantized, FP8 and NVFP4 methods) of each vLLM release in :data:`SUPPORTED_VLLM` (0.33.0,
+0.34.0) run our kernels, wherever vLLM's Qwen4Exp code calls them: the module globals of every
+``vllm.models.qwen4_exp`` module that imported them, and ``torch.ops.vllm.qwen4_exp_ple_gate``,
+which vLLM registered with its own function object. Pinned tables are allocated at their exact
+size, vLLM's AMD layer takes NVFP4 tables, and vLLM's AMD model looks its pinned tables up at
+step entry (:mod:`.prefetch`; ``QWEN4EXP_VLLM_PREFETCH=0`` turns that off). The table of swaps
+is :data:`qwen4exp_ext.vllm.shims.SWAPS` (its package docstring says what differs from vLLM,
+and how a row follows a release); a row whose kernel our build lacks is skipped. Each swapped
+kernel runs ours or vLLM's original, whichever :mod:`.choice` measured faster for that shape
+class on this GPU (``QWEN4EXP_VLLM_KERNELS=auto|ours|vllm``; ours on the CPU).
 
 Nothing here imports vLLM until :func:`register` runs, and even then vLLM's Qwen4Exp modules are
 patched only when vLLM itself imports them (a post-import hook), so processes that serve another
-model pay nothing. If the installed vLLM is not the version the shims know, or one of its signatures
-differs, one warning names the mismatch and vLLM is left exactly as it was.
+model pay nothing. If the installed vLLM is not a release the shims know, or one of its signatures
+differs from that release's, one warning names the mismatch and vLLM is left exactly as it was.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ from typing import Any
 __all__ = ["PLUGIN_NAME", "SUPPORTED_VLLM", "register", "swapped"]
 
 PLUGIN_NAME = "qwen4exp"
-SUPPORTED_VLLM = "0.33.0"
+# The vLLM releases the swap table knows, oldest first (shims.SWAPS: each row's target and
+# signature per release, where a release changed them). Any other release is left alone.
+SUPPORTED_VLLM: tuple[str, ...] = ("0.33.0", "0.34.0")
 
 # A child of vLLM's logger, so that our lines come out in vLLM's log, in its format.
 logger = logging.getLogger("vllm.qwen4exp_ext")
@@ -67,20 +69,23 @@ def register() -> None:
         except PackageNotFoundError:
             _decline("vLLM is not installed")
             return
-        if installed.split("+", 1)[0] != SUPPORTED_VLLM:
+        release = installed.split("+", 1)[0]
+        if release not in SUPPORTED_VLLM:
             _decline(
-                f"the installed vLLM is {installed}, but these shims know vLLM {SUPPORTED_VLLM}"
+                f"the installed vLLM is {installed}, but these shims know vLLM "
+                f"{', '.join(SUPPORTED_VLLM)}"
             )
             return
-        from .shims import SWAPS
+        from .shims import swaps_for
 
+        rows = swaps_for(release)
         # Each row waits for its trigger module (vLLM's PLE ops, or the AMD layer for the rows
         # that only it needs, so that an NVIDIA process never imports the AMD code).
-        for trigger in dict.fromkeys(swap.trigger for swap in SWAPS):
+        for trigger in dict.fromkeys(swap.trigger for swap in rows):
             if trigger in sys.modules:
-                _apply(trigger)
+                _apply(trigger, rows)
             else:
-                sys.meta_path.insert(0, _PatchAfterImport(trigger, partial(_apply, trigger)))
+                sys.meta_path.insert(0, _PatchAfterImport(trigger, partial(_apply, trigger, rows)))
 
 
 def _decline(reason: str) -> None:
@@ -98,19 +103,20 @@ def _resolve_owner(owner: str) -> Any:
     return getattr(module, cls) if cls else module
 
 
-def _apply(trigger: str) -> None:
-    """Check every row that ``trigger``'s import brings against the vLLM in this process, then
-    swap them all, or none (and, after a mismatch, no later group either)."""
+def _apply(trigger: str, rows: tuple[Any, ...]) -> None:
+    """Check every row of ``rows`` (the table as the installed release has it) that
+    ``trigger``'s import brings against the vLLM in this process, then swap them all, or none
+    (and, after a mismatch, no later group either)."""
     from .. import ops
     from . import prefetch
-    from .shims import AMD_LAYER_MODULE, MARK, SWAPS, signature_text
+    from .shims import AMD_LAYER_MODULE, MARK, signature_text
 
     with _lock:
         if _declined is not None:
             return
         plan: list[tuple[Any, Any, Callable[..., Any]]] = []  # (swap, owner, vLLM's function)
         try:
-            for swap in (s for s in SWAPS if s.trigger == trigger):
+            for swap in (s for s in rows if s.trigger == trigger):
                 if not hasattr(ops, swap.needs) or (
                     swap.applies is not None and not swap.applies()
                 ):

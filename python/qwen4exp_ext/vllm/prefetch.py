@@ -1,4 +1,4 @@
-"""Step-entry lookups of the pinned PLE tables for vLLM 0.33.0's AMD Qwen4Exp model.
+"""Step-entry lookups of the pinned PLE tables for vLLM's AMD Qwen4Exp model (0.33.0, 0.34.0).
 
 vLLM's NVIDIA model starts each PLE layer's lookup of a pinned host table one layer ahead, on a
 side stream; its AMD model looks the table up inside the layer (``sync_lookup``, through the
