@@ -1,0 +1,170 @@
+"""The bad-input table of every ``QWEN4EXP_*`` variable the package reads at run time (README,
+"Environment variables"): one case per variable and kind of mistake, with the message or warning
+it must give, and the rule of that README section: the library's variables fail the import (or
+the emulator's load) with a ValueError naming the variable and the value; the vLLM plugin's are
+one warning in vLLM's log and the default; the bench's are a ValueError naming the variable.
+
+Variables read at import are tried in a fresh interpreter (a subprocess with a timeout); the
+others in this process, inside ``nothing_left_behind`` (no descriptor, mapping, thread or file
+left). A call that could block (a FIFO, ``/dev/zero``) runs under a timeout."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from leak_support import nothing_left_behind
+from qwen4exp_ext import _switches, simt
+from qwen4exp_ext.vllm import choice, prefetch
+
+TIMEOUT = 120  # seconds for a fresh interpreter (it imports torch) or a call that could block
+INT64_OVER = str(1 << 63)
+PLUGIN_LOG = "vllm.qwen4exp_ext"
+FLAG_MESSAGE = "must be 1, true, on or yes (on) or 0, false, off, no or empty (off)"
+
+
+def python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter with ``env`` added to this one's environment."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+
+
+@pytest.fixture
+def plugin_warnings(caplog) -> Iterator[Callable[[], list[str]]]:
+    """A function that returns the warnings the plugin logged so far (vLLM's logger may not
+    propagate to caplog's root handler, so the handler is put on the plugin's logger itself);
+    the once-per-process memory of warnings is cleared, so that each case sees its own."""
+    logger = logging.getLogger(PLUGIN_LOG)
+    propagate = logger.propagate
+    logger.propagate = False  # each record once, through the handler put here
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.WARNING, logger=PLUGIN_LOG)
+    _switches._warned.clear()
+    yield lambda: [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    logger.removeHandler(caplog.handler)
+    logger.propagate = propagate
+    _switches._warned.clear()
+
+
+# ---- the library's variables: read at import, a bad value fails it -------------------------
+
+IMPORT_CASES = [
+    # (variable, value, what the error must say besides the variable and the value)
+    ("QWEN4EXP_DEBUG_CHECKS", "ture", FLAG_MESSAGE),  # junk
+    ("QWEN4EXP_DEBUG_CHECKS", "2", FLAG_MESSAGE),  # a number that is no flag
+    ("QWEN4EXP_DEBUG_CHECKS", "-1", FLAG_MESSAGE),  # negative
+    ("QWEN4EXP_CPU_GATHER_STREAM_BYTES", "x", "must be a byte count >= 0"),  # junk
+    ("QWEN4EXP_CPU_GATHER_STREAM_BYTES", "-1", "must be a byte count >= 0"),  # negative
+    ("QWEN4EXP_CPU_GATHER_STREAM_BYTES", "1e6", "must be a byte count >= 0"),  # exponent
+    ("QWEN4EXP_CPU_GATHER_STREAM_BYTES", "12 MB", "must be a byte count >= 0"),  # unit
+    ("QWEN4EXP_CPU_GATHER_STREAM_BYTES", " 12", "must be a byte count >= 0"),  # space
+    # Past what the kernel's int64 setting holds: issue #47 item 14, failed in the op's cast.
+    ("QWEN4EXP_CPU_GATHER_STREAM_BYTES", INT64_OVER, "<= 9223372036854775807"),
+    ("QWEN4EXP_CPU_GATHER_STREAM_BYTES", "9" * 30, "<= 9223372036854775807"),
+]
+
+
+@pytest.mark.parametrize("name,value,message", IMPORT_CASES, ids=lambda v: repr(v)[:24])
+def test_a_bad_library_variable_fails_the_import(name, value, message):
+    run = python("import qwen4exp_ext", **{name: value})
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ValueError: {name} ") and message in last, run.stderr[-2000:]
+    assert last.endswith(f"got {value!r}"), last
+
+
+def test_empty_library_variables_are_their_defaults():
+    code = """
+        import qwen4exp_ext
+        from qwen4exp_ext import ops
+        print(qwen4exp_ext.debug_checks_enabled(), ops.cpu_gather_stream_bytes())
+    """
+    run = python(code, QWEN4EXP_DEBUG_CHECKS="", QWEN4EXP_CPU_GATHER_STREAM_BYTES="")
+    assert run.returncode == 0, run.stderr
+    # the threshold's default: from this process's cache sizes, as a fresh unset one has it
+    from qwen4exp_ext import ops
+
+    previous = ops.set_cpu_gather_stream_bytes(None)
+    try:
+        assert run.stdout.split() == ["False", str(ops.cpu_gather_stream_bytes())]
+    finally:
+        ops.set_cpu_gather_stream_bytes(previous)
+
+
+SIMT_SEED_CASES = [
+    ("x", "junk"),
+    ("-1", "negative: C's strtoull wraps it to 2**64-1"),
+    (str(1 << 64), "overflow: strtoull saturates it"),
+    ("010", "a leading zero: strtoull reads it as octal 8"),
+    ("1.5", "not an integer"),
+    (" 7", "a space"),
+]
+
+
+@pytest.mark.skipif(not simt.available(), reason="built without the SIMT emulator")
+@pytest.mark.parametrize("value,why", SIMT_SEED_CASES, ids=[c[0] for c in SIMT_SEED_CASES])
+def test_a_bad_simt_seed_fails_the_emulators_load(value, why):
+    """Read by the emulator library when it loads (csrc/simt/runtime.cpp), which only printed a
+    line for junk and took the others as some other seed."""
+    run = python(
+        "from qwen4exp_ext import simt; simt.ops(32); print('loaded')", QWEN4EXP_SIMT_SEED=value
+    )
+    assert run.returncode != 0 and "loaded" not in run.stdout, why
+    last = run.stderr.strip().splitlines()[-1]
+    assert last == (
+        "ValueError: QWEN4EXP_SIMT_SEED must be an integer >= 0 and < 2**64, decimal without a "
+        f"leading zero or hex with 0x, got {value!r}"
+    )
+
+
+@pytest.mark.skipif(not simt.available(), reason="built without the SIMT emulator")
+def test_good_simt_seeds_load():
+    code = "from qwen4exp_ext import simt; simt.ops(64); print('loaded')"
+    for value in ("0x1F", "18446744073709551615", ""):
+        run = python(code, QWEN4EXP_SIMT_SEED=value)
+        assert run.returncode == 0 and run.stdout.split() == ["loaded"], run.stderr
+
+
+# ---- the vLLM plugin's variables: one warning in vLLM's log and the default -----------------
+
+
+@pytest.mark.parametrize("value", ["ture", "2", "-1", "enable"])
+def test_a_bad_prefetch_switch_is_one_warning_and_on(value, monkeypatch, plugin_warnings):
+    monkeypatch.setenv(prefetch.ENV, value)
+    with nothing_left_behind():
+        assert prefetch.enabled() and prefetch.enabled()  # read every step: warned once
+    assert plugin_warnings() == [
+        f"qwen4exp_ext: QWEN4EXP_VLLM_PREFETCH {FLAG_MESSAGE}, any case, got {value!r}; using "
+        "the default, on"
+    ]
+
+
+@pytest.mark.parametrize("value,expected", [("off", False), ("No", False), ("", False)])
+def test_the_prefetch_switch_reads_the_flag_words(value, expected, monkeypatch, plugin_warnings):
+    monkeypatch.setenv(prefetch.ENV, value)
+    assert prefetch.enabled() is expected
+    monkeypatch.setenv(prefetch.ENV, "YES")
+    assert prefetch.enabled()
+    assert plugin_warnings() == []
+
+
+@pytest.mark.parametrize("value", ["fastest", "1", "our"])
+def test_a_bad_kernels_switch_is_one_warning_and_auto(value, monkeypatch, plugin_warnings):
+    monkeypatch.setenv(choice.ENV, value)
+    chooser = choice.Chooser(cache_path=None)
+    assert chooser.mode() == "auto" and chooser.mode() == "auto"
+    assert plugin_warnings() == [
+        f"qwen4exp_ext vLLM plugin: QWEN4EXP_VLLM_KERNELS={value!r} is not one of "
+        "auto|ours|vllm; using auto"
+    ]
