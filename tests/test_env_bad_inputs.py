@@ -10,14 +10,18 @@ left). A call that could block (a FIFO, ``/dev/zero``) runs under a timeout."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+import torch
 
 from leak_support import nothing_left_behind
 from qwen4exp_ext import _switches, simt
@@ -168,3 +172,157 @@ def test_a_bad_kernels_switch_is_one_warning_and_auto(value, monkeypatch, plugin
         f"qwen4exp_ext vLLM plugin: QWEN4EXP_VLLM_KERNELS={value!r} is not one of "
         "auto|ours|vllm; using auto"
     ]
+
+
+class Timer:
+    def __call__(self, op, label, which, setup, call) -> float:
+        return 1.0 if which == choice.OURS else 2.0
+
+
+def decide_under_timeout(chooser: choice.Chooser, unblock=None) -> str:
+    """``chooser.decide`` of one CPU class, on a thread joined with a timeout: the unfixed read
+    blocked on a FIFO's open. ``unblock()`` frees a stuck thread before the test fails."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append(
+                chooser.decide("op", ("x", 8), torch.device("cpu"), lambda: None, None, None)
+            )
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            result.append(exc)
+
+    worker = threading.Thread(target=run, name="decide", daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    if worker.is_alive():
+        if unblock is not None:
+            unblock()
+        worker.join(timeout=30)
+        pytest.fail("decide() blocked on the choice cache")
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def chooser_from_env(monkeypatch, value: str) -> choice.Chooser:
+    monkeypatch.setenv(choice.CACHE_ENV, value)
+    return choice.Chooser(
+        timer=Timer(), key=lambda device: {"gpu": "G"}, timed_device_types=frozenset({"cpu"})
+    )
+
+
+def written(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def fifo_at(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def symlink_loop_at(path: Path) -> Path:
+    os.symlink(path, path)
+    return path
+
+
+def file_under_a_file(path: Path) -> Path:
+    return written(path, b"x") / "choices.json"
+
+
+CACHE_PATH_CASES = {
+    # name: (make the path from a fresh one in tmp_path, what the one warning says)
+    "directory": (lambda p: p.parent, "is not a regular file"),
+    "fifo": (fifo_at, "is not a regular file"),
+    "under a file": (file_under_a_file, "Not a directory"),
+    "symlink loop": (symlink_loop_at, "Too many levels of symbolic links"),
+    "too large": (
+        lambda p: written(p, b" " * (choice.MAX_CACHE_BYTES + 1)),
+        f"is larger than {choice.MAX_CACHE_BYTES} bytes",
+    ),
+    # Contents that are no valid cache are replaced instead: tests/test_vllm_choice.py.
+}
+
+
+@pytest.mark.parametrize("case", sorted(CACHE_PATH_CASES))
+def test_an_unusable_choice_cache_path_is_one_warning_and_left_alone(
+    case, tmp_path, monkeypatch, plugin_warnings
+):
+    """Issue #47 item 7: a FIFO blocked the read for ever. A path that is no regular file, can
+    not be read or is too large: decide() still chooses, one warning names the path and the
+    variable, and the path is left as it was (nothing written)."""
+    make, said = CACHE_PATH_CASES[case]
+    path = make(tmp_path / "choices.json")
+    before = path.read_bytes() if path.is_file() else None
+    chooser = chooser_from_env(monkeypatch, str(path))
+
+    def unblock() -> None:
+        """A writer lets a reader stuck in the FIFO's open() through; the FIFO goes, so that
+        the next open finds nothing rather than blocking again."""
+        writer = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        path.unlink()
+        os.close(writer)
+
+    with nothing_left_behind(tmp_path):
+        assert decide_under_timeout(chooser, unblock if case == "fifo" else None) == choice.OURS
+        # a second class: timed and chosen, still no file written, no second warning
+        got = chooser.decide("op", ("y", 1), torch.device("cpu"), lambda: None, None, None)
+        assert got == choice.OURS
+    warned = plugin_warnings()
+    assert len(warned) == 1 and str(path) in warned[0] and said in warned[0], warned
+    assert warned[0].endswith(f"({choice.CACHE_ENV})")
+    if before is not None:
+        assert path.read_bytes() == before
+
+
+def test_dev_zero_as_the_choice_cache_is_refused_without_reading():
+    """Issue #47 item 7: /dev/zero read without end (memory without bound). In a fresh
+    interpreter with its address space capped, so that the unfixed read fails fast."""
+    code = """
+        import logging, resource, torch
+        from qwen4exp_ext.vllm import choice
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+        with open("/proc/self/status") as f:
+            size = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize"))
+        resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 30), resource.RLIM_INFINITY))
+        chooser = choice.Chooser(
+            timer=lambda op, label, which, setup, call: 1.0 if which == "ours" else 2.0,
+            key=lambda device: {"gpu": "G"},
+            timed_device_types=frozenset({"cpu"}),
+        )
+        print(chooser.decide("op", ("x", 8), torch.device("cpu"), None, None, None))
+    """
+    run = python(code, QWEN4EXP_VLLM_CHOICE_CACHE="/dev/zero")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["ours"]
+    warned = [line for line in run.stderr.splitlines() if line.startswith("WARNING")]
+    assert warned == [
+        "WARNING qwen4exp_ext vLLM plugin: cannot read the kernel-choice cache /dev/zero: "
+        "/dev/zero is not a regular file; not used (QWEN4EXP_VLLM_CHOICE_CACHE)"
+    ]
+    assert Path("/dev/zero").is_char_device()
+
+
+def test_a_missing_choice_cache_and_folder_are_made_without_a_warning(
+    tmp_path, monkeypatch, plugin_warnings
+):
+    path = tmp_path / "new" / "folder" / "choices.json"
+    chooser = chooser_from_env(monkeypatch, str(path))
+    assert decide_under_timeout(chooser) == choice.OURS
+    assert plugin_warnings() == []
+    assert json.loads(path.read_text())["choices"]["op | x T<=8"]["chosen"] == "ours"
+
+
+@pytest.mark.parametrize("value", ["", "0", "off", "False", "NO", " 0 "])
+def test_an_off_word_means_no_choice_cache(value, monkeypatch):
+    monkeypatch.setenv(choice.CACHE_ENV, value)
+    assert choice.default_cache_path() is None
+
+
+@pytest.mark.parametrize("value", ["1", "on", "True", "yes"])
+def test_an_on_word_means_the_default_choice_cache(value, tmp_path, monkeypatch):
+    """Not a file named "1" in whatever folder vLLM was started from."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(choice.CACHE_ENV, value)
+    assert choice.default_cache_path() == tmp_path / "qwen4exp_ext" / "vllm_kernel_choices.json"
