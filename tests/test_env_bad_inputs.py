@@ -25,6 +25,7 @@ import torch
 
 from leak_support import nothing_left_behind
 from qwen4exp_ext import _switches, simt
+from qwen4exp_ext.bench import gather_rows, host_lookup, registry, staged_lookup, vllm_triton
 from qwen4exp_ext.vllm import choice, prefetch
 
 TIMEOUT = 120  # seconds for a fresh interpreter (it imports torch) or a call that could block
@@ -326,3 +327,130 @@ def test_an_on_word_means_the_default_choice_cache(value, tmp_path, monkeypatch)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv(choice.CACHE_ENV, value)
     assert choice.default_cache_path() == tmp_path / "qwen4exp_ext" / "vllm_kernel_choices.json"
+
+
+# ---- the bench's variables: a ValueError naming the variable ---------------------------------
+
+CPU = torch.device("cpu")
+MIN_ROWS = host_lookup.NUM_HEADS * (host_lookup.PAD_TO + 1)
+BENCH_COUNT_CASES = [
+    # (variable, read by, value, message)
+    *(
+        ("QWEN4EXP_BENCH_GATHER_ROWS", lambda: gather_rows.table_rows(CPU), value, message)
+        for value, message in [
+            ("x", "must be a row count >= 1"),  # junk
+            ("-1", "must be a row count >= 1"),  # negative
+            ("0", "must be a row count >= 1"),  # below the range
+            ("4e6", "must be a row count >= 1"),  # exponent
+            (INT64_OVER, "<= 9223372036854775807"),  # overflow
+        ]
+    ),
+    *(
+        ("QWEN4EXP_BENCH_HOST_LOOKUP_ROWS", lambda: host_lookup.size_for(CPU), value, message)
+        for value, message in [
+            ("x", f"must be a row count >= {MIN_ROWS}"),
+            ("-5", f"must be a row count >= {MIN_ROWS}"),
+            (str(MIN_ROWS - 1), f"must be a row count >= {MIN_ROWS}"),
+            ("1_000", f"must be a row count >= {MIN_ROWS}"),
+            (INT64_OVER, "<= 9223372036854775807"),
+        ]
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "name,read,value,message",
+    BENCH_COUNT_CASES,
+    ids=[f"{c[0].removeprefix('QWEN4EXP_BENCH_')}={c[2][:12]}" for c in BENCH_COUNT_CASES],
+)
+def test_a_bad_bench_count(name, read, value, message, monkeypatch):
+    monkeypatch.setenv(name, value)
+    with nothing_left_behind(), pytest.raises(ValueError) as error:
+        read()
+    assert str(error.value).startswith(f"{name} ") and message in str(error.value)
+    assert str(error.value).endswith(f"got {value!r}")
+
+
+def test_empty_bench_counts_are_their_defaults(monkeypatch):
+    monkeypatch.setenv("QWEN4EXP_BENCH_GATHER_ROWS", "")
+    monkeypatch.setenv(host_lookup.ROWS_ENV, "")
+    monkeypatch.setenv(host_lookup.SIZE_ENV, "")
+    assert gather_rows.table_rows(CPU) == 4_000_000
+    assert host_lookup.size_for(CPU) == host_lookup.SIZES["cpu"]
+    monkeypatch.setenv(host_lookup.ROWS_ENV, str(MIN_ROWS))
+    assert host_lookup.size_for(CPU).rows == MIN_ROWS
+
+
+@pytest.mark.parametrize("value", ["huge", "Quick", "1"])
+def test_a_bad_host_lookup_size(value, monkeypatch):
+    monkeypatch.setenv(host_lookup.SIZE_ENV, value)
+    with pytest.raises(ValueError) as error:
+        host_lookup.size_for(CPU)
+    assert str(error.value) == (
+        f"$QWEN4EXP_BENCH_HOST_LOOKUP_SIZE={value!r}: choose one of released, cpu, quick"
+    )
+
+
+@pytest.mark.parametrize("value", ["ture", "2", "-1"])
+def test_a_bad_vllm_interpret_switch(value, monkeypatch):
+    """Only "1" meant on: "true" and "yes" were silently off."""
+    monkeypatch.setenv(registry.VLLM_INTERPRET_ENV, value)
+    with pytest.raises(ValueError) as error:
+        registry.vllm_kernels(CPU)
+    assert str(error.value) == (
+        f"QWEN4EXP_BENCH_VLLM_INTERPRET {FLAG_MESSAGE}, any case, got {value!r}"
+    )
+    monkeypatch.setenv(registry.VLLM_INTERPRET_ENV, "no")
+    assert registry.vllm_kernels(CPU).note == registry.VLLM_CPU_NOTE
+
+
+def folder_cases(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """The kinds of path that are no folder, and what the error says of each."""
+    (tmp_path / "file").write_text("x")
+    os.mkfifo(tmp_path / "fifo")
+    return {
+        "missing": (tmp_path / "missing", "does not exist"),
+        "file": (tmp_path / "file", "is not a directory"),
+        "fifo": (tmp_path / "fifo", "is not a directory"),
+        "under a file": (tmp_path / "file" / "d", "does not exist"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["missing", "file", "fifo", "under a file"])
+def test_a_bench_table_dir_that_is_no_folder(kind, tmp_path, monkeypatch):
+    path, what = folder_cases(tmp_path)[kind]
+    monkeypatch.setenv(staged_lookup.TABLE_DIR_ENV, str(path))
+    with nothing_left_behind(tmp_path), pytest.raises(ValueError) as error:
+        staged_lookup._table_dir()
+    assert str(error.value) == (
+        f"QWEN4EXP_BENCH_TABLE_DIR must name an existing directory, got {str(path)!r}, which {what}"
+    )
+
+
+def test_the_bench_table_dir_is_used(tmp_path, monkeypatch):
+    monkeypatch.setenv(staged_lookup.TABLE_DIR_ENV, str(tmp_path))
+    made = Path(staged_lookup._table_dir())
+    assert made.parent == tmp_path and made.is_dir()
+    made.rmdir()
+
+
+@pytest.mark.parametrize("kind", ["missing", "file", "fifo", "under a file"])
+def test_a_vllm_source_that_is_no_folder(kind, tmp_path, monkeypatch):
+    """It fell back to the installed vLLM, silently: a bench said it ran a source it did not."""
+    path, what = folder_cases(tmp_path)[kind]
+    monkeypatch.setenv(vllm_triton.SOURCE_ENV, str(path))
+    with nothing_left_behind(tmp_path), pytest.raises(ValueError) as error:
+        vllm_triton.ple_source_path()
+    assert str(error.value) == (
+        f"QWEN4EXP_VLLM_SOURCE must name an existing directory, got {str(path)!r}, which {what}"
+    )
+
+
+def test_a_vllm_source_folder_not_written_by_the_extractor(tmp_path, monkeypatch):
+    monkeypatch.setenv(vllm_triton.SOURCE_ENV, str(tmp_path))
+    with pytest.raises(ValueError) as error:
+        vllm_triton.ple_source_path()
+    assert str(error.value) == (
+        "QWEN4EXP_VLLM_SOURCE must name a folder written by `python -m qwen4exp_ext.bench."
+        f"vllm_triton DIR`, got {str(tmp_path)!r}, which holds no VLLM_VERSION"
+    )
