@@ -150,8 +150,8 @@ def test_a_bad_prefetch_switch_is_one_warning_and_on(value, monkeypatch, plugin_
     with nothing_left_behind():
         assert prefetch.enabled() and prefetch.enabled()  # read every step: warned once
     assert plugin_warnings() == [
-        f"qwen4exp_ext: QWEN4EXP_VLLM_PREFETCH {FLAG_MESSAGE}, any case, got {value!r}; using "
-        "the default, on"
+        f"qwen4exp_ext vLLM plugin: QWEN4EXP_VLLM_PREFETCH {FLAG_MESSAGE}, any case, got "
+        f"{value!r}; using the default, on"
     ]
 
 

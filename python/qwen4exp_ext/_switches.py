@@ -107,7 +107,10 @@ def env_flag_or_warn(name: str, default: bool, logger: logging.Logger) -> bool:
     try:
         return env_flag(name, default)
     except ValueError as error:
-        warn_once(logger, f"qwen4exp_ext: {error}; using the default, {'on' if default else 'off'}")
+        warn_once(
+            logger,
+            f"qwen4exp_ext vLLM plugin: {error}; using the default, {'on' if default else 'off'}",
+        )
         return default
 
 
