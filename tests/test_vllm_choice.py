@@ -460,9 +460,11 @@ def test_another_process_entrys_extra_fields_never_reach_the_file(fresh, tmp_pat
     assert saved["choices"][CLASS_KEY] == GOOD_ENTRY
 
 
-def test_a_nan_measurement_is_saved_as_null(fresh, tmp_path):
-    """A timer's NaN (or infinity) never reaches the JSON: null, a kernel that could not run."""
-    chooser = fresh(FakeTimer(math.nan, 1.0))
+@pytest.mark.parametrize("measured", [math.nan, math.inf, 10**400], ids=["nan", "inf", "10**400"])
+def test_a_measurement_that_is_no_finite_float_is_saved_as_null(measured, fresh, tmp_path):
+    """A timer's NaN or infinity (or an int past float's range, which made math.isfinite raise)
+    never reaches the JSON: null, as for a kernel that could not run."""
+    chooser = fresh(FakeTimer(measured, 1.0))
     cpu = torch.device("cpu")
     assert chooser.decide("op", ("x", 8), cpu, lambda: None, None, None) == "vllm"
     saved = strict_json((tmp_path / "choices.json").read_text())

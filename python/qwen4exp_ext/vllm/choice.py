@@ -441,7 +441,7 @@ class Chooser:
                 entry = asdict(choice)
                 del entry["source"]
                 for field in ("ours_us", "vllm_us"):
-                    entry[field] = entry[field] if math.isfinite(entry[field]) else None
+                    entry[field] = entry[field] if _finite_number(entry[field]) else None
                 merged[_entry_key(choice.op, choice.label)] = entry
         path = Path(self.cache_path)
         try:
