@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from types import SimpleNamespace
 
@@ -325,6 +326,150 @@ def test_no_cache_file_when_switched_off(fresh, tmp_path, monkeypatch):
     fresh(FakeTimer(1.0, 2.0), cache=None)
     shims._make_ple_gate(Counted(VLLM.ple_gate))(*gate_args(5))
     assert os.listdir(tmp_path) == []
+
+
+# ---- a cache that cannot be used (issue #47 item 10) -----------------------------------------
+
+CLASS_KEY = "op | x T<=8"  # the entry decide("op", ("x", 8), ...) looks up
+GOOD_ENTRY = {"op": "op", "label": "x T<=8", "ours_us": 2.0, "vllm_us": 1.0, "chosen": "vllm"}
+
+
+def cache_text(**fields) -> str:
+    """A cache of KEY whose fields are replaced by ``fields`` (Python values, as json.dumps
+    writes them, NaN and Infinity included)."""
+    return json.dumps({"format": 1, "key": KEY, "choices": {}, **fields})
+
+
+DEEP = 100_000
+BAD_CACHES = {
+    # name: (the file's text, what the one warning says)
+    "choices a list": (cache_text(choices=[GOOD_ENTRY]), "its choices are a list"),
+    "choices a string": (cache_text(choices="ours"), "its choices are a str"),
+    "choices null": (cache_text(choices=None), "its choices are a NoneType"),
+    "no choices": (json.dumps({"format": 1, "key": KEY}), "its choices are a NoneType"),
+    "entry a list": (cache_text(choices={CLASS_KEY: [1]}), f"its choice {CLASS_KEY!r} is not"),
+    "entry a string": (cache_text(choices={CLASS_KEY: "ours"}), f"its choice {CLASS_KEY!r}"),
+    "entry null": (cache_text(choices={CLASS_KEY: None}), f"its choice {CLASS_KEY!r} is not"),
+    "chosen unknown": (
+        cache_text(choices={CLASS_KEY: {**GOOD_ENTRY, "chosen": "fastest"}}),
+        f"its choice {CLASS_KEY!r} is not",
+    ),
+    "chosen a list": (
+        cache_text(choices={CLASS_KEY: {**GOOD_ENTRY, "chosen": ["ours"]}}),
+        f"its choice {CLASS_KEY!r} is not",
+    ),
+    "time a string": (
+        cache_text(choices={CLASS_KEY: {**GOOD_ENTRY, "ours_us": "2.0"}}),
+        f"its choice {CLASS_KEY!r} is not",
+    ),
+    "time true": (
+        cache_text(choices={CLASS_KEY: {**GOOD_ENTRY, "vllm_us": True}}),
+        f"its choice {CLASS_KEY!r} is not",
+    ),
+    # NaN and the infinities load, but json.dump(allow_nan=False) refuses them: every later
+    # save failed, and was said at DEBUG only.
+    "time NaN": (
+        cache_text(choices={"other | T<=1": {**GOOD_ENTRY, "ours_us": math.nan}}),
+        "its choice 'other | T<=1' is not",
+    ),
+    "time Infinity": (
+        cache_text(choices={"other | T<=1": {**GOOD_ENTRY, "vllm_us": -math.inf}}),
+        "its choice 'other | T<=1' is not",
+    ),
+    "time 1e400": (  # json reads it as inf
+        cache_text(choices={"o": {**GOOD_ENTRY, "ours_us": 1.0}}).replace("1.0", "1e400"),
+        "its choice 'o' is not",
+    ),
+    "time 10**400": (
+        cache_text(choices={"o": {**GOOD_ENTRY, "ours_us": 10**400}}),
+        "its choice 'o' is not",
+    ),
+    "format 1.0": (cache_text(format=1.0), "its format is 1.0, not 1"),
+    "format true": (cache_text(format=True), "its format is True, not 1"),
+    "format 2": (cache_text(format=2), "its format is 2, not 1"),
+    "format '1'": (cache_text(format="1"), "its format is '1', not 1"),
+    "key a list": (cache_text(key=[1]), "its key is not an object of strings"),
+    "a JSON list": ("[1, 2]", "it is a JSON list, not an object"),
+    "deep nesting": (
+        cache_text(choices=None).replace("null", "[" * DEEP + "]" * DEEP),
+        "it is no JSON (RecursionError",
+    ),
+    "not JSON": ("my notes\n", "it is no JSON (JSONDecodeError"),
+    "not UTF-8": ('{"format": 1, "x": "\xff"}', "it is no JSON (UnicodeDecodeError"),
+}
+
+
+@pytest.fixture
+def plugin_warnings(caplog):
+    """The plugin's warnings so far (its logger's records reach caplog through a handler put
+    on it, each once: vLLM's loggers may not propagate)."""
+    log = logging.getLogger("vllm.qwen4exp_ext")
+    propagate, log.propagate = log.propagate, False
+    log.addHandler(caplog.handler)
+    caplog.set_level(logging.WARNING, logger=log.name)
+    yield lambda: [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    log.removeHandler(caplog.handler)
+    log.propagate = propagate
+
+
+def strict_json(text: str):
+    """json.loads that refuses NaN and the infinities, as a valid cache has none."""
+    return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the cache"))
+
+
+@pytest.mark.parametrize("case", list(BAD_CACHES))
+def test_a_bad_cache_is_ignored_with_one_warning_and_replaced(
+    case, fresh, tmp_path, plugin_warnings
+):
+    """Issue #47 item 10: wrong-typed choices made decide() raise (in vLLM, on the first eager
+    call of every swapped op), format 1.0 or true passed, NaN made every later save fail, and
+    a dropped cache was said at DEBUG only. decide() must choose, say it once at WARNING, and
+    the next save must write a valid cache that a later process uses."""
+    text, said = BAD_CACHES[case]
+    path = tmp_path / "choices.json"
+    path.write_bytes(text.encode("latin-1") if case == "not UTF-8" else text.encode())
+    chooser = fresh(FakeTimer(1.0, 2.0))
+    cpu = torch.device("cpu")
+    assert chooser.decide("op", ("x", 8), cpu, lambda: None, None, None) == "ours"
+    assert chooser.decide("op", ("y", 1), cpu, lambda: None, None, None) == "ours"
+    warned = plugin_warnings()
+    assert len(warned) == 1, warned
+    assert str(path) in warned[0] and said in warned[0], warned[0]
+    assert warned[0].endswith("it is replaced at the next save (QWEN4EXP_VLLM_CHOICE_CACHE)")
+    saved = strict_json(path.read_text())
+    assert saved["format"] == 1 and saved["key"] == KEY
+    assert sorted(saved["choices"]) == ["op | x T<=8", "op | y T<=1"]
+    assert saved["choices"][CLASS_KEY]["chosen"] == "ours"
+    assert sorted(os.listdir(tmp_path)) == ["choices.json"]  # no temporary left behind
+    later = fresh(no_timer)  # a later process: the saved choices, untimed, nothing said
+    assert later.decide("op", ("x", 8), cpu, lambda: None, None, None) == "ours"
+    assert len(plugin_warnings()) == 1
+
+
+def test_another_process_entrys_extra_fields_never_reach_the_file(fresh, tmp_path):
+    """A valid cache whose entry carries more than its fields (a NaN, deep nesting): the
+    entry is used and merged, with its fields only, and the save succeeds."""
+    path = tmp_path / "choices.json"
+    extra = {**GOOD_ENTRY, "note": math.nan, "deep": [[[[1]]]]}
+    path.write_text(cache_text(choices={CLASS_KEY: extra}))
+    chooser = fresh(FakeTimer(1.0, 2.0))
+    cpu = torch.device("cpu")
+    assert chooser.decide("op", ("x", 8), cpu, lambda: None, None, None) == "vllm"  # cached
+    assert chooser.decide("op", ("y", 1), cpu, lambda: None, None, None) == "ours"  # timed
+    saved = strict_json(path.read_text())
+    assert saved["choices"][CLASS_KEY] == GOOD_ENTRY
+
+
+@pytest.mark.parametrize("measured", [math.nan, math.inf, 10**400], ids=["nan", "inf", "10**400"])
+def test_a_measurement_that_is_no_finite_float_is_saved_as_null(measured, fresh, tmp_path):
+    """A timer's NaN or infinity (or an int past float's range, which made math.isfinite raise)
+    never reaches the JSON: null, as for a kernel that could not run."""
+    chooser = fresh(FakeTimer(measured, 1.0))
+    cpu = torch.device("cpu")
+    assert chooser.decide("op", ("x", 8), cpu, lambda: None, None, None) == "vllm"
+    saved = strict_json((tmp_path / "choices.json").read_text())
+    assert saved["choices"][CLASS_KEY]["ours_us"] is None
+    assert saved["choices"][CLASS_KEY]["vllm_us"] == 1.0
 
 
 # ---- the switch ---------------------------------------------------------------------------

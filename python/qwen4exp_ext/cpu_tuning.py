@@ -36,11 +36,13 @@ def set_cpu_gather_stream_bytes(stream_bytes: int | None) -> int | None:
     """Sets the size :func:`cpu_gather_stream_bytes` reports (0: every call streams; None: the
     default, from the cache sizes) for the whole process; returns the setting it replaces."""
     if stream_bytes is not None and (
-        isinstance(stream_bytes, bool) or not isinstance(stream_bytes, int) or stream_bytes < 0
+        isinstance(stream_bytes, bool)
+        or not isinstance(stream_bytes, int)
+        or not 0 <= stream_bytes <= _switches.INT64_MAX  # the kernel's setting is an int64
     ):
         raise ValueError(
-            "set_cpu_gather_stream_bytes: stream_bytes must be an int >= 0 or None, got "
-            f"{stream_bytes!r}"
+            "set_cpu_gather_stream_bytes: stream_bytes must be an int >= 0 or None (at most "
+            f"{_switches.INT64_MAX}), got {stream_bytes!r}"
         )
     previous = torch.ops.qwen4exp.set_cpu_gather_stream_bytes(
         -1 if stream_bytes is None else stream_bytes

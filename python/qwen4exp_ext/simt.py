@@ -13,7 +13,8 @@ on the device: bad ``query_start_loc``/slot/token indices are skipped rather tha
 It is slow (every thread is a fiber) and proves indexing, barriers, shuffles, bounds and wave-size
 independence; not timing, the GPU memory model, or the device compiler's float code (README, "How
 the GPU kernels are tested without a GPU"). Built when ``QWEN4EXP_BUILD_SIMT=1``; the lane order
-seed is ``QWEN4EXP_SIMT_SEED`` (read at load, default 0).
+seed is ``QWEN4EXP_SIMT_SEED`` (read when :func:`ops` first loads a wave size's library, default
+0; a value it cannot read as written raises ValueError there).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from functools import cache
 
 import torch
 
+from . import _switches
 from .ops import KernelOps
 
 __all__ = ["WAVE_SIZES", "available", "ops", "take_launch_record"]
@@ -48,6 +50,7 @@ def ops(wave_size: int) -> KernelOps:
             "simt.ops: this qwen4exp_ext was built without the SIMT emulator; rebuild with "
             "QWEN4EXP_BUILD_SIMT=1 (e.g. QWEN4EXP_BUILD_SIMT=1 pip install --no-build-isolation .)"
         )
+    _switches.check_simt_seed_env()  # the library reads it when it loads, with no error of its own
     importlib.import_module(f"qwen4exp_ext._simt{wave_size}")  # registers its op library
     return KernelOps(f"qwen4exp_simt{wave_size}")
 

@@ -74,7 +74,6 @@ Untimed sections (``sections``):
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -82,7 +81,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from qwen4exp_ext import ops, reference
+from qwen4exp_ext import _switches, ops, reference
 from qwen4exp_ext.bench import vllm_triton
 from qwen4exp_ext.bench.registry import Case, Section, VllmKernels, vllm_kernels
 from qwen4exp_ext.testing import exact_mismatch
@@ -128,9 +127,13 @@ class _Table(NamedTuple):
         return _Table(*(t if not isinstance(t, torch.Tensor) else t.to(device) for t in self))
 
 
+GATHER_ROWS_ENV = "QWEN4EXP_BENCH_GATHER_ROWS"
+
+
 def table_rows(device: torch.device) -> int:
     default = 16_000_000 if device.type == "cuda" else 4_000_000
-    return int(os.environ.get("QWEN4EXP_BENCH_GATHER_ROWS", default))
+    rows = _switches.env_count(GATHER_ROWS_ENV, what="a row count", minimum=1)
+    return default if rows is None else rows
 
 
 def cases(device: torch.device) -> list[Case]:

@@ -107,7 +107,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qwen4exp_ext import ops, reference
+from qwen4exp_ext import _switches, ops, reference
 from qwen4exp_ext.bench import vllm_triton
 from qwen4exp_ext.bench.gather_rows import COLD_BYTES, HEAD_DIM, NUM_HEADS
 from qwen4exp_ext.bench.ngram_ids import (
@@ -203,9 +203,9 @@ def size_for(device: torch.device) -> Size:
     if name not in SIZES:
         raise ValueError(f"${SIZE_ENV}={name!r}: choose one of {', '.join(SIZES)}")
     size = SIZES[name]
-    rows = os.environ.get(ROWS_ENV)
-    if rows:
-        size = Size(**{**asdict(size), "rows": int(rows)})
+    rows = _switches.env_count(ROWS_ENV, what="a row count", minimum=NUM_HEADS * (PAD_TO + 1))
+    if rows is not None:
+        size = Size(**{**asdict(size), "rows": rows})
     if size.rows < NUM_HEADS * (PAD_TO + 1):
         raise ValueError(f"a table needs at least {NUM_HEADS * (PAD_TO + 1)} rows, got {size.rows}")
     return size

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import re
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -30,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from qwen4exp_ext import _switches
 
 if TYPE_CHECKING:
     from qwen4exp_ext.bench.timing import Quantiles
@@ -209,7 +210,7 @@ def vllm_kernels(device: torch.device) -> VllmKernels:
     with VLLM_CPU_NOTE (unless $QWEN4EXP_BENCH_VLLM_INTERPRET=1: the tests' interpreter)."""
     if device.type == "cuda":
         return _vllm_kernels(interpret=False)
-    if os.environ.get(VLLM_INTERPRET_ENV) == "1":
+    if _switches.env_flag(VLLM_INTERPRET_ENV, False):
         return _vllm_kernels(interpret=True)
     return VllmKernels(None, None, VLLM_CPU_NOTE)
 

@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qwen4exp_ext import reference
+from qwen4exp_ext import _switches, reference
 from qwen4exp_ext.bench.gather_rows import HEAD_DIM, NUM_HEADS
 from qwen4exp_ext.bench.registry import Case
 from qwen4exp_ext.bench.timing import Quantiles
@@ -116,7 +116,7 @@ def cases(proxy: hl.StepProxy) -> list[Case]:
 def _table_dir() -> str:
     """A fresh directory for the bench's table files (emptied and removed as soon as they are
     open: _Tables)."""
-    parent = os.environ.get(TABLE_DIR_ENV) or "/var/tmp"
+    parent = _switches.env_directory(TABLE_DIR_ENV) or "/var/tmp"
     return tempfile.mkdtemp(prefix="qwen4exp-bench-tables-", dir=parent)
 
 

@@ -114,8 +114,20 @@ def _installed_root() -> Path | None:
 
 
 def _carried_root() -> Path | None:
-    folder = os.environ.get(SOURCE_ENV)
-    return Path(folder) / "vllm" if folder else None
+    """``$QWEN4EXP_VLLM_SOURCE``'s ``vllm`` folder (None where it is unset or empty); a value
+    that names no folder written by :func:`extract` is a ValueError, not a silent fallback to
+    the installed vLLM."""
+    from qwen4exp_ext import _switches
+
+    folder = _switches.env_directory(SOURCE_ENV)
+    if folder is None:
+        return None
+    if not (folder / VERSION_FILE).is_file():
+        raise ValueError(
+            f"{SOURCE_ENV} must name a folder written by `python -m qwen4exp_ext.bench."
+            f"vllm_triton DIR`, got {str(folder)!r}, which holds no {VERSION_FILE}"
+        )
+    return folder / "vllm"
 
 
 def vllm_source_path(parts: tuple[str, ...]) -> Path | None:

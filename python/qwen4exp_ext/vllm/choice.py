@@ -32,12 +32,21 @@ lookups of :mod:`.prefetch`, which need our gather).
 The choices are logged once in vLLM's log as a table (op, class, ours µs, vLLM µs, chosen),
 at the first call that reuses a choice or the first call under capture, whichever comes first;
 a choice made after that is logged as one line. They are persisted as JSON in
-``$QWEN4EXP_VLLM_CHOICE_CACHE`` (a file; ``0`` or ``off``: no file), by default
+``$QWEN4EXP_VLLM_CHOICE_CACHE`` (a file; an off word of the package's on/off variables, ``0``,
+``off``, ``false``, ``no`` or empty: no file; an on word: the default), by default
 ``${XDG_CACHE_HOME:-~/.cache}/qwen4exp_ext/vllm_kernel_choices.json``, under a key of the GPU
 name, the driver, torch, vLLM and qwen4exp_ext versions: a later process with the same key
 takes its choices from the file without timing; any other key ignores the file's choices and
 replaces them when it saves. Writes are atomic (a temporary file in the same folder, then
 ``os.replace``), and merge the choices other processes of the same key saved meanwhile.
+
+The file is read only if it is a regular file of at most :data:`MAX_CACHE_BYTES` (a FIFO would
+block the open, ``/dev/zero`` never ends), and its choices are used only if every field has its
+type (:func:`_checked`); :meth:`Chooser.decide` never raises for the file. What cannot be used is
+said once per process, as a warning in vLLM's log, and then: a path that is no regular file,
+cannot be opened or is too large is left as it is and nothing is persisted; a file whose
+contents are no valid cache (not UTF-8 JSON, another format, a field of the wrong type, a time
+that is not a finite number) is ignored and replaced at the next save.
 
 Both kernels compute the same contract (the :mod:`.shims` docstring lists where ours and
 vLLM's differ), so a choice changes speed, never results beyond those known differences.
@@ -49,6 +58,7 @@ import json
 import logging
 import math
 import os
+import stat
 import statistics
 import tempfile
 import threading
@@ -58,6 +68,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .. import _switches
 
 __all__ = [
     "AUTO",
@@ -85,6 +97,9 @@ CALLS = 5
 # The largest bucket bound; every T above it is one class.
 MAX_BUCKET = 8192
 FILE_FORMAT = 1
+# The largest cache file read: a choice takes ~150 bytes, so thousands fit; a larger file is not
+# one of ours.
+MAX_CACHE_BYTES = 1 << 22
 
 logger = logging.getLogger("vllm.qwen4exp_ext")
 
@@ -213,9 +228,15 @@ def key_fields(device: torch.device) -> dict[str, str]:
 
 
 def default_cache_path() -> Path | None:
+    """``$QWEN4EXP_VLLM_CHOICE_CACHE``: None for an off word (no file), the default path for an
+    on word or where it is unset, else the path it names."""
     value = os.environ.get(CACHE_ENV)
     if value is not None:
-        return None if value.strip().lower() in ("", "0", "off", "false", "no") else Path(value)
+        word = value.strip().lower()
+        if word in _switches.FALSE_WORDS:
+            return None
+        if word not in _switches.TRUE_WORDS:
+            return Path(value)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "qwen4exp_ext" / "vllm_kernel_choices.json"
 
@@ -253,6 +274,7 @@ class Chooser:
         self._persisted: dict[str, dict[str, Any]] | None = None  # label key -> entry
         self._key: dict[str, str] | None = None
         self.logged = False
+        self._cache_warned = False  # the cache's one warning was given
         self._lock = threading.RLock()
 
     # ---- the switch ----
@@ -308,8 +330,8 @@ class Chooser:
             if got is not None:
                 return got.chosen
             label = class_label(cls)
-            entry = self._load(device).get(_entry_key(op, label))
-            if entry is not None and entry.get("chosen") in (OURS, VLLM):
+            entry = self._load(device).get(_entry_key(op, label))  # checked by _read
+            if entry is not None:
                 choice = Choice(
                     op,
                     label,
@@ -358,37 +380,68 @@ class Chooser:
             self._key = self.key(device)
         return self._key
 
-    def _read(self) -> dict[str, Any] | None:
+    def _cache_problem(self, message: str) -> None:
+        """The cache file cannot be used: one warning per process (vLLM's log), then DEBUG."""
+        level = logging.DEBUG if self._cache_warned else logging.WARNING
+        self._cache_warned = True
+        logger.log(level, "qwen4exp_ext vLLM plugin: %s (%s)", message, CACHE_ENV)
+
+    def _read(self) -> tuple[dict[str, Any] | None, bool]:
+        """The cache file's contents where they are a valid cache (else None), and whether a
+        save may replace the file (not for a path that is no regular file, cannot be read or
+        is too large)."""
         if self.cache_path is None:
-            return None
+            return None, False
+        path = Path(self.cache_path)
         try:
-            data = json.loads(Path(self.cache_path).read_text())
-        except (OSError, ValueError):
-            return None
-        return data if isinstance(data, dict) and data.get("format") == FILE_FORMAT else None
+            raw = _read_regular_file(path, MAX_CACHE_BYTES)
+        except FileNotFoundError:
+            return None, True
+        except OSError as exc:
+            self._cache_problem(f"cannot read the kernel-choice cache {path}: {exc}; not used")
+            return None, False
+        if not raw.strip():
+            return None, True  # an empty file: a cache to be
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            bad = _checked(data)
+        except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
+            bad = f"it is no JSON ({type(exc).__name__}: {exc})"
+        if bad is not None:
+            self._cache_problem(
+                f"ignoring the kernel-choice cache {path}: {bad}; it is replaced at the next save"
+            )
+            return None, True
+        return data, True
 
     def _load(self, device: torch.device) -> dict[str, dict[str, Any]]:
         if self._persisted is None:
-            data = self._read()
+            data, _ = self._read()
             key = self._key_for(device)
             ok = data is not None and data.get("key") == key
-            self._persisted = dict(data.get("choices", {})) if ok else {}
+            self._persisted = dict(data["choices"]) if ok else {}
         return self._persisted
 
     def _save(self, device: torch.device) -> None:
         if self.cache_path is None:
             return
         key = self._key_for(device)
-        data = self._read()
+        data, writable = self._read()
+        if not writable:
+            return  # said once by _read
         merged: dict[str, Any] = {}
         if data is not None and data.get("key") == key:
-            merged.update(data.get("choices", {}))
+            # Only the fields of an entry, checked: anything else in another process's entry
+            # (a NaN, deep nesting) must not reach json.dump.
+            fields = ("op", "label", "ours_us", "vllm_us", "chosen")
+            for name, entry in data["choices"].items():
+                merged[name] = {field: entry.get(field) for field in fields}
         for choice in self.choices.values():
             if choice.source == "timed":
                 entry = asdict(choice)
                 del entry["source"]
                 for field in ("ours_us", "vllm_us"):
-                    entry[field] = entry[field] if math.isfinite(entry[field]) else None
+                    entry[field] = entry[field] if _finite_number(entry[field]) else None
                 merged[_entry_key(choice.op, choice.label)] = entry
         path = Path(self.cache_path)
         try:
@@ -409,7 +462,71 @@ class Chooser:
                 Path(tmp).unlink(missing_ok=True)
                 raise
         except (OSError, ValueError) as exc:
-            logger.debug("qwen4exp_ext: cannot persist kernel choices in %s: %s", path, exc)
+            self._cache_problem(f"cannot persist the kernel choices in {path}: {exc}")
+
+
+def _read_regular_file(path: Path, limit: int) -> bytes:
+    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes, else OSError.
+    Opened without blocking, so that a FIFO is refused rather than waited on; read to at most
+    ``limit`` + 1 bytes, so that a file growing meanwhile is refused too."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            size += len(chunk)
+        raise OSError(f"{path} is larger than {limit} bytes")
+    finally:
+        os.close(fd)
+
+
+def _finite_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float's range
+        return False
+
+
+def _checked(data: Any) -> str | None:
+    """What is wrong with a cache's fields (None: nothing): the format exactly the int
+    FILE_FORMAT (not 1.0 or true), the key an object of strings, the choices an object of
+    entries with op and label strings, chosen ours or vllm, and each time a finite number or
+    null (never NaN or an infinity: they would make every later save fail)."""
+    if not isinstance(data, dict):
+        return f"it is a JSON {type(data).__name__}, not an object"
+    fmt = data.get("format")
+    if type(fmt) is not int or fmt != FILE_FORMAT:
+        return f"its format is {fmt!r}, not {FILE_FORMAT}"
+    key = data.get("key")
+    if not isinstance(key, dict) or not all(isinstance(v, str) for v in key.values()):
+        return "its key is not an object of strings"
+    choices = data.get("choices")
+    if not isinstance(choices, dict):
+        return f"its choices are a {type(choices).__name__}, not an object"
+    for name, entry in choices.items():
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("op"), str)
+            and isinstance(entry.get("label"), str)
+            and entry.get("chosen") in (OURS, VLLM)
+            and all(
+                entry.get(f) is None or _finite_number(entry.get(f)) for f in ("ours_us", "vllm_us")
+            )
+        ):
+            return (
+                f"its choice {name!r} is not an object of op, label, ours_us and vllm_us (finite "
+                "numbers or null) and chosen (ours or vllm)"
+            )
+    return None
 
 
 def _from_json(value: Any) -> float:

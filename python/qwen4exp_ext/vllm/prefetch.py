@@ -28,7 +28,7 @@ This module imports neither vLLM nor anything that does: the swaps hand it vLLM'
 
 from __future__ import annotations
 
-import os
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -37,18 +37,20 @@ from typing import Any
 
 import torch
 
-from .. import ops
+from .. import _switches, ops
 from ..layers import prefetch as pipeline
 
 ENV = "QWEN4EXP_VLLM_PREFETCH"
+logger = logging.getLogger("vllm.qwen4exp_ext")  # vLLM's log, as the plugin's other lines
 
 __all__ = ["ENV", "enabled", "status_line"]
 
 
 def enabled() -> bool:
     """Whether the plugin starts the AMD model's pinned-table lookups at step entry (default:
-    on; ``QWEN4EXP_VLLM_PREFETCH=0`` turns it off)."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    on; ``QWEN4EXP_VLLM_PREFETCH=0`` turns it off; any word of the package's on/off variables,
+    a bad one is one warning in vLLM's log and the default)."""
+    return _switches.env_flag_or_warn(ENV, True, logger)
 
 
 def status_line() -> str:
