@@ -31,7 +31,7 @@ from qwen4exp_ext.vllm import choice, prefetch
 TIMEOUT = 120  # seconds for a fresh interpreter (it imports torch) or a call that could block
 INT64_OVER = str(1 << 63)
 PLUGIN_LOG = "vllm.qwen4exp_ext"
-FLAG_MESSAGE = "must be 1, true, on or yes (on) or 0, false, off, no or empty (off)"
+FLAG_MESSAGE = "must be 1, true, on or yes (on) or 0, false, off or no (off)"
 
 
 def python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -155,7 +155,9 @@ def test_a_bad_prefetch_switch_is_one_warning_and_on(value, monkeypatch, plugin_
     ]
 
 
-@pytest.mark.parametrize("value,expected", [("off", False), ("No", False), ("", False)])
+@pytest.mark.parametrize(
+    "value,expected", [("off", False), ("No", False), ("", True), ("  ", True)]
+)
 def test_the_prefetch_switch_reads_the_flag_words(value, expected, monkeypatch, plugin_warnings):
     monkeypatch.setenv(prefetch.ENV, value)
     assert prefetch.enabled() is expected
@@ -315,14 +317,14 @@ def test_a_missing_choice_cache_and_folder_are_made_without_a_warning(
     assert json.loads(path.read_text())["choices"]["op | x T<=8"]["chosen"] == "ours"
 
 
-@pytest.mark.parametrize("value", ["", "0", "off", "False", "NO", " 0 "])
+@pytest.mark.parametrize("value", ["0", "off", "False", "NO", " 0 "])
 def test_an_off_word_means_no_choice_cache(value, monkeypatch):
     monkeypatch.setenv(choice.CACHE_ENV, value)
     assert choice.default_cache_path() is None
 
 
-@pytest.mark.parametrize("value", ["1", "on", "True", "yes"])
-def test_an_on_word_means_the_default_choice_cache(value, tmp_path, monkeypatch):
+@pytest.mark.parametrize("value", ["1", "on", "True", "yes", "", " "])
+def test_an_on_word_or_empty_means_the_default_choice_cache(value, tmp_path, monkeypatch):
     """Not a file named "1" in whatever folder vLLM was started from."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv(choice.CACHE_ENV, value)

@@ -144,11 +144,21 @@ def test_the_flag_words():
 
     for word in ("1", "true", "TRUE", "on", "ON", "yes", "Yes", " yes\t"):
         assert _switches.parse_flag("QWEN4EXP_X", word) is True
-    for word in ("0", "false", "False", "off", "OFF", "no", "No", "", "  "):
+    for word in ("0", "false", "False", "off", "OFF", "no", "No"):
         assert _switches.parse_flag("QWEN4EXP_X", word) is False
-    for word in ("2", "-1", "ture", "enable", "y", "n", "1.0", "0x1", "on off"):
+    # Empty is no word: env_flag reads it as the variable's default, as every variable's empty.
+    for word in ("", "  ", "2", "-1", "ture", "enable", "y", "n", "1.0", "0x1", "on off"):
         with pytest.raises(ValueError, match=f"QWEN4EXP_X must be 1, true, .* got {word!r}"):
             _switches.parse_flag("QWEN4EXP_X", word)
+
+
+@pytest.mark.parametrize("default", [True, False])
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_flag_variable_is_its_default(value, default, monkeypatch):
+    from qwen4exp_ext import _switches
+
+    monkeypatch.setenv("QWEN4EXP_X", value)
+    assert _switches.env_flag("QWEN4EXP_X", default) is default
 
 
 @pytest.mark.parametrize("value", [1 << 63, (1 << 64) + 5])

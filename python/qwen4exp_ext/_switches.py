@@ -31,10 +31,10 @@ import torch
 DEBUG_CHECKS_ENV = "QWEN4EXP_DEBUG_CHECKS"
 CPU_GATHER_STREAM_BYTES_ENV = "QWEN4EXP_CPU_GATHER_STREAM_BYTES"
 
-# The words of an on/off variable, case-insensitive, surrounding spaces ignored. Set but empty is
-# off (``QWEN4EXP_X=`` reads as "no value"); unset is the variable's own default.
+# The words of an on/off variable, case-insensitive, surrounding spaces ignored. Unset or empty
+# is the variable's own default (``QWEN4EXP_X=`` reads as "no value"), as for every variable.
 TRUE_WORDS = ("1", "true", "on", "yes")
-FALSE_WORDS = ("0", "false", "off", "no", "")
+FALSE_WORDS = ("0", "false", "off", "no")
 INT64_MAX = (1 << 63) - 1  # the largest count the kernels' int64 settings hold
 
 
@@ -46,15 +46,16 @@ def parse_flag(name: str, value: str) -> bool:
     if word in FALSE_WORDS:
         return False
     raise ValueError(
-        f"{name} must be 1, true, on or yes (on) or 0, false, off, no or empty (off), any case, "
+        f"{name} must be 1, true, on or yes (on) or 0, false, off or no (off), any case, "
         f"got {value!r}"
     )
 
 
 def env_flag(name: str, default: bool) -> bool:
-    """The on/off variable ``name`` (``default`` where it is unset); ValueError for a bad word."""
-    value = os.environ.get(name)
-    return default if value is None else parse_flag(name, value)
+    """The on/off variable ``name`` (``default`` where it is unset or empty); ValueError for a
+    bad word."""
+    value = os.environ.get(name, "")
+    return default if value.strip() == "" else parse_flag(name, value)
 
 
 def parse_count(

@@ -229,14 +229,13 @@ def key_fields(device: torch.device) -> dict[str, str]:
 
 def default_cache_path() -> Path | None:
     """``$QWEN4EXP_VLLM_CHOICE_CACHE``: None for an off word (no file), the default path for an
-    on word or where it is unset, else the path it names."""
-    value = os.environ.get(CACHE_ENV)
-    if value is not None:
-        word = value.strip().lower()
-        if word in _switches.FALSE_WORDS:
-            return None
-        if word not in _switches.TRUE_WORDS:
-            return Path(value)
+    on word or where it is unset or empty (as every variable), else the path it names."""
+    value = os.environ.get(CACHE_ENV, "")
+    word = value.strip().lower()
+    if word in _switches.FALSE_WORDS:
+        return None
+    if word and word not in _switches.TRUE_WORDS:
+        return Path(value)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "qwen4exp_ext" / "vllm_kernel_choices.json"
 
