@@ -11,12 +11,14 @@ import contextlib
 import os
 import re
 import stat
+import sys
 import threading
 
 import pytest
 
 from leak_support import nothing_left_behind
 from qwen4exp_ext.layers import NGramEmbedding
+from qwen4exp_ext.table_file import TableFileError, read_header
 from qwen4exp_ext.table_readers import FileTable
 from qwen4exp_ext.table_tool import main
 from table_bad_inputs import (
@@ -128,3 +130,19 @@ def test_file_table_refuses_a_bad_argument(world, reader, arg, value, match, exc
             world.root,
         )  # fmt: skip
     assert regular_files(world.root) == before
+
+
+@pytest.mark.parametrize("recursion_limit", [None, 20_000])
+def test_a_deeply_nested_header_is_refused_whatever_the_recursion_limit(world, recursion_limit):
+    """json.loads raises RecursionError only past the interpreter's recursion limit: under a
+    host that raised it (a test runner's worker did), the nested header parsed and was refused
+    for its fields instead, a message that depended on who read the file."""
+    path = world.nested_header()
+    previous = sys.getrecursionlimit()
+    try:
+        if recursion_limit:
+            sys.setrecursionlimit(recursion_limit)
+        with pytest.raises(TableFileError, match=r"corrupted table file header \(too deeply"):
+            read_header(path)
+    finally:
+        sys.setrecursionlimit(previous)

@@ -78,6 +78,11 @@ FP8_FORMATS = tuple(str(dtype).removeprefix("torch.") for dtype in FP8_DTYPES)
 # MAGIC, version, JSON length, sha256 of the JSON.
 _PREFIX = struct.Struct("<8sII32s")
 _JSON_MAX = HEADER_BYTES - _PREFIX.size
+# The header is a flat object of scalars; JSON nested deeper than this is corruption. Checked
+# before parsing: json.loads raises RecursionError only past the interpreter's recursion limit,
+# which a host program (a test runner, a server) may have raised, so the outcome, and the
+# message, would depend on who reads the file.
+_JSON_MAX_DEPTH = 32
 _FIELDS = (
     "format",
     "layer_index",
@@ -326,6 +331,29 @@ def _inconsistency(header: TableFileHeader) -> str | None:
 _FLOAT_MAX = 1.7976931348623157e308
 
 
+def _json_depth(text: bytes) -> int:
+    """The deepest nesting of arrays and objects in the JSON ``text`` (brackets inside strings
+    are not counted)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # closing quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in b"]}":
+            depth -= 1
+    return deepest
+
+
 def _short(value: Any, limit: int = 60) -> str:
     """repr of a header value, cut to ``limit`` characters (a header can hold a 4000-digit
     number or a list nested a thousand deep)."""
@@ -408,6 +436,8 @@ def read_header_at(fd: int, path: str | os.PathLike) -> TableFileHeader:
         raise TableFileError(f"{path}: corrupted table file header (checksum mismatch)")
     if any(region[_PREFIX.size + length :]):
         raise TableFileError(f"{path}: corrupted table file header (nonzero padding)")
+    if _json_depth(text) > _JSON_MAX_DEPTH:
+        raise TableFileError(f"{path}: corrupted table file header (too deeply nested)")
     try:
         fields = json.loads(text)
     except RecursionError:
