@@ -77,7 +77,8 @@ def test_rows_and_outputs_past_2_31_and_2_32_elements(tmp_path, backend, path, t
     dtypes that lie past 2^31 elements of theirs, from a vocabulary shard (global ids past 2^33
     with int64 ids), written into an ``output=`` whose token rows straddle 2^31 and 2^32 elements
     and lie past them, and into a new output. Catches ``row * table_row_stride`` (and the block
-    scales' ``row * block_scales_row_stride``) computed in 32 bits, ``t * output_row_stride`` and
-    ``t * ids_row_stride`` likewise, and the HIP scalar kernel's element index."""
+    scales' ``row * block_scales_row_stride``), ``t * output_row_stride`` or
+    ``t * ids_row_stride`` computed in 32 bits, in the HIP vector and scalar kernels and in both
+    CPU paths."""
     with gather_path(path):
         run_leaving_nothing(tmp_path, check_gather, backend, table_format)
