@@ -66,3 +66,35 @@ def test_rows_past_2_31_and_2_32_elements(tmp_path, backend, dtype):
     ``t * key_row_stride`` (and value's, hidden's, gated's and conv_input's) computed in 32 bits:
     what vLLM 0.34 fixed in its Triton gate by taking the program id as int64."""
     run_leaving_nothing(tmp_path, check_gate, backend, dtype)
+
+
+def check_refused(files, backend, channels):
+    # H = 1, so M = C streams: one sparse [C] view serves as key, hidden and the three weights
+    # (nothing is read: the op must refuse before it reads or writes anything).
+    storage = files.tensor(torch.bfloat16, (channels,), (1,))
+    row = storage.view(1, channels)
+    value = torch.ones(1, 1, dtype=torch.bfloat16)
+    gated = files.tensor(torch.bfloat16, (1, channels), (channels, 1))
+    conv_input = files.tensor(torch.bfloat16, (1, channels), (channels, 1))
+    for t in (gated, conv_input):  # a write shows at either end
+        t[0, :4] = float("nan")
+        t[0, -4:] = float("nan")
+    args = (row, value, row, storage, storage, storage, EPS)
+    message = rf"C / H = {channels} streams is more than the supported 2\^31 - 1"
+    for out in (None, (gated, conv_input)):
+        with pytest.raises(RuntimeError, match=message):
+            backend.ops.ple_gate(*args, out=out)
+    for t in (gated, conv_input):
+        assert bool(t[0, :4].isnan().all() and t[0, -4:].isnan().all()), "a refused call wrote"
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("channels", [2**31, 2**32 + 2])
+def test_streams_past_2_31_refused(tmp_path, backend, channels):
+    """M = C / H streams past 2^31 - 1 (H = 1, hidden rows of 2^31 and 2^32 + 2 elements in
+    sparse files): refused before anything is read or written, on the CPU and the emulator, as
+    an H past 2^24 is. The params hold M in 32 bits: before this check M = 2^32 + 2 became 2
+    streams (the rest of the outputs left unwritten, no error) and M = 2^31 a negative count
+    (the CPU raised std::vector's "vector::_M_default_append", the emulator returned having
+    written nothing)."""
+    run_leaving_nothing(tmp_path, check_refused, backend, channels)
