@@ -7,7 +7,7 @@
 #include <ATen/ops/empty.h>
 
 #include <cmath>
-
+#include <limits>
 #include <string>
 
 #include "../../common/ple_gate.h"
@@ -46,6 +46,11 @@ inline PleGateParams check_ple_gate_args(const at::Tensor& key, const at::Tensor
               " must be a positive multiple of value's H = ", width);
   TORCH_CHECK(width <= (int64_t{1} << 24), "ple_gate: H = ", width,
               " is more than the supported 2^24");
+  // The params hold M (as H) in 32 bits: more streams would wrap, and the kernels would compute
+  // the wrapped count's streams (none, for a negative one) and leave the rest unwritten.
+  TORCH_CHECK(channels / width <= std::numeric_limits<int32_t>::max(),
+              "ple_gate: C / H = ", channels / width,
+              " streams is more than the supported 2^31 - 1 (C = ", channels, ", H = ", width, ")");
   TORCH_CHECK(key.dim() == 2 && key.size(0) == num_tokens && key.size(1) == channels,
               "ple_gate: key must be [T, C] = [", num_tokens, ", ", channels, "], got shape ",
               key.sizes());
