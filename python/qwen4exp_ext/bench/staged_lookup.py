@@ -71,7 +71,7 @@ from qwen4exp_ext.bench.registry import Case
 from qwen4exp_ext.bench.timing import Quantiles
 from qwen4exp_ext.layers import LookupPipeline, StagedLookupPipeline
 from qwen4exp_ext.layers.ngram_embedding import NGramEmbedding
-from qwen4exp_ext.table_readers import evict_range, prefault_range
+from qwen4exp_ext.tables.readers import evict_range, prefault_range
 from qwen4exp_ext.testing import exact_mismatch
 
 from . import host_lookup as hl

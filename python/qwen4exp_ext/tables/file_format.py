@@ -22,7 +22,7 @@ and offsets, SPEC §2) and geometry: a table of another layer or config is refus
 
 :func:`read_header` validates a file on its own (magic, version, checksum, field consistency,
 size); :func:`check_header` against what a model expects (:func:`expected_header`). Packing
-a checkpoint into a file and verifying it: :mod:`qwen4exp_ext.table_tool` (``qwen4exp-table``).
+a checkpoint into a file and verifying it: :mod:`qwen4exp_ext.tables.pack` (``qwen4exp-table``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal
 
 import torch
 
@@ -65,6 +65,7 @@ __all__ = [
     "read_header",
     "read_header_at",
     "row_bytes_of",
+    "table_dtype",
     "write_header",
     "write_table_file",
 ]
@@ -73,7 +74,11 @@ MAGIC = b"Q4XPLETB"
 VERSION = 1
 HEADER_BYTES = 4096
 FORMATS = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e4m3fnuz", "nvfp4")
+# The table format as vLLM's config field ``ple_embedding_dtype`` spells it.
 NVFP4 = "nvfp4"
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# What a table is stored as (NGramEmbedding's ``dtype``): a torch dtype, or NVFP4.
+TableDtype = torch.dtype | Literal["nvfp4"]
 FP8_FORMATS = tuple(str(dtype).removeprefix("torch.") for dtype in FP8_DTYPES)
 # MAGIC, version, JSON length, sha256 of the JSON.
 _PREFIX = struct.Struct("<8sII32s")
@@ -187,12 +192,20 @@ def layout_checksum(
     return hashlib.sha256(_canonical(fields)).hexdigest()
 
 
+def table_dtype(dtype: TableDtype | str) -> TableDtype:
+    """The table storage ``dtype`` names: a torch dtype, ``"nvfp4"``, or a torch dtype's name."""
+    if isinstance(dtype, str) and dtype != NVFP4:
+        named = getattr(torch, dtype.removeprefix("torch."), None)
+        dtype = named if isinstance(named, torch.dtype) else dtype
+    if dtype != NVFP4 and dtype not in (*FLOAT_DTYPES, *FP8_DTYPES):
+        raise ValueError(f"unsupported table dtype {dtype!r}")
+    return dtype
+
+
 def format_name(dtype: Any) -> str:
     """The FORMATS name of a table dtype as NGramEmbedding accepts it (a torch dtype, its name,
     or "nvfp4")."""
-    from qwen4exp_ext.layers.ngram_embedding import _table_dtype  # it imports this module
-
-    dtype = _table_dtype(dtype)
+    dtype = table_dtype(dtype)
     return NVFP4 if dtype == NVFP4 else str(dtype).removeprefix("torch.")
 
 
