@@ -375,3 +375,15 @@ def test_bad_arguments(args, kwargs, message):
 def test_too_large_to_map():
     with pytest.raises(MemoryError, match="cannot be mapped"):
         pinned_host_table(2**40, 2**30, torch.bfloat16, device="cpu")
+
+
+def test_the_old_module_name_is_this_module():
+    """README documented ``qwen4exp_ext.host_table`` before the tables moved to ``tables/``
+    (#49 item 4): that import still works, and is tables.host_memory itself, not a copy (one
+    registration cache, one set of mappings, one monkeypatch target)."""
+    import qwen4exp_ext.host_table as by_path
+    from qwen4exp_ext import host_table
+    from qwen4exp_ext.host_table import pinned_host_table as old_allocator
+
+    assert by_path is host_memory and host_table is host_memory
+    assert old_allocator is pinned_host_table

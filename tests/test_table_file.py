@@ -537,3 +537,14 @@ def test_the_tables_package_imports_nothing_from_layers():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_the_old_module_name_is_the_file_format_module():
+    """README named ``qwen4exp_ext.table_file`` as the table file's module before ``tables/``
+    (#49 item 4): it still imports, as tables.file_format itself, not a copy."""
+    import qwen4exp_ext.table_file as by_path
+    from qwen4exp_ext import table_file
+    from qwen4exp_ext.tables import file_format
+
+    assert by_path is file_format and table_file is file_format
+    assert table_file.read_header is read_header
