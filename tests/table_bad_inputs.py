@@ -21,9 +21,9 @@ from safetensors.torch import save_file
 
 from lookup_support import CONFIG, NVFP4_CONFIG, make_embedding
 from qwen4exp_ext.layers import NGramEmbedding
-from qwen4exp_ext.layers.ngram_embedding import BUFFER_NAMES
-from qwen4exp_ext.table_file import HEADER_BYTES, MAGIC
-from qwen4exp_ext.table_tool import pack_table
+from qwen4exp_ext.tables.checkpoint import BUFFER_NAMES
+from qwen4exp_ext.tables.file_format import HEADER_BYTES, MAGIC
+from qwen4exp_ext.tables.pack import pack_table
 
 LAYER = 1
 

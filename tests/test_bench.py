@@ -1065,19 +1065,19 @@ HOST_LOOKUP_ROW_BYTES = {"bf16": 2 * D, "fp8": D, "nvfp4": D // 2 + D // 16}
 
 def _host_lookup_names() -> set[str]:
     """The step proxy's cases at the quick size."""
-    from qwen4exp_ext.bench import host_lookup
+    from qwen4exp_ext.bench import step_proxy
 
-    size = host_lookup.SIZES["quick"]
+    size = step_proxy.SIZES["quick"]
     shapes = [f"decode_T{t}" for t in size.decode_tokens] + [f"prefill_T{size.prefill_tokens}"]
-    return {f"{shape}_{fmt}" for shape in shapes for fmt in host_lookup.FORMATS}
+    return {f"{shape}_{fmt}" for shape in shapes for fmt in step_proxy.FORMATS}
 
 
 def _staged_names() -> set[str]:
     """The lookup-level cases (bench/staged_lookup.py) at the quick size: every format from RAM,
     bf16 from a warm and (decode only) a cold file."""
-    from qwen4exp_ext.bench import host_lookup, staged_lookup
+    from qwen4exp_ext.bench import staged_lookup, step_proxy
 
-    size = host_lookup.SIZES["quick"]
+    size = step_proxy.SIZES["quick"]
     decode = [f"decode_T{t}" for t in size.decode_tokens]
     shapes = [*decode, f"prefill_T{size.prefill_tokens}"]
     names = {f"staged_{s}_{f}_ram" for s in shapes for f in staged_lookup.RAM_FORMATS}
@@ -1104,13 +1104,13 @@ def _step_results(report: dict) -> list[dict]:
 def host_lookup_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One quick ``host_lookup`` run at toy widths (QWEN4EXP_BENCH_HOST_LOOKUP_SIZE=quick: every
     case in seconds), 1 thread, with --json and --csv, on this machine's default device."""
-    from qwen4exp_ext.bench import host_lookup
+    from qwen4exp_ext.bench import step_proxy
 
     out = tmp_path_factory.mktemp("bench")
     paths = {ext: out / f"host_lookup.{ext}" for ext in ("json", "csv")}
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
-        mp.setenv(host_lookup.SIZE_ENV, "quick")
+        mp.setenv(step_proxy.SIZE_ENV, "quick")
         argv = ["host_lookup", "--quick", "--threads", "1"]
         assert main([*argv, "--json", str(paths["json"]), "--csv", str(paths["csv"])]) == 0
     return {
@@ -1297,11 +1297,11 @@ def test_host_lookup_staged_check_catches_rows_that_differ(monkeypatch: pytest.M
 
 
 def _host_lookup_quick(monkeypatch: pytest.MonkeyPatch):
-    from qwen4exp_ext.bench import host_lookup
+    from qwen4exp_ext.bench import host_lookup, step_proxy
 
-    monkeypatch.setenv(host_lookup.SIZE_ENV, "quick")
-    size = host_lookup.size_for(torch.device("cpu"))
-    return host_lookup, size, host_lookup.StepProxy(size, torch.device("cpu"))
+    monkeypatch.setenv(step_proxy.SIZE_ENV, "quick")
+    size = step_proxy.size_for(torch.device("cpu"))
+    return host_lookup, size, step_proxy.StepProxy(size, torch.device("cpu"))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -1362,22 +1362,22 @@ def test_host_lookup_check_catches_a_pipeline_with_other_rows(
 
 
 def test_host_lookup_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from qwen4exp_ext.bench import host_lookup
+    from qwen4exp_ext.bench import step_proxy
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.delenv(host_lookup.SIZE_ENV, raising=False)
-    monkeypatch.delenv(host_lookup.ROWS_ENV, raising=False)
-    assert host_lookup.size_for(cpu).name == "cpu" and host_lookup.size_for(gpu).name == "released"
-    released = host_lookup.size_for(gpu)
-    assert (released.hidden, released.hc_count, released.ffn) == (2560, 4, host_lookup.FFN)
+    monkeypatch.delenv(step_proxy.SIZE_ENV, raising=False)
+    monkeypatch.delenv(step_proxy.ROWS_ENV, raising=False)
+    assert step_proxy.size_for(cpu).name == "cpu" and step_proxy.size_for(gpu).name == "released"
+    released = step_proxy.size_for(gpu)
+    assert (released.hidden, released.hc_count, released.ffn) == (2560, 4, step_proxy.FFN)
     assert released.decode_tokens == (1, 64, 256) and released.prefill_tokens == 8192
     # The CPU preset scales only H (hence C): the same F, the same lookups.
-    assert host_lookup.size_for(cpu).ffn == released.ffn
-    monkeypatch.setenv(host_lookup.ROWS_ENV, "100000")
-    assert host_lookup.size_for(cpu).rows == 100_000
-    monkeypatch.setenv(host_lookup.SIZE_ENV, "huge")
+    assert step_proxy.size_for(cpu).ffn == released.ffn
+    monkeypatch.setenv(step_proxy.ROWS_ENV, "100000")
+    assert step_proxy.size_for(cpu).rows == 100_000
+    monkeypatch.setenv(step_proxy.SIZE_ENV, "huge")
     with pytest.raises(ValueError, match="choose one of released, cpu, quick"):
-        host_lookup.size_for(cpu)
+        step_proxy.size_for(cpu)
 
 
 def test_host_lookup_stand_in_has_a_decoder_layers_active_parameters() -> None:
@@ -1388,7 +1388,7 @@ def test_host_lookup_stand_in_has_a_decoder_layers_active_parameters() -> None:
     from transformers import Qwen4ExpTextConfig
     from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextDecoderLayer
 
-    from qwen4exp_ext.bench import host_lookup
+    from qwen4exp_ext.bench import step_proxy
 
     config = Qwen4ExpTextConfig(
         hidden_size=2560, ple_layer_ids=[2], ple_embed_dim=2560, eos_token_id=1
@@ -1400,8 +1400,8 @@ def test_host_lookup_stand_in_has_a_decoder_layers_active_parameters() -> None:
     experts = sum(n for name, n in params.items() if ".experts." in name)
     active = sum(params.values()) - experts
     active += experts * config.num_experts_per_tok // config.num_experts
-    assert active == host_lookup.ACTIVE_PARAMS
-    ffn = host_lookup.FFN
+    assert active == step_proxy.ACTIVE_PARAMS
+    ffn = step_proxy.FFN
     assert ffn % 64 == 0 and 0 <= 2 * 2560 * ffn - active < 2 * 2560 * 64
 
 

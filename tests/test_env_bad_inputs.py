@@ -25,7 +25,7 @@ import torch
 
 from leak_support import nothing_left_behind
 from qwen4exp_ext import _switches, simt
-from qwen4exp_ext.bench import gather_rows, host_lookup, registry, staged_lookup, vllm_triton
+from qwen4exp_ext.bench import gather_rows, registry, staged_lookup, step_proxy, vllm_triton
 from qwen4exp_ext.vllm import choice, prefetch
 
 TIMEOUT = 120  # seconds for a fresh interpreter (it imports torch) or a call that could block
@@ -334,7 +334,7 @@ def test_an_on_word_or_empty_means_the_default_choice_cache(value, tmp_path, mon
 # ---- the bench's variables: a ValueError naming the variable ---------------------------------
 
 CPU = torch.device("cpu")
-MIN_ROWS = host_lookup.NUM_HEADS * (host_lookup.PAD_TO + 1)
+MIN_ROWS = step_proxy.NUM_HEADS * (step_proxy.PAD_TO + 1)
 BENCH_COUNT_CASES = [
     # (variable, read by, value, message)
     *(
@@ -348,7 +348,7 @@ BENCH_COUNT_CASES = [
         ]
     ),
     *(
-        ("QWEN4EXP_BENCH_HOST_LOOKUP_ROWS", lambda: host_lookup.size_for(CPU), value, message)
+        ("QWEN4EXP_BENCH_HOST_LOOKUP_ROWS", lambda: step_proxy.size_for(CPU), value, message)
         for value, message in [
             ("x", f"must be a row count >= {MIN_ROWS}"),
             ("-5", f"must be a row count >= {MIN_ROWS}"),
@@ -375,19 +375,19 @@ def test_a_bad_bench_count(name, read, value, message, monkeypatch):
 
 def test_empty_bench_counts_are_their_defaults(monkeypatch):
     monkeypatch.setenv("QWEN4EXP_BENCH_GATHER_ROWS", "")
-    monkeypatch.setenv(host_lookup.ROWS_ENV, "")
-    monkeypatch.setenv(host_lookup.SIZE_ENV, "")
+    monkeypatch.setenv(step_proxy.ROWS_ENV, "")
+    monkeypatch.setenv(step_proxy.SIZE_ENV, "")
     assert gather_rows.table_rows(CPU) == 4_000_000
-    assert host_lookup.size_for(CPU) == host_lookup.SIZES["cpu"]
-    monkeypatch.setenv(host_lookup.ROWS_ENV, str(MIN_ROWS))
-    assert host_lookup.size_for(CPU).rows == MIN_ROWS
+    assert step_proxy.size_for(CPU) == step_proxy.SIZES["cpu"]
+    monkeypatch.setenv(step_proxy.ROWS_ENV, str(MIN_ROWS))
+    assert step_proxy.size_for(CPU).rows == MIN_ROWS
 
 
 @pytest.mark.parametrize("value", ["huge", "Quick", "1"])
 def test_a_bad_host_lookup_size(value, monkeypatch):
-    monkeypatch.setenv(host_lookup.SIZE_ENV, value)
+    monkeypatch.setenv(step_proxy.SIZE_ENV, value)
     with pytest.raises(ValueError) as error:
-        host_lookup.size_for(CPU)
+        step_proxy.size_for(CPU)
     assert str(error.value) == (
         f"$QWEN4EXP_BENCH_HOST_LOOKUP_SIZE={value!r}: choose one of released, cpu, quick"
     )

@@ -1,5 +1,5 @@
 """PLE tables served from a table file (``NGramEmbedding(placement="file")``,
-python/qwen4exp_ext/table_readers.py): both readers equal the same table in RAM bit for bit
+python/qwen4exp_ext/tables/readers.py): both readers equal the same table in RAM bit for bit
 (every format, vocabulary shards, odd and empty batches, alone and through the staged
 pipeline); a missing, foreign or truncated file, or a short read in the middle of a step, is a
 clear error naming the file, with no partial rows handed out; no descriptor or mapping
@@ -32,9 +32,14 @@ from lookup_support import (
     same_bits,
 )
 from qwen4exp_ext.layers import NGramEmbedding, StagedLookupPipeline
-from qwen4exp_ext.table_file import TableFileError, TableFileHeader, read_header, write_header
-from qwen4exp_ext.table_readers import FileTable
-from qwen4exp_ext.table_tool import pack_table
+from qwen4exp_ext.tables.file_format import (
+    TableFileError,
+    TableFileHeader,
+    read_header,
+    write_header,
+)
+from qwen4exp_ext.tables.pack import pack_table
+from qwen4exp_ext.tables.readers import FileTable
 
 READERS = ("mmap", "direct")
 
@@ -472,7 +477,7 @@ def test_save_table_file_never_writes_through_a_planted_temporary_name(tmp_path)
 PREFAULT_TRUNCATED = """
 import mmap, os, sys, warnings
 import torch
-from qwen4exp_ext.table_readers import prefault_range
+from qwen4exp_ext.tables.readers import prefault_range
 fd = os.open(sys.argv[1], os.O_RDWR)
 os.ftruncate(fd, 4 * mmap.PAGESIZE)
 mapping = mmap.mmap(fd, 4 * mmap.PAGESIZE, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)

@@ -1,6 +1,6 @@
-"""host_table.pinned_host_table, empty_host_table and footprint, checked against what the kernel
-reports (/proc/self/maps, smaps, numa_maps). The registration is faked on a machine without a GPU
-(a Python stand-in with the C++ op's ownership graph) and real where there is one."""
+"""tables.host_memory: pinned_host_table, empty_host_table and footprint, checked against what the
+kernel reports (/proc/self/maps, smaps, numa_maps). The registration is faked on a machine without a
+GPU (a Python stand-in with the C++ op's ownership graph) and real where there is one."""
 
 from __future__ import annotations
 
@@ -16,8 +16,13 @@ import pytest
 import torch
 
 import qwen4exp_ext  # noqa: F401  (registers torch.ops.qwen4exp)
-from qwen4exp_ext import host_table
-from qwen4exp_ext.host_table import device_view, empty_host_table, footprint, pinned_host_table
+from qwen4exp_ext.tables import host_memory
+from qwen4exp_ext.tables.host_memory import (
+    device_view,
+    empty_host_table,
+    footprint,
+    pinned_host_table,
+)
 
 PAGE = mmap.PAGESIZE
 HUGE = 2 * 1024 * 1024
@@ -39,7 +44,7 @@ def _thp_mode() -> str | None:
 
 def _vma_at(addr: int) -> tuple[int, int] | None:
     """The (start, end) of the kernel mapping holding ``addr``, read independently of
-    host_table.footprint."""
+    host_memory.footprint."""
     with open("/proc/self/maps") as f:
         for line in f:
             lo, hi = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
@@ -53,7 +58,7 @@ def _page_round(nbytes: int) -> int:
 
 
 def _gpu() -> bool:
-    return torch.cuda.is_available() and host_table._gpu_build()
+    return torch.cuda.is_available() and host_memory._gpu_build()
 
 
 # --- size, alignment, pages ---------------------------------------------------------------------
@@ -132,7 +137,7 @@ def test_prefaulted_and_zeroed():
 def test_prefault_without_madv_populate_write(monkeypatch):
     # An advice the kernel does not know fails with EINVAL, as MADV_POPULATE_WRITE does before
     # Linux 5.14: the fallback writes one byte per page.
-    monkeypatch.setattr(host_table, "_MADV_POPULATE_WRITE", 0x7FFF)
+    monkeypatch.setattr(host_memory, "_MADV_POPULATE_WRITE", 0x7FFF)
     table = pinned_host_table(1000, 1000, torch.float8_e4m3fn, device="cpu")
     fp = footprint(table)
     assert fp["resident_bytes"] == fp["mapping_bytes"] == _page_round(table.nbytes)
@@ -210,7 +215,7 @@ def fake_gpu(monkeypatch):
         events.append(("register", addr))
         return torch.frombuffer(holder, dtype=torch.uint8)
 
-    monkeypatch.setattr(host_table, "_gpu_build", lambda: True)
+    monkeypatch.setattr(host_memory, "_gpu_build", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.ops.qwen4exp, "host_table_device_view", fake_view)
@@ -285,14 +290,14 @@ def test_pinned_on_the_gpu():
 # --- NUMA ---------------------------------------------------------------------------------------
 
 needs_mbind = pytest.mark.skipif(
-    host_table._SYS_MBIND is None or not os.path.exists("/proc/self/numa_maps"),
+    host_memory._SYS_MBIND is None or not os.path.exists("/proc/self/numa_maps"),
     reason="needs mbind (x86_64/aarch64 Linux) and /proc/self/numa_maps",
 )
 
 
 @needs_mbind
 def test_bound_to_the_requested_node():
-    node = host_table._memory_nodes()[0]
+    node = host_memory._memory_nodes()[0]
     table = pinned_host_table(2561, 1024, torch.bfloat16, device="cpu", numa_node=node)
     assert footprint(table)["numa_policy"] == f"bind:{node}"
     assert footprint(table)["resident_bytes"] == _page_round(table.nbytes)
@@ -302,17 +307,17 @@ def test_bound_to_the_requested_node():
 
 @needs_mbind
 def test_single_node_machine_is_not_bound(fake_gpu, monkeypatch):
-    monkeypatch.setattr(host_table, "_memory_nodes", lambda: [0])
-    monkeypatch.setattr(host_table, "_gpu_numa_node", lambda device: pytest.fail("asked"))
+    monkeypatch.setattr(host_memory, "_memory_nodes", lambda: [0])
+    monkeypatch.setattr(host_memory, "_gpu_numa_node", lambda device: pytest.fail("asked"))
     table = pinned_host_table(3, 7, torch.bfloat16)
     assert footprint(table)["numa_policy"] == "default"
 
 
 @needs_mbind
 def test_bound_to_the_gpu_node_on_a_multi_node_machine(fake_gpu, monkeypatch):
-    node = host_table._memory_nodes()[0]
-    monkeypatch.setattr(host_table, "_memory_nodes", lambda: [node, node + 1])
-    monkeypatch.setattr(host_table, "_gpu_numa_node", lambda device: node)
+    node = host_memory._memory_nodes()[0]
+    monkeypatch.setattr(host_memory, "_memory_nodes", lambda: [node, node + 1])
+    monkeypatch.setattr(host_memory, "_gpu_numa_node", lambda device: node)
     table = pinned_host_table(3, 7, torch.bfloat16)
     assert footprint(table)["numa_policy"] == f"bind:{node}"
 
@@ -320,9 +325,9 @@ def test_bound_to_the_gpu_node_on_a_multi_node_machine(fake_gpu, monkeypatch):
 @needs_mbind
 def test_failed_binding(fake_gpu, monkeypatch):
     # The kernel refuses a node that does not exist, as a container may refuse any mbind.
-    missing = max(host_table._memory_nodes()) + 1
-    monkeypatch.setattr(host_table, "_memory_nodes", lambda: [0, missing])
-    monkeypatch.setattr(host_table, "_gpu_numa_node", lambda device: missing)
+    missing = max(host_memory._memory_nodes()) + 1
+    monkeypatch.setattr(host_memory, "_memory_nodes", lambda: [0, missing])
+    monkeypatch.setattr(host_memory, "_gpu_numa_node", lambda device: missing)
     with pytest.warns(UserWarning, match="could not bind the table to the GPU's NUMA node"):
         table = pinned_host_table(3, 7, torch.bfloat16)
     assert footprint(table)["numa_policy"] == "default"
@@ -341,9 +346,9 @@ def test_gpu_numa_node_from_sysfs(monkeypatch):
     )
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: slot)
     with open(f"{devices}/{slots[0]}/numa_node") as f:
-        assert host_table._gpu_numa_node(torch.device("cuda", 0)) == int(f.read())
+        assert host_memory._gpu_numa_node(torch.device("cuda", 0)) == int(f.read())
     slot.pci_domain_id = 0xFFFF
-    assert host_table._gpu_numa_node(torch.device("cuda", 0)) == -1
+    assert host_memory._gpu_numa_node(torch.device("cuda", 0)) == -1
 
 
 # --- bad arguments ------------------------------------------------------------------------------
@@ -370,3 +375,15 @@ def test_bad_arguments(args, kwargs, message):
 def test_too_large_to_map():
     with pytest.raises(MemoryError, match="cannot be mapped"):
         pinned_host_table(2**40, 2**30, torch.bfloat16, device="cpu")
+
+
+def test_the_old_module_name_is_this_module():
+    """README documented ``qwen4exp_ext.host_table`` before the tables moved to ``tables/``
+    (#49 item 4): that import still works, and is tables.host_memory itself, not a copy (one
+    registration cache, one set of mappings, one monkeypatch target)."""
+    import qwen4exp_ext.host_table as by_path
+    from qwen4exp_ext import host_table
+    from qwen4exp_ext.host_table import pinned_host_table as old_allocator
+
+    assert by_path is host_memory and host_table is host_memory
+    assert old_allocator is pinned_host_table

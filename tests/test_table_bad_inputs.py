@@ -18,9 +18,9 @@ import pytest
 
 from leak_support import nothing_left_behind
 from qwen4exp_ext.layers import NGramEmbedding
-from qwen4exp_ext.table_file import TableFileError, read_header
-from qwen4exp_ext.table_readers import FileTable
-from qwen4exp_ext.table_tool import main
+from qwen4exp_ext.tables.cli import main
+from qwen4exp_ext.tables.file_format import TableFileError, read_header
+from qwen4exp_ext.tables.readers import FileTable
 from table_bad_inputs import (
     CLI_CASES,
     EMBEDDING_CASES,

@@ -1,6 +1,6 @@
-"""The on-disk PLE table file (qwen4exp_ext.table_file) and qwen4exp-table (table_tool): pack
-from real safetensors checkpoints in every format, byte-for-byte rows, verify, and every
-refusal of a bad header, file or checkpoint (leaving no file behind)."""
+"""The on-disk PLE table file (qwen4exp_ext.tables.file_format) and qwen4exp-table (tables.pack and
+tables.cli): pack from real safetensors checkpoints in every format, byte-for-byte rows, verify, and
+every refusal of a bad header, file or checkpoint (leaving no file behind)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qwen4exp_ext import layout, table_tool
+from qwen4exp_ext import layout
 from qwen4exp_ext.layers import NGramEmbedding
-from qwen4exp_ext.table_file import (
+from qwen4exp_ext.tables import pack as table_pack
+from qwen4exp_ext.tables.cli import main
+from qwen4exp_ext.tables.file_format import (
     FORMATS,
     HEADER_BYTES,
     MAGIC,
@@ -30,7 +32,7 @@ from qwen4exp_ext.table_file import (
     read_header,
     write_header,
 )
-from qwen4exp_ext.table_tool import main, pack_table, verify_table
+from qwen4exp_ext.tables.pack import pack_table, verify_table
 
 LAYER = 1
 PARTS = 7
@@ -64,7 +66,7 @@ DTYPES = {
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     """Chunks of a few rows, so shards are streamed in several pieces that do not divide them."""
-    monkeypatch.setattr(table_tool, "CHUNK_BYTES", 300)
+    monkeypatch.setattr(table_pack, "CHUNK_BYTES", 300)
 
 
 def make_table(fmt: str, seed: int = 0):
@@ -177,7 +179,7 @@ def test_pack_writes_the_checkpoints_bytes_and_verify_passes(tmp_path, fmt):
 def test_unsharded_weight_directory_and_whole_chunks(tmp_path, monkeypatch):
     """An unsharded ngram_embedding.weight, the checkpoint given as its directory, and the
     default chunk size (one chunk)."""
-    monkeypatch.setattr(table_tool, "CHUNK_BYTES", 64 << 20)
+    monkeypatch.setattr(table_pack, "CHUNK_BYTES", 64 << 20)
     files, table, _ = checkpoint(tmp_path, "float16", unsharded=True)
     out = tmp_path / "t.bin"
     header = pack_table([tmp_path / "ckpt"], out, CONFIG, LAYER, "float16", PREFIX)
@@ -451,7 +453,7 @@ def test_pack_failing_midway_removes_its_temporary_file_and_keeps_the_old(tmp_pa
     files, *_ = checkpoint(tmp_path)
     out = tmp_path / "out.bin"
     out.write_bytes(b"the previous table")
-    real = table_tool._row_chunks
+    real = table_pack._row_chunks
 
     def failing(plan):
         for i, chunk in enumerate(real(plan)):
@@ -459,7 +461,7 @@ def test_pack_failing_midway_removes_its_temporary_file_and_keeps_the_old(tmp_pa
                 raise OSError("disk full")
             yield chunk
 
-    monkeypatch.setattr(table_tool, "_row_chunks", failing)
+    monkeypatch.setattr(table_pack, "_row_chunks", failing)
     with pytest.raises(OSError, match="disk full"):
         pack_table(files, out, CONFIG, LAYER, prefix=PREFIX)
     assert out.read_bytes() == b"the previous table"
@@ -506,7 +508,7 @@ def test_cli_pack_verify_info(tmp_path, capsys):
 def test_cli_as_a_module_in_a_subprocess(tmp_path):
     out, files, *_ = packed(tmp_path)
     config = write_config(tmp_path)
-    command = [sys.executable, "-m", "qwen4exp_ext.table_tool", "verify", "--config", config]
+    command = [sys.executable, "-m", "qwen4exp_ext.tables.cli", "verify", "--config", config]
     command += ["--layer", "1", "--prefix", PREFIX, str(out), *map(str, files)]
     ok = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
@@ -518,3 +520,31 @@ def test_cli_as_a_module_in_a_subprocess(tmp_path):
         f"qwen4exp-table: error: {out}: truncated table file: {HEADER_BYTES + 10238} bytes, but "
         f"its header (320 rows of 32 bytes after 4096) needs {HEADER_BYTES + 10240}\n"
     )
+
+
+def test_the_tables_package_imports_nothing_from_layers():
+    """tables/ (host memory, the file format, its readers, the packer) is below layers/: the
+    layers use the tables, never the reverse (issue #49 item 4; table_file once imported
+    layers.ngram_embedding for its dtype check). Checked in a fresh interpreter, so no earlier
+    import hides one."""
+    modules = ["checkpoint", "cli", "file_format", "host_memory", "pack", "readers"]
+    code = (
+        "import sys\n"
+        + "".join(f"import qwen4exp_ext.tables.{name}\n" for name in modules)
+        + "print(sorted(m for m in sys.modules if m.startswith('qwen4exp_ext.layers')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_the_old_module_name_is_the_file_format_module():
+    """README named ``qwen4exp_ext.table_file`` as the table file's module before ``tables/``
+    (#49 item 4): it still imports, as tables.file_format itself, not a copy."""
+    import qwen4exp_ext.table_file as by_path
+    from qwen4exp_ext import table_file
+    from qwen4exp_ext.tables import file_format
+
+    assert by_path is file_format and table_file is file_format
+    assert table_file.read_header is read_header

@@ -367,12 +367,12 @@ def test_nvfp4_table_lookups_run_ours(vllm_plugged):
 
 def test_pinned_tables_are_allocated_at_their_exact_size(vllm_plugged):
     """vLLM's pinned PLE table (``torch.empty(pin_memory=True)``: torch's caching host allocator
-    rounds it up to a power of two) comes from host_table.pinned_host_table: one mapping of the
+    rounds it up to a power of two) comes from host_memory.pinned_host_table: one mapping of the
     table's bytes, rounded up to a page only, zero-filled. Registered for the GPU where there is
     one (a GPU build without a GPU leaves it a plain host table)."""
     import vllm.models.qwen4_exp.common.ngram_embedding as ne
 
-    from qwen4exp_ext import host_table
+    from qwen4exp_ext.tables import host_memory
     from qwen4exp_ext.vllm import shims
 
     if "cuda" not in shims.DEVICE_TYPES:
@@ -384,7 +384,7 @@ def test_pinned_tables_are_allocated_at_their_exact_size(vllm_plugged):
     assert (
         table.shape == (rows, width) and table.dtype == torch.uint8 and table.device.type == "cpu"
     )
-    found = host_table.footprint(table)
+    found = host_memory.footprint(table)
     page = 4096
     assert found["host_table"] and found["mapping_bytes"] == -(-rows * width // page) * page
     assert found["registered"] == torch.cuda.is_available()

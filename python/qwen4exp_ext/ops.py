@@ -168,7 +168,7 @@ class KernelOps:
         This table owns global ids [vocab_start, vocab_end) (default vocab_start + rows) and
         reads table[id - vocab_start] for them; every other id gives a zero row, so no id value
         ever reads out of bounds. A CUDA/ROCm ``table`` may be the GPU view of pinned host memory
-        (:func:`qwen4exp_ext.host_table.device_view`): read zero-copy over PCIe.
+        (:func:`qwen4exp_ext.tables.host_memory.device_view`): read zero-copy over PCIe.
 
         On the CPU an output of at least :func:`cpu_gather_stream_bytes` bytes (a prefill) is
         written with streaming stores: it bypasses the cache, which it would not fit in anyway.

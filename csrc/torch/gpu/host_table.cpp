@@ -11,8 +11,8 @@
 //   pages breaks that view. So: memory pinned by someone else (torch's pin_memory()) is used as
 //   it is and never unregistered here; memory that we register is counted once per storage, with
 //   a reference per view on any device, and unregistered when the last view dies. Keep the view
-//   (not a fresh one per call) for the lifetime of the model: python/qwen4exp_ext/host_table.py
-//   caches it.
+//   (not a fresh one per call) for the lifetime of the model:
+//   python/qwen4exp_ext/tables/host_memory.py caches it.
 // - Registration pins every page of the allocation, page by page: for a 51 GB (fp8) or 102 GB
 //   (bf16) table that takes seconds to tens of seconds and locks that much RAM (mind ulimit -l
 //   and the container's memory limit). Do it once at load time, never in the serving loop.
@@ -113,7 +113,7 @@ at::Tensor host_table_device_view(const at::Tensor& host, c10::Device device) {
 }  // namespace qwen4exp
 
 // The input is a CPU tensor, so the op dispatches on CPU; this kernel exists only in GPU builds
-// (python/qwen4exp_ext/host_table.py says so clearly on a CPU-only build).
+// (python/qwen4exp_ext/tables/host_memory.py says so clearly on a CPU-only build).
 TORCH_LIBRARY_IMPL(qwen4exp, CPU, m) {
   m.impl("host_table_device_view", &qwen4exp::host_table_device_view);
 }

@@ -27,7 +27,7 @@ the same latency-bound regime. The ids (params "ids") are:
 - sorted (``*_sorted``: bf16 prefill): fresh batches, each sorted ascending (all T·NH ids).
 
 On the CPU the ``hugepages`` case reads a copy of the bf16 table on transparent huge pages, the
-way ``NGramEmbedding(placement="cpu")`` allocates it (``host_table.empty_host_table``), fresh
+way ``NGramEmbedding(placement="cpu")`` allocates it (``host_memory.empty_host_table``), fresh
 ids, against ``index_select`` only.
 
 NVFP4 (vLLM's layout, see ``reference.gather_rows``): a uint8 table [rows, d/2] of E2M1 codes,
@@ -52,7 +52,7 @@ The check holds them to equal ours exactly. The huge-page case times index_selec
 
 The CLI's "% copy" column is the share of a same-run copy of the same bytes (CPU: memcpy; GPU:
 device-to-device copy, ~HBM peak). On a GPU the ``pinned_*`` cases read a table in pinned host
-memory (bf16, fp8; NVFP4 rows and block scales, all through ``host_table.device_view``), as do ours
+memory (bf16, fp8; NVFP4 rows and block scales, all through ``host_memory.device_view``), as do ours
 and vLLM's lookup, the other baselines and the oracle the same table resident on the device; compare
 them with ``h2d_copy`` (params: the measured host-to-device bandwidth of a pinned copy of the same
 bytes, GB/s).
@@ -65,11 +65,11 @@ Untimed sections (``sections``):
   ``torch.empty(..., pin_memory=True)`` pins: torch's CachingHostAllocator rounds every request
   up to the next power of two (``c10::llvm::PowerOf2Ceil`` in ATen/core/CachingHostAllocator.h,
   torch 2.14; unless ``pinned_max_round_threshold_mb`` / ``pinned_max_cached_size_mb`` is set in
-  PYTORCH_ALLOC_CONF) — 47.7 GiB of fp8 pins 64 GiB; and what ``host_table.pinned_host_table``
+  PYTORCH_ALLOC_CONF) — 47.7 GiB of fp8 pins 64 GiB; and what ``host_memory.pinned_host_table``
   pins: each allocation rounded up to a 4 KiB page (on a 64 KiB-page kernel, 64 KiB: < 64 KiB
   more per allocation).
 - ``pinned_bytes_measured`` (GPU only): the same comparison for a small table of
-  MEASURED_ROWS rows, allocated both ways and measured with ``host_table.footprint``.
+  MEASURED_ROWS rows, allocated both ways and measured with ``host_memory.footprint``.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def cases(device: torch.device) -> list[Case]:
                 patterned = _patterned_ids(pattern, ids, rows, gen)
                 out.append(_case(f"{name}_{pattern}", table, patterned, pattern, vllm))
     if device.type == "cpu":
-        from qwen4exp_ext.host_table import empty_host_table
+        from qwen4exp_ext.tables.host_memory import empty_host_table
 
         bf16 = tables["bf16"].rows
         huge = empty_host_table(rows, HEAD_DIM, torch.bfloat16)
@@ -399,7 +399,7 @@ def _eager_lookups(
 
 def _pinned_cases(device_tables: list[_Table], gen, device, vllm: VllmKernels) -> list[Case]:
     """Tables in pinned host memory, read zero-copy by the GPU (NVFP4: rows and block scales)."""
-    from qwen4exp_ext.host_table import device_view
+    from qwen4exp_ext.tables.host_memory import device_view
 
     h2d = _h2d_gbps(device)
     cases_: list[Case] = []
@@ -485,7 +485,7 @@ def pinned_bytes(rows: int = RELEASED_ROWS, d: int = HEAD_DIM) -> list[dict[str,
 
 def _measured_pinned_bytes(device: torch.device, rows: int = MEASURED_ROWS) -> list[dict]:
     """pinned_bytes for a small table, allocated both ways and measured with footprint."""
-    from qwen4exp_ext.host_table import footprint, pinned_host_table
+    from qwen4exp_ext.tables.host_memory import footprint, pinned_host_table
 
     widths = {
         "rows": (HEAD_DIM, None),
@@ -550,7 +550,7 @@ def sections(device: torch.device) -> list[Section]:
                 op="gather_rows",
                 name="pinned_bytes_measured",
                 note=f"the same for a {MEASURED_ROWS:,}-row table, allocated both ways: "
-                "mapping bytes from host_table.footprint",
+                "mapping bytes from host_memory.footprint",
                 columns=_PINNED_COLUMNS,
                 rows=_measured_pinned_bytes(device),
             )

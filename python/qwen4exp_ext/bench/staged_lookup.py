@@ -2,7 +2,7 @@
 up by CPU threads (``layers.StagedLookupPipeline``) from RAM and from a table file, against what
 a user would write.
 
-**One call** looks up one step's rows of both PLE layers of the step proxy (``host_lookup``:
+**One call** looks up one step's rows of both PLE layers of the step proxy (``step_proxy``:
 the same batches, hashing and released row shape, 16 heads x 160 per token), delivered where
 the model runs: on a CPU the rows in host buffers, on a GPU in device memory. Every path hashes
 the step's ids with our ``ngram_ids`` (or the fused CPU lookup); what differs is how the rows
@@ -71,10 +71,10 @@ from qwen4exp_ext.bench.registry import Case
 from qwen4exp_ext.bench.timing import Quantiles
 from qwen4exp_ext.layers import LookupPipeline, StagedLookupPipeline
 from qwen4exp_ext.layers.ngram_embedding import NGramEmbedding
-from qwen4exp_ext.table_readers import evict_range, prefault_range
+from qwen4exp_ext.tables.readers import evict_range, prefault_range
 from qwen4exp_ext.testing import exact_mismatch
 
-from . import host_lookup as hl
+from . import step_proxy as sp
 
 RAM_FORMATS = ("bf16", "fp8", "nvfp4")
 FILE_FORMATS = ("bf16",)
@@ -91,7 +91,7 @@ DECODE_CHOICE = (
 )
 
 
-def cases(proxy: hl.StepProxy) -> list[Case]:
+def cases(proxy: sp.StepProxy) -> list[Case]:
     """Every lookup-level case of ``proxy``'s device and size (module docstring)."""
     size = proxy.size
     tokens_all = (*size.decode_tokens, size.prefill_tokens)
@@ -121,22 +121,22 @@ def _table_dir() -> str:
 
 
 def _embeddings(
-    proxy: hl.StepProxy, fmt: str, paths: Sequence[str] | None = None, **kwargs: Any
+    proxy: sp.StepProxy, fmt: str, paths: Sequence[str] | None = None, **kwargs: Any
 ) -> list[NGramEmbedding]:
     """The proxy's PLE layers' embeddings (dense indices 0 and 1), reading ``paths`` (one
     table file each) when given."""
-    config = hl.ple_config(proxy.size)
+    config = sp.ple_config(proxy.size)
     return [
         NGramEmbedding(
             config,
             index,
-            dtype=hl.TABLE_DTYPES[fmt],
-            out_dtype=hl.DTYPE,
+            dtype=sp.TABLE_DTYPES[fmt],
+            out_dtype=sp.DTYPE,
             max_tokens=proxy.max_tokens,
             **({} if paths is None else {"table_path": paths[index]}),
             **kwargs,
         )
-        for index in range(len(hl.PLE_LAYERS))
+        for index in range(len(sp.PLE_LAYERS))
     ]
 
 
@@ -144,12 +144,12 @@ class _Tables:
     """One format's tables: in RAM (filled as host_lookup fills its tables), in files (bf16),
     as pinned copies on a GPU, and the pipelines that read them (shared by every T)."""
 
-    def __init__(self, proxy: hl.StepProxy, fmt: str, directory: str | None) -> None:
+    def __init__(self, proxy: sp.StepProxy, fmt: str, directory: str | None) -> None:
         self.fmt = fmt
         self.device = proxy.device
         self.ram = _embeddings(proxy, fmt, placement="cpu")
         for index, embedding in enumerate(self.ram):
-            hl.fill_table(embedding, fmt, hl._generator(torch.device("cpu"), 1 + index))
+            sp.fill_table(embedding, fmt, sp.seeded_generator(torch.device("cpu"), 1 + index))
         pipeline = StagedLookupPipeline  # every pipeline delivers to the proxy's device
         self.staged = {
             "staged": pipeline(self.ram, max_tokens=proxy.max_tokens, device=proxy.device)
@@ -203,7 +203,7 @@ class _Tables:
         if proxy.device.type == "cuda":
             self.pinned = _embeddings(proxy, fmt, placement="pinned", device=proxy.device)
             for source, target in zip(self.ram, self.pinned, strict=True):
-                hl.copy_module_weights(source, target)
+                sp.copy_module_weights(source, target)
 
     def drop_pages(self) -> None:
         """Every page of the files out of this process's mappings (ours and the memmaps'), then
@@ -230,23 +230,23 @@ class _Tables:
 # --- one case ------------------------------------------------------------------------------------
 
 
-def _host_batch(proxy: hl.StepProxy, tokens: int):
+def _host_batch(proxy: sp.StepProxy, tokens: int):
     batch = proxy.batches[tokens]
     return batch, batch.query_start_loc.cpu(), batch.ngram_context.cpu()
 
 
-def _case(proxy: hl.StepProxy, tables: _Tables, tokens: int, source: str) -> Case:
+def _case(proxy: sp.StepProxy, tables: _Tables, tokens: int, source: str) -> Case:
     size, device, fmt = proxy.size, proxy.device, tables.fmt
     on_gpu = device.type == "cuda"
     phase = "prefill" if tokens == size.prefill_tokens else "decode"
     name = f"staged_{phase}_T{tokens}_{fmt}_{source}"
-    rows_read = len(hl.PLE_LAYERS) * tokens * NUM_HEADS
-    read_bytes = rows_read * hl.row_bytes(fmt)
+    rows_read = len(sp.PLE_LAYERS) * tokens * NUM_HEADS
+    read_bytes = rows_read * sp.row_bytes(fmt)
     out_bytes = rows_read * HEAD_DIM * 2  # bf16 out
     batch, qsl, context = _host_batch(proxy, tokens)
     count = max(2, -(-size.cold_bytes // max(read_bytes, 1)))
-    gen = torch.Generator().manual_seed(hl.INPUT_SEED + tokens)
-    id_batches = torch.randint(0, hl.VOCAB_SIZE, (count, tokens), generator=gen)
+    gen = torch.Generator().manual_seed(sp.INPUT_SEED + tokens)
+    id_batches = torch.randint(0, sp.VOCAB_SIZE, (count, tokens), generator=gen)
     device_ids = id_batches.to(device)
     cursor = [0]
 
@@ -257,13 +257,13 @@ def _case(proxy: hl.StepProxy, tables: _Tables, tokens: int, source: str) -> Cas
 
     # Host buffers of the baselines (pinned on a GPU) and their device rows.
     def host_rows(width: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        return [torch.empty(tokens, width, dtype=dtype, pin_memory=on_gpu) for _ in hl.PLE_LAYERS]
+        return [torch.empty(tokens, width, dtype=dtype, pin_memory=on_gpu) for _ in sp.PLE_LAYERS]
 
     device_rows = [
-        torch.empty(tokens, NUM_HEADS * HEAD_DIM, dtype=hl.DTYPE, device=device)
-        for _ in hl.PLE_LAYERS
+        torch.empty(tokens, NUM_HEADS * HEAD_DIM, dtype=sp.DTYPE, device=device)
+        for _ in sp.PLE_LAYERS
     ]
-    ids_buffers = [torch.empty(tokens, NUM_HEADS, dtype=torch.int64) for _ in hl.PLE_LAYERS]
+    ids_buffers = [torch.empty(tokens, NUM_HEADS, dtype=torch.int64) for _ in sp.PLE_LAYERS]
 
     def hashed(embedding: NGramEmbedding, ids: torch.Tensor, k: int) -> torch.Tensor:
         return embedding._ngram_ids(ids, qsl, context, ids_buffers[k])
@@ -281,20 +281,20 @@ def _case(proxy: hl.StepProxy, tables: _Tables, tokens: int, source: str) -> Cas
             paths[path] = _staged_call(pipeline, next_ids, qsl, context)
 
     if source == "ram":
-        oracle_out = host_rows(NUM_HEADS * HEAD_DIM, hl.DTYPE)
+        oracle_out = host_rows(NUM_HEADS * HEAD_DIM, sp.DTYPE)
 
         def torch_gather() -> list[torch.Tensor]:
             ids = next_ids()
             for k, embedding in enumerate(tables.ram):
                 gathered = reference.gather_rows(
-                    embedding.table, hashed(embedding, ids, k), **hl.spec_gather_args(embedding)
+                    embedding.table, hashed(embedding, ids, k), **sp.spec_gather_args(embedding)
                 )
                 oracle_out[k].copy_(gathered)
             return deliver(oracle_out)
 
         paths["torch_gather"] = torch_gather
         if fmt != "bf16":
-            decoded = host_rows(NUM_HEADS * HEAD_DIM, hl.DTYPE)
+            decoded = host_rows(NUM_HEADS * HEAD_DIM, sp.DTYPE)
 
             def decode_rows() -> list[torch.Tensor]:
                 ids = next_ids()
@@ -321,7 +321,7 @@ def _case(proxy: hl.StepProxy, tables: _Tables, tokens: int, source: str) -> Cas
                         np.take(memmap, flat, axis=0, out=out.numpy())
                     else:
                         out.copy_(torch.from_numpy(memmap[flat]))
-                return deliver([p.view(hl.DTYPE).view(tokens, -1) for p in pinned])
+                return deliver([p.view(sp.DTYPE).view(tokens, -1) for p in pinned])
 
             return run
 
@@ -335,14 +335,14 @@ def _case(proxy: hl.StepProxy, tables: _Tables, tokens: int, source: str) -> Cas
     if source != "ram":
         references["sequential_read"] = _sequential_reader(tables.fds[0], tables.file_bytes)
 
-    oracle_rows = host_rows(NUM_HEADS * HEAD_DIM, hl.DTYPE)
+    oracle_rows = host_rows(NUM_HEADS * HEAD_DIM, sp.DTYPE)
 
     def oracle() -> list[torch.Tensor]:
         ids = next_ids()
         for k, embedding in enumerate(tables.ram):
             oracle_rows[k].copy_(
                 reference.gather_rows(
-                    embedding.table, hashed(embedding, ids, k), **hl.spec_gather_args(embedding)
+                    embedding.table, hashed(embedding, ids, k), **sp.spec_gather_args(embedding)
                 )
             )
         return oracle_rows
@@ -376,9 +376,9 @@ def _case(proxy: hl.StepProxy, tables: _Tables, tokens: int, source: str) -> Cas
         "size": size.name,
         "ours": ours_name,
         "paths": list(paths),
-        "ple_layers": len(hl.PLE_LAYERS),
+        "ple_layers": len(sp.PLE_LAYERS),
         "rows": tables.ram[0].num_rows,
-        "row_bytes": hl.row_bytes(fmt),
+        "row_bytes": sp.row_bytes(fmt),
         "NH": NUM_HEADS,
         "d": HEAD_DIM,
         "id_batches": count,

@@ -6,12 +6,12 @@ The table ([R_pad, d], R_pad = 320,001,536 rows for the released layer) can be p
 
 - ``"device"``: in device memory (or CPU memory when ``device`` is the CPU);
 - ``"pinned"``: in host memory of exactly its size, registered once and read by the GPU over
-  PCIe (:func:`qwen4exp_ext.host_table.pinned_host_table`,
-  :func:`~qwen4exp_ext.host_table.device_view`); ids and outputs live on the GPU;
+  PCIe (:func:`qwen4exp_ext.tables.host_memory.pinned_host_table`,
+  :func:`~qwen4exp_ext.tables.host_memory.device_view`); ids and outputs live on the GPU;
 - ``"cpu"``: in host memory on huge pages, gathered by the CPU kernel;
 - ``"file"``: in a table file on disk (``table_path``, written by ``qwen4exp-table pack``;
-  :mod:`qwen4exp_ext.table_file`), never held whole in RAM, read by the CPU through a memory
-  mapping or with ``O_DIRECT`` reads (``table_reader``; :mod:`qwen4exp_ext.table_readers`).
+  :mod:`qwen4exp_ext.tables.file_format`), never held whole in RAM, read by the CPU through a memory
+  mapping or with ``O_DIRECT`` reads (``table_reader``; :mod:`qwen4exp_ext.tables.readers`).
 
 A GPU reads a ``"pinned"`` table itself; the rows of a ``"cpu"`` or ``"file"`` table reach a
 GPU through :class:`~qwen4exp_ext.layers.staged.StagedLookupPipeline` (CPU threads gather them
@@ -28,8 +28,7 @@ With ``shard=(rank, world_size)`` this rank holds only its block of rows
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,12 +36,22 @@ import torch
 from torch import nn
 
 from qwen4exp_ext import layout, ops, sharding
-from qwen4exp_ext.host_table import device_view, empty_host_table, pinned_host_table
 from qwen4exp_ext.reference import FP8_DTYPES, NVFP4_BLOCK
-from qwen4exp_ext.table_file import TableFileHeader, expected_header, file_rows, write_table_file
-from qwen4exp_ext.table_readers import READERS, FileTable, TableReader
+from qwen4exp_ext.tables.checkpoint import BUFFER_NAMES
+from qwen4exp_ext.tables.file_format import (
+    NVFP4,
+    TableDtype,
+    TableFileHeader,
+    expected_header,
+    file_rows,
+    table_dtype,
+    write_table_file,
+)
+from qwen4exp_ext.tables.host_memory import device_view, empty_host_table, pinned_host_table
+from qwen4exp_ext.tables.readers import READERS, FileTable, TableReader
 
 from . import prefetch
+from .ngram_loading import CheckpointLoading
 
 __all__ = ["NGramEmbedding"]
 
@@ -55,21 +64,9 @@ HOST_PLACEMENTS = ("cpu", "file")
 # two (qwen4exp-bench ngram_gather_rows; results/bench.jsonl). On the CPU it was 1.85x at decode
 # T = 1, 1.45x at T = 8 and never slower; no GPU has run the fused kernel yet.
 FUSED_LOOKUP_DEVICES = ("cpu",)
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The table format as vLLM's config field ``ple_embedding_dtype`` spells it.
-NVFP4 = "nvfp4"
-TableDtype = torch.dtype | Literal["nvfp4"]
-BUFFER_NAMES = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
-SHARD_PREFIX = "ngram_embedding.shard_"
-WEIGHT_NAME = "ngram_embedding.weight"
-# fp8: the per-tensor scale; NVFP4: the block scales (vLLM's names).
-SCALE_NAME = "ngram_embedding.weight_scale"
-GLOBAL_SCALE_NAME = "ngram_embedding.weight_scale_2"  # NVFP4 only
-# Checkpoint shard leaves: ngram_embedding.shard_<i>.<leaf>.
-SHARD_LEAVES = ("weight", "weight_scale", "weight_scale_2")
 
 
-class NGramEmbedding(nn.Module):
+class NGramEmbedding(CheckpointLoading, nn.Module):
     """Hashed n-gram rows of every token, concatenated over the NH heads: [T, D_e].
 
     ``config`` carries the Qwen4Exp text-config fields (``vocab_size``, ``ngram_size``,
@@ -123,7 +120,7 @@ class NGramEmbedding(nn.Module):
             )
         if table_reader not in READERS:
             raise ValueError(f"table_reader must be one of {READERS}, got {table_reader!r}")
-        dtype = _table_dtype(dtype)
+        dtype = table_dtype(dtype)
         self.nvfp4 = dtype == NVFP4
         if self.nvfp4 and self.head_dim % NVFP4_BLOCK:
             raise ValueError(
@@ -164,8 +161,8 @@ class NGramEmbedding(nn.Module):
         self._register_hash_buffers(multipliers, heads, compute_device)
         self.file_table: FileTable | None = None
         self._local_positions = torch.empty(0, dtype=torch.int64)  # _local_ids' arange, grown
-        # What this layer's table file must say (table_file.py): checked against a file read,
-        # written by save_table_file.
+        # What this layer's table file must say (tables/file_format.py): checked against a file
+        # read, written by save_table_file.
         self.table_file_header = expected_header(config, layer_index, dtype)
         if placement == "file":
             self._open_table_file(
@@ -574,328 +571,6 @@ class NGramEmbedding(nn.Module):
 
     # --- checkpoint loading (vLLM's ``Qwen4ExpNGramEmbedding.load_weights``) ---------------------
 
-    def _checkpoint_shard_rows(self, shard_index: int) -> tuple[int, int]:
-        """(first global row, row count) of checkpoint shard ``shard_index``."""
-        return checkpoint_shard_rows(self.num_rows, self.split_ngram_parts, shard_index)
-
-    @staticmethod
-    def _shard_name(name: str) -> tuple[int, str] | None:
-        """(index, leaf) of ``ngram_embedding.shard_<index>.<leaf>``, leaf in SHARD_LEAVES."""
-        return shard_name(name)
-
-    def _owned_rows(self, global_start: int, count: int) -> tuple[int, int]:
-        """The global rows [lo, hi) of checkpoint rows [global_start, global_start + count) that
-        this rank owns (lo >= hi: none)."""
-        return max(global_start, self.vocab_start), min(global_start + count, self.vocab_end)
-
-    def _copy_rows(self, global_start: int, rows: torch.Tensor, target: str = "weight") -> None:
-        """Copies checkpoint rows [global_start, global_start + len) that this rank owns into
-        ``target`` (``weight``, or the NVFP4 block scales ``weight_scale``), rows already checked
-        by :meth:`_plan`."""
-        lo, hi = self._owned_rows(global_start, rows.shape[0])
-        if lo >= hi:
-            return
-        with torch.no_grad():
-            getattr(self, target)[lo - self.vocab_start : hi - self.vocab_start].copy_(
-                rows[lo - global_start : hi - global_start]
-            )
-
-    def _check_shard(self, name: str, shard_index: int, shape: Sequence[int], width: int) -> int:
-        start, expected_rows = self._checkpoint_shard_rows(shard_index)
-        expected = (expected_rows, width)
-        if tuple(shape) != expected:
-            raise ValueError(
-                f"Shape mismatch for PLE embedding shard {shard_index} ({name}): expected "
-                f"{expected}, got {tuple(shape)}"
-            )
-        return start
-
-    def _check_rows(self, name: str, dtype: torch.dtype) -> None:
-        if self.nvfp4:
-            if dtype != torch.uint8:
-                raise ValueError(
-                    f"NVFP4 PLE rows {name} must be torch.uint8 (two E2M1 codes a byte), got "
-                    f"{dtype}: a cast would reinterpret the packed codes"
-                )
-            return
-        if not dtype.is_floating_point:
-            raise ValueError(f"PLE embedding rows {name} must be floating point, got {dtype}")
-        if self.table_dtype in FP8_DTYPES and dtype != self.table_dtype:
-            raise ValueError(
-                f"PLE embedding rows {name} are {dtype} but the table is {self.table_dtype}; "
-                "an fp8 table loads fp8 rows of the same format (with their weight_scale)"
-            )
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16, self.table_dtype):
-            raise ValueError(
-                f"PLE embedding rows {name} are {dtype} but the table is {self.table_dtype}"
-            )
-
-    def _unsharded_nvfp4(self, name: str) -> ValueError:
-        # vLLM's loader raises the same: NVFP4 checkpoints always come split in shards.
-        return ValueError(
-            f"NVFP4 PLE tables must be stored as {SHARD_PREFIX}<i>.weight and "
-            f"{SHARD_PREFIX}<i>.weight_scale shards, got unsharded {name}"
-        )
-
-    def _check_global_scale(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> None:
-        if not self.nvfp4:
-            raise ValueError(
-                f"{name} (an NVFP4 global scale) given, but the table is {self.table_dtype}"
-            )
-        if math.prod(shape) != 1 or not dtype.is_floating_point:
-            raise ValueError(f"{name} must be one float element, got {dtype} {tuple(shape)}")
-
-    def _plan(self, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device):
-        """Checks one checkpoint tensor from its metadata alone and says what loading it does:
-        ("skip",), ("buffer",), ("scale",) (the fp8 scale), ("global_scale",) (NVFP4) or
-        ("rows", first global row, "weight" | "weight_scale") (table rows, NVFP4 block-scale
-        rows). Raises on a mismatch, before anything is written."""
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf.startswith("hashstats_") or leaf == "token_lookup":
-            return ("skip",)
-        if device.type == "meta":
-            raise ValueError(f"checkpoint tensor {name!r} has no data (it is on the meta device)")
-        shape = tuple(shape)
-        if name in BUFFER_NAMES:
-            expected = tuple(getattr(self, name).shape)
-            if shape != expected:
-                raise ValueError(f"Shape mismatch for {name}: expected {expected}, got {shape}")
-            if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-                raise ValueError(
-                    f"{name} must be an integer tensor (int64 hash constants), got {dtype}"
-                )
-            return ("buffer",)
-        shard = self._shard_name(name)
-        if self.file_table is not None and (
-            name == WEIGHT_NAME or (shard is not None and shard[1] in ("weight", "weight_scale"))
-        ):
-            raise ValueError(
-                f"{name}: the rows of a file table come from its file ({self.file_table.path}); "
-                "write the file from the checkpoint with `qwen4exp-table pack`"
-            )
-        if shard is not None:
-            shard_index, leaf = shard
-            if leaf == "weight":
-                start = self._check_shard(name, shard_index, shape, self.weight.shape[1])
-                self._check_rows(name, dtype)
-                return ("rows", start, "weight")
-            if not self.nvfp4:
-                raise ValueError(f"{name} holds NVFP4 scales, but the table is {self.table_dtype}")
-            if leaf == "weight_scale":
-                start = self._check_shard(name, shard_index, shape, self.weight_scale.shape[1])
-                if dtype != torch.float8_e4m3fn:
-                    raise ValueError(
-                        f"NVFP4 PLE block scales {name} must be torch.float8_e4m3fn, got {dtype}"
-                    )
-                return ("rows", start, "weight_scale")
-            self._checkpoint_shard_rows(shard_index)  # the index must name a shard
-            self._check_global_scale(name, shape, dtype)
-            return ("global_scale",)
-        if self.nvfp4 and name in (WEIGHT_NAME, SCALE_NAME):
-            raise self._unsharded_nvfp4(name)
-        if name == GLOBAL_SCALE_NAME:
-            self._check_global_scale(name, shape, dtype)
-            return ("global_scale",)
-        if name == SCALE_NAME:
-            if self.weight_scale is None:
-                raise ValueError(
-                    f"{SCALE_NAME} given, but the table is {self.table_dtype}, not fp8"
-                )
-            if math.prod(shape) != 1 or not dtype.is_floating_point:
-                raise ValueError(f"{SCALE_NAME} must be one float element, got {dtype} {shape}")
-            return ("scale",)
-        raise ValueError(f"NGramEmbedding.load_weights: unexpected checkpoint tensor {name!r}")
-
-    @staticmethod
-    def _state_name(name: str, plan: tuple) -> str:
-        """The name in this module's state dict that a planned checkpoint tensor writes."""
-        if plan[0] == "rows":
-            return plan[2]
-        if plan[0] == "global_scale":
-            return "weight_scale_2"
-        return name.removeprefix("ngram_embedding.")
-
-    @staticmethod
-    def _agree_global_scale(seen: list[tuple[str, torch.Tensor]], name: str, value) -> None:
-        """Raises unless ``value`` equals the first global scale of this load (in ``seen``):
-        an NVFP4 table has one global scale, however many shards repeat it."""
-        value = value.detach().reshape(1).to(device="cpu", dtype=torch.float32)
-        if not seen:
-            seen.append((name, value))
-            return
-        first_name, first = seen[0]
-        if not torch.equal(first, value):
-            raise ValueError(
-                f"NVFP4 global scales differ: {first_name} = {first.item()!r} but {name} = "
-                f"{value.item()!r}; an NVFP4 table has one global scale (weight_scale_2)"
-            )
-
-    def _check_global_scales(self, steps: Iterable[tuple[str, tuple, Any]]) -> None:
-        """The value check of a whole list of planned steps, before any of them writes."""
-        seen: list[tuple[str, torch.Tensor]] = []
-        for name, plan, source in steps:
-            if plan[0] == "global_scale":
-                self._agree_global_scale(seen, name, source)
-
-    def _commit_small(self, staged: list[tuple[str, str, torch.Tensor]]) -> None:
-        """Writes the checked hash buffers (exact int64), the fp8 scale and the NVFP4 global
-        scale."""
-        with torch.no_grad():
-            for kind, name, tensor in staged:
-                if kind == "scale":
-                    self.weight_scale.copy_(tensor.reshape(1).to(torch.float32))
-                elif kind == "global_scale":
-                    self.weight_scale_2.copy_(tensor.reshape(1).to(torch.float32))
-                else:
-                    buffer = getattr(self, name)
-                    buffer.copy_(tensor.to(dtype=torch.int64).to(buffer.device))
-        if any(name == "ngram_heads_vocab_sizes" for _, name, _ in staged):
-            self._refresh_head_divmod()
-
-    def _check_complete(self) -> None:
-        if self._incomplete_load is not None:
-            raise RuntimeError(self._incomplete_load)
-
-    def _mark_incomplete(self, error: BaseException) -> None:
-        """After a load failed having written table rows: refuse to run until a load succeeds."""
-        self._incomplete_load = (
-            "NGramEmbedding: a load_weights call failed after writing part of the table "
-            f"({type(error).__name__}: {error}); load the checkpoint again before use"
-        )
-        error.add_note("The table is partly written; this module refuses to run.")
-
-    def _run_load(self, steps: Iterable[tuple[str, tuple, Any]]) -> set[str]:
-        """Loads (name, plan, tensor-or-slice-reader) steps whose plans are all checked. Table
-        rows (and NVFP4 block-scale rows) are written as they come (the table is never staged:
-        it is too large); buffers and scales only once every step succeeded. A list of steps
-        has its global scales compared before the first write; a stream, as they come. If a
-        step fails after rows were written, the module refuses to run until a later load
-        succeeds: a half-written table must never give silent wrong rows."""
-        if isinstance(steps, list):
-            self._check_global_scales(steps)
-        loaded: set[str] = set()
-        staged: list[tuple[str, str, torch.Tensor]] = []
-        global_scales: list[tuple[str, torch.Tensor]] = []
-        wrote_rows = False
-        try:
-            for name, plan, source in steps:
-                kind = plan[0]
-                if kind == "skip":
-                    continue
-                if kind == "rows":
-                    _, start, target = plan
-                    if isinstance(source, torch.Tensor):
-                        self._copy_rows(start, source, target)
-                    else:  # a reader of a memory-mapped checkpoint slice
-                        source(start)
-                    wrote_rows = True
-                    loaded.add("ngram_embedding." + target)
-                else:
-                    if kind == "global_scale":
-                        self._agree_global_scale(global_scales, name, source)
-                        name = GLOBAL_SCALE_NAME  # one scale, whichever shard carried it
-                    staged.append((kind, name, source))
-                    loaded.add(name)
-        except BaseException as error:
-            if wrote_rows:
-                self._mark_incomplete(error)
-            raise
-        if self.file_table is not None:  # the file was checked against these: they stay
-            self._check_file_values(staged)
-        self._commit_small(staged)
-        if wrote_rows:
-            self._incomplete_load = None
-        return loaded
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Loads hash buffers (exact int64), checkpoint-split table rows and the fp8 scale, or
-        for an NVFP4 table: ``ngram_embedding.shard_<i>.weight`` (exactly uint8 [rows_i, d/2]),
-        ``ngram_embedding.shard_<i>.weight_scale`` (exactly float8_e4m3fn [rows_i, d/16]) and
-        the global scale, as ``ngram_embedding.weight_scale_2`` or per shard as
-        ``ngram_embedding.shard_<i>.weight_scale_2`` (every value given in one call must be
-        equal). An unsharded NVFP4 ``ngram_embedding.weight``/``weight_scale`` is an error.
-
-        ``hashstats_*`` and ``token_lookup`` tensors are skipped; every other mismatch — a shard
-        index >= split_ngram_parts, a wrong shard or buffer shape or dtype, a float buffer, a
-        meta tensor, an unknown name — is an error. Returns the names loaded
-        (``ngram_embedding.weight`` for the rows, ``ngram_embedding.weight_scale`` for NVFP4
-        block scales, ``ngram_embedding.weight_scale_2`` for the global scale).
-
-        A list, tuple or dict is checked in full before anything is written, so an error leaves
-        the module untouched. Any other iterable is consumed one tensor at a time (a lazy
-        iterator never holds the table twice): buffers and scales are still written only at
-        the end, but rows of earlier shards are already in place when a later tensor is bad; the
-        module then raises on use until a load succeeds.
-        """
-        if isinstance(weights, Mapping):
-            weights = list(weights.items())
-        steps = ((n, self._plan(n, t.shape, t.dtype, t.device), t) for n, t in weights)
-        if isinstance(weights, Sequence):
-            steps = list(steps)  # every tensor checked before the first write
-        return self._run_load(steps)
-
-    def load_safetensors(self, files: Iterable[str | Path], prefix: str = "") -> set[str]:
-        """Loads from safetensors files, reading only the rows this rank owns (memory-mapped
-        slices, one checkpoint shard at a time; NVFP4 block scales alike): the table is never in
-        memory twice.
-        ``prefix`` (e.g. ``"model.ple."``) is stripped; other tensors are ignored. Every
-        tensor's header is checked before anything is written."""
-        from safetensors import safe_open
-
-        files = [str(path) for path in files]
-        steps = []
-        for path in files:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    if not key.startswith(prefix):
-                        continue
-                    name = key[len(prefix) :]
-                    piece = f.get_slice(key)
-                    dtype = safetensors_dtype(piece.get_dtype(), key)
-                    plan = self._plan(name, piece.get_shape(), dtype, torch.device("cpu"))
-                    if plan[0] == "rows":
-                        steps.append((name, plan, self._slice_reader(path, key, plan[2])))
-                    elif plan[0] != "skip":  # small: read now, written at the end
-                        steps.append((name, plan, f.get_tensor(key)))
-        return self._run_load(steps)
-
-    def _slice_reader(self, path: str, key: str, target: str = "weight"):
-        """Copies this rank's rows of one checkpoint shard into ``target`` (the table, or the
-        NVFP4 block scales), as a memory-mapped slice."""
-
-        def read(start: int) -> None:
-            from safetensors import safe_open
-
-            with safe_open(path, framework="pt", device="cpu") as f:
-                piece = f.get_slice(key)
-                lo, hi = self._owned_rows(start, piece.get_shape()[0])
-                if lo < hi:
-                    self._copy_rows(lo, piece[lo - start : hi - start], target)
-
-        return read
-
-
-def shard_name(name: str) -> tuple[int, str] | None:
-    """(index, leaf) of a checkpoint name ``ngram_embedding.shard_<index>.<leaf>``, leaf in
-    SHARD_LEAVES; None for any other name. Shared with the table-file packer (table_tool)."""
-    if not name.startswith(SHARD_PREFIX):
-        return None
-    text, _, leaf = name[len(SHARD_PREFIX) :].partition(".")
-    return (int(text), leaf) if text.isdigit() and leaf in SHARD_LEAVES else None
-
-
-def checkpoint_shard_rows(num_rows: int, parts: int, shard_index: int) -> tuple[int, int]:
-    """(first global row, row count) of checkpoint shard ``shard_index`` of a table of
-    ``num_rows`` rows split in ``parts`` (split_ngram_parts): ceil(num_rows / parts) rows each,
-    the last shorter (and any after it empty)."""
-    if shard_index >= parts:
-        raise ValueError(
-            f"PLE embedding shard index {shard_index} exceeds split_ngram_parts={parts}"
-        )
-    shard_size = -(-num_rows // parts)
-    start = shard_index * shard_size
-    return start, max(0, min(shard_size, num_rows - start))
-
 
 def _keep_file_values_on_load(module: NGramEmbedding, state_dict: dict, prefix: str, *_) -> None:
     """load_state_dict pre hook: as load_weights, a state dict may repeat a file table's scale
@@ -953,38 +628,3 @@ def _allocate_rows(
     host = empty_host_table(rows, width, dtype)
     host.view(torch.uint8).zero_()
     return host
-
-
-def _table_dtype(dtype: TableDtype | str) -> TableDtype:
-    """The table storage ``dtype`` names: a torch dtype, ``"nvfp4"``, or a torch dtype's name."""
-    if isinstance(dtype, str) and dtype != NVFP4:
-        named = getattr(torch, dtype.removeprefix("torch."), None)
-        dtype = named if isinstance(named, torch.dtype) else dtype
-    if dtype != NVFP4 and dtype not in (*FLOAT_DTYPES, *FP8_DTYPES):
-        raise ValueError(f"unsupported table dtype {dtype!r}")
-    return dtype
-
-
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-def safetensors_dtype(code: str, key: str) -> torch.dtype:
-    """The torch dtype of a safetensors header dtype code."""
-    try:
-        return _SAFETENSORS_DTYPES[code]
-    except KeyError:
-        raise ValueError(f"checkpoint tensor {key!r} has unsupported dtype {code}") from None

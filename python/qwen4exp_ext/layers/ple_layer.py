@@ -26,15 +26,12 @@ from torch import nn
 
 from qwen4exp_ext import ops
 from qwen4exp_ext.reference import FP8_DTYPES
+from qwen4exp_ext.tables.checkpoint import safetensors_dtype
+from qwen4exp_ext.tables.file_format import TableDtype
+from qwen4exp_ext.tables.readers import TableReader
 
 from . import prefetch
-from .ngram_embedding import (
-    NGramEmbedding,
-    Placement,
-    TableDtype,
-    TableReader,
-    safetensors_dtype,
-)
+from .ngram_embedding import NGramEmbedding, Placement
 from .state import PLEBatch, _text_config, ple_conv_state_len
 
 __all__ = ["PLELayer"]

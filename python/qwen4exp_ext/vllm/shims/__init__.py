@@ -23,7 +23,7 @@ way, so the sum is exact, except that a -0 row element comes out +0 (-0 + +0) wh
 has more than one rank, and the all-reduce moves 2 (bf16) instead of 1 byte per element. The
 AMD layer's refusal of NVFP4 tables is lifted (our kernels serve them on ROCm), and its loader
 takes NVFP4 shards with vLLM's NVIDIA loader. Pinned host tables are allocated by
-:func:`qwen4exp_ext.host_table.pinned_host_table`: exactly the table's bytes, where torch's
+:func:`qwen4exp_ext.tables.host_memory.pinned_host_table`: exactly the table's bytes, where torch's
 ``pin_memory=True`` rounds each allocation up to a power of two.
 
 This package imports neither vLLM nor anything that does: the plugin hands it vLLM's objects.

@@ -315,9 +315,9 @@ def _make_allocate_pinned(original: Callable[..., torch.Tensor]) -> Callable[...
     ) -> torch.Tensor:
         if "cuda" not in DEVICE_TYPES:  # no registration without our GPU glue
             return original(self, num_embeddings, embedding_dim, dtype)
-        from ... import host_table
+        from ...tables import host_memory
 
-        return host_table.pinned_host_table(num_embeddings, embedding_dim, dtype)
+        return host_memory.pinned_host_table(num_embeddings, embedding_dim, dtype)
 
     return allocate_embedding_weight
 

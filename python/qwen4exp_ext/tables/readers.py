@@ -1,4 +1,5 @@
-"""Reading the rows of a PLE table file (:mod:`qwen4exp_ext.table_file`), never the whole table.
+"""Reading the rows of a PLE table file (:mod:`qwen4exp_ext.tables.file_format`), never the whole
+table.
 
 Two readers, both kept because each wins somewhere (``qwen4exp-bench host_lookup`` measures
 them side by side):
@@ -35,7 +36,7 @@ from typing import Literal
 import torch
 
 from qwen4exp_ext import ops
-from qwen4exp_ext.table_file import (
+from qwen4exp_ext.tables.file_format import (
     TableFileHeader,
     check_header,
     open_regular,
@@ -56,8 +57,8 @@ MAX_IO_THREADS = 1024
 class FileTable:
     """One open table file: its checked header and a reader of its rows.
 
-    ``expected`` (from :func:`~qwen4exp_ext.table_file.expected_header`) is compared with the
-    file's header: a file of another layer, format, width or row count is refused, naming the
+    ``expected`` (from :func:`~qwen4exp_ext.tables.file_format.expected_header`) is compared with
+    the file's header: a file of another layer, format, width or row count is refused, naming the
     file. ``io_threads`` is the direct reader's reads in flight (0: the op's default)."""
 
     def __init__(

@@ -1,22 +1,17 @@
 """Packs a PLE layer's table from a safetensors checkpoint into a table file
-(:mod:`qwen4exp_ext.table_file`) and verifies a file against its checkpoint; the
-``qwen4exp-table`` command (``python -m qwen4exp_ext.table_tool``)::
+(:mod:`qwen4exp_ext.tables.file_format`) and verifies a file against its checkpoint: the work of
+the ``qwen4exp-table`` command (:mod:`qwen4exp_ext.tables.cli`).
 
-    qwen4exp-table pack --config config.json --layer L [--prefix P] [--dtype D] -o OUT CKPT...
-    qwen4exp-table verify --config config.json --layer L [--prefix P] TABLE CKPT...
-    qwen4exp-table info TABLE
-
-CKPT: .safetensors files, or directories holding them. The checkpoint names are NGramEmbedding's
-(SPEC §4 "Checkpoints"), after ``prefix``: ``ngram_embedding.shard_<i>.weight`` shards (or an
-unsharded ``ngram_embedding.weight``), fp8's ``ngram_embedding.weight_scale``, NVFP4's
-``shard_<i>.weight_scale`` block scales and ``weight_scale_2`` global scale. Both commands stream
-the table one checkpoint shard at a time, in chunks of CHUNK_BYTES: a 95 GB table is never in
-memory.
+The checkpoint: .safetensors files, or directories holding them. The checkpoint names are
+NGramEmbedding's (SPEC §4 "Checkpoints"; :mod:`.checkpoint`), after ``prefix``:
+``ngram_embedding.shard_<i>.weight`` shards (or an unsharded ``ngram_embedding.weight``), fp8's
+``ngram_embedding.weight_scale``, NVFP4's ``shard_<i>.weight_scale`` block scales and
+``weight_scale_2`` global scale. Both commands stream the table one checkpoint shard at a time, in
+chunks of CHUNK_BYTES: a 95 GB table is never in memory.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fnmatch
 import json
@@ -24,17 +19,16 @@ import math
 import os
 import shutil
 import stat
-import sys
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from qwen4exp_ext import layout
-from qwen4exp_ext.layers.ngram_embedding import (
+from qwen4exp_ext.reference import NVFP4_BLOCK
+from qwen4exp_ext.tables.checkpoint import (
     BUFFER_NAMES,
     GLOBAL_SCALE_NAME,
     SCALE_NAME,
@@ -44,8 +38,7 @@ from qwen4exp_ext.layers.ngram_embedding import (
     safetensors_dtype,
     shard_name,
 )
-from qwen4exp_ext.reference import NVFP4_BLOCK
-from qwen4exp_ext.table_file import (
+from qwen4exp_ext.tables.file_format import (
     FP8_FORMATS,
     NVFP4,
     TableFileError,
@@ -55,12 +48,11 @@ from qwen4exp_ext.table_file import (
     format_name,
     hash_layout,
     open_regular,
-    read_header,
     read_header_at,
     write_table_file,
 )
 
-__all__ = ["CHUNK_BYTES", "load_config", "main", "pack_table", "verify_table"]
+__all__ = ["CHUNK_BYTES", "load_config", "pack_table", "verify_table"]
 
 # Rows are read, written and compared this many bytes at a time (at least one row).
 CHUNK_BYTES = 64 << 20
@@ -602,90 +594,3 @@ def _raise_first_difference(
         f"{path}: row {first_row + row} differs from the checkpoint's (byte {column} of the "
         f"row{part}; {piece.label}, {source.where()} row {first_row + row - piece.start})"
     )
-
-
-# --- the command ------------------------------------------------------------------------------
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="qwen4exp-table",
-        description="Pack a PLE layer's table from a safetensors checkpoint into a table file "
-        "(served from disk), verify one, or show its header.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    def layer_arguments(command: argparse.ArgumentParser) -> None:
-        command.add_argument(
-            "--config", required=True, help="the model's HF config.json (its text_config)"
-        )
-        command.add_argument(
-            "--layer", required=True, type=_layer, help="dense PLE layer index L (0 = first)"
-        )
-        command.add_argument(
-            "--prefix",
-            default="",
-            help="the layer's checkpoint name prefix, stripped (e.g. model.layers.3.ple.)",
-        )
-
-    pack = commands.add_parser("pack", help="write a table file from a checkpoint")
-    layer_arguments(pack)
-    pack.add_argument(
-        "--dtype", default=None, help="the table format (default: the checkpoint's rows')"
-    )
-    pack.add_argument("-o", "--output", required=True, help="the table file to write")
-    pack.add_argument("checkpoint", nargs="+", help=".safetensors files or directories")
-
-    verify = commands.add_parser("verify", help="compare a table file with its checkpoint")
-    layer_arguments(verify)
-    verify.add_argument("table", help="the table file")
-    verify.add_argument("checkpoint", nargs="+", help=".safetensors files or directories")
-
-    info = commands.add_parser("info", help="print a table file's header (validated)")
-    info.add_argument("table", help="the table file")
-    return parser
-
-
-def _layer(text: str) -> int:
-    """--layer: an integer in [0, layout.MAX_LAYER_INDEX] (argparse names the option)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    try:
-        return layout.check_layer_index(value, "it")
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error).removeprefix("it ")) from None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The ``qwen4exp-table`` command: 0 on success, 1 with a one-line error on failure
-    (argparse exits 2 on bad usage)."""
-    args = _parser().parse_args(argv)
-    try:
-        if args.command == "pack":
-            header = pack_table(
-                args.checkpoint, args.output, args.config, args.layer, args.dtype, args.prefix
-            )
-            print(
-                f"wrote {args.output}: PLE layer {header.layer_index}, {header.format}, "
-                f"{header.num_rows} rows x {header.head_dim}, {header.file_bytes} bytes"
-            )
-        elif args.command == "verify":
-            counts = verify_table(args.table, args.checkpoint, args.config, args.layer, args.prefix)
-            print(
-                f"{args.table}: OK, {counts['rows']} rows ({counts['bytes']} bytes) equal the "
-                f"checkpoint's"
-            )
-        else:
-            header = read_header(args.table)
-            print(json.dumps({**asdict(header), "file_bytes": header.file_bytes}, indent=1))
-    except (TableFileError, ValueError, OSError) as error:
-        message = " ".join(str(error).split())
-        print(f"qwen4exp-table: error: {message}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
