@@ -14,7 +14,7 @@ _DISK_OFFLOAD_RUN = r"""
 import json, os, sys
 from qwen4exp_ext.bench import vllm_disk_offload as bench
 from qwen4exp_ext.bench.cli import main
-bench.TABLE_ROWS, bench.PREFILL_TOKENS = 4001, 24  # tiny: 8 shards, the last one shorter
+bench.TABLE_ROWS, bench.PREFILL_TOKENS = 4090, 24  # tiny: 512 shards of 8 rows, the last 2
 code = main(["vllm_disk_offload", "--quick", "--threads", "1", "--json", os.environ["REPORT"]])
 print(json.dumps({"code": code}))
 """
@@ -43,7 +43,7 @@ def test_vllm_disk_offload_row_races_vllm_s_staging(tmp_path: Path) -> None:
     for result in found["results"]:
         assert result["check"] is True and result["vllm_baseline"] == "vllm_staging"
         assert result["speedup_vs_vllm"] > 0 and result["baseline"] == "vllm_staging"
-        assert result["params"]["disk"] and result["params"]["checkpoint_shards"] == 8
+        assert result["params"]["disk"] and result["params"]["checkpoint_shards"] == 512
     assert found["cpu"]["model_name"]  # the CPU, as every report names it
     (disk,) = [s for s in found["sections"] if s["name"] == "disk"]
     assert disk["rows"][0]["disk"] == result["params"]["disk"]

@@ -87,7 +87,8 @@ def test_fp8_rows_staged_from_the_file_are_scaled_as_vllm_does(tmp_path, plugins
 
 # Builds vLLM's disk-offloaded layer of each format over real safetensors files: the table split
 # into 3 checkpoint shards (vLLM's `split_ngram_parts`; 301 rows, so the last is shorter), shards
-# 0 and 1 in one file behind an odd-sized tensor (unaligned data offsets), shard 2 in another.
+# 0 and 1 in one file behind an odd-sized tensor (unaligned data offsets), shard 2 in another
+# (or, one_file, all three in the first).
 _STAGE_SETUP = r"""
 import json, os, struct, sys
 import numpy as np
@@ -137,7 +138,7 @@ def file_views(path, tensors):
         views[key] = torch.from_numpy(np.asarray(mapped)).view(tensor.dtype).view(tensor.shape)
     return views
 
-def build(fmt, parts=PARTS, tokens=MAX_TOKENS):
+def build(fmt, parts=PARTS, tokens=MAX_TOKENS, one_file=False):
     method, width, planes = FORMATS[fmt]
     shard = (ROWS + parts - 1) // parts
     with set_current_vllm_config(vc):
@@ -146,11 +147,12 @@ def build(fmt, parts=PARTS, tokens=MAX_TOKENS):
     files = {"a": {"pad": torch.zeros(3, dtype=torch.uint8)}, "b": {}}
     for name, table in planes.items():
         for i in range(parts):
-            where = "b" if parts > 1 and i == parts - 1 else "a"
+            where = "b" if parts > 1 and i == parts - 1 and not one_file else "a"
             files[where][f"shard_{i}.{name}"] = table[i * shard:(i + 1) * shard].contiguous()
     for where, tensors in files.items():
         if tensors:
-            for key, view in file_views(os.path.join(folder, f"{fmt}-{parts}-{where}.safetensors"),
+            stem = f"{fmt}-{parts}{'-one' if one_file else ''}-{where}"
+            for key, view in file_views(os.path.join(folder, f"{stem}.safetensors"),
                                         tensors).items():
                 if key != "pad":
                     i, name = key[len("shard_"):].split(".")
@@ -182,8 +184,8 @@ ids[1] = torch.tensor([201, 202, 300])
 ids[2] = torch.tensor([0, 300, 0])
 found = {}
 for fmt in FORMATS:
-    for parts in (PARTS, 1):
-        emb, planes = build(fmt, parts)
+    for parts, one_file in ((PARTS, False), (PARTS, True), (1, False)):
+        emb, planes = build(fmt, parts, one_file=one_file)
         emb.copy_ids_to_host(ids)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             emb.stage_rows(7)
@@ -192,9 +194,9 @@ for fmt in FORMATS:
             host.view(torch.uint8).fill_(0xA5)  # vLLM must write every byte again
         vllm_stage_rows(emb, 7)
         theirs = staged(emb, 7)
-        key = f"{fmt}/{parts}"
+        key = f"{fmt}/{parts}" + ("/one_file" if one_file else "")
         found[key] = {
-            "read_file_rows": any(e.name == "qwen4exp::read_file_rows" for e in prof.events()),
+            "read_file_rows": sum(e.name == "qwen4exp::read_file_rows" for e in prof.events()),
             # the file's rows, as vLLM's own staging leaves them, and as ours does
             "vllm_is_file": all(torch.equal(theirs[n][0], planes[n][ids])
                                 and torch.equal(theirs[n][1], planes[n][ids]) for n in planes),
@@ -216,17 +218,23 @@ print(json.dumps({"found": found, "swapped": plugin.swapped()}))
 @_HAS_DISK_OFFLOAD
 @pytest.mark.parametrize("plugins", ["qwen4exp", "none"])
 def test_staged_rows_are_vllm_s_bit_for_bit(tmp_path, plugins):
-    """vLLM's disk-offload staging of bf16, FP8 and NVFP4 tables in 3 shards over 2 files (and in
-    one shard), with the plugin: read by our reader (the profiler sees the op), and the pinned
+    """vLLM's disk-offload staging of bf16, FP8 and NVFP4 tables in 3 shards over 2 files, over
+    1 file, and in one shard, with the plugin: read by our reader (the profiler sees the op, once
+    per file region: consecutive shards of a file are one), and the pinned
     host rows and staging rows equal, byte for byte, those vLLM's own stage_rows leaves and the
     file's rows; without the plugin, vLLM's own read runs and nothing is swapped."""
     out = run_python(_STAGE_SCRIPT, env={"VLLM_PLUGINS": plugins, "QWEN4EXP_FOLDER": str(tmp_path)})
     result = json.loads(out.strip().splitlines()[-1])
     ours = plugins == "qwen4exp"
     assert ("Qwen4ExpPLEDiskOffloadEmbedding.stage_rows" in result["swapped"]) is ours
-    assert len(result["found"]) == 6
+    if ours:  # one call per file region: consecutive shards of a file are one (bf16, fp8)
+        for fmt in ("bf16", "fp8"):
+            calls = {k: result["found"][f"{fmt}/{k}"]["read_file_rows"] for k in ("3", "1")}
+            calls["3/one_file"] = result["found"][f"{fmt}/3/one_file"]["read_file_rows"]
+            assert calls == {"3": 2, "1": 1, "3/one_file": 1}, (fmt, calls)
+    assert len(result["found"]) == 9
     for key, case in result["found"].items():
-        assert case["read_file_rows"] is ours, key
+        assert (case["read_file_rows"] > 0) is ours, key
         assert case["vllm_is_file"] is True, key
         assert case["ours_is_vllm"] is True, key
         assert case.get("staged_rows", True) is True, key

@@ -52,7 +52,7 @@ from qwen4exp_ext.bench.gather_rows import HEAD_DIM, NUM_HEADS
 from qwen4exp_ext.bench.registry import Case, Section
 
 TABLE_ROWS = 2_000_000  # 640 MB of bf16 rows: far beyond any CPU cache
-CHECKPOINT_SHARDS = 8
+CHECKPOINT_SHARDS = 512  # the released checkpoint's split_ngram_parts
 DECODE_TOKENS = 64
 PREFILL_TOKENS = 8192
 ID_BATCHES = 4  # id batches each contender cycles through

@@ -3,11 +3,14 @@ step's rows read from the checkpoint files by :func:`qwen4exp_ext.ops.read_file_
 
 vLLM's ``stage_rows`` sorts the step's distinct ids, then reads one row per ``os.preadv``,
 serially on the calling thread, into a buffer of distinct rows, and copies them out by the
-inverse index. Ours hands each shard file and plane to one ``read_file_rows`` call (rows read
+inverse index. Ours hands each file region of a plane to one ``read_file_rows`` call (rows read
 in file order, rows sharing a block read once, many reads in flight on the op's threads, with
-the GIL released), which writes every token's row straight into vLLM's pinned host buffer: with
-one shard there is no sort and no second copy; with several, the ids are sorted once so that
-each shard's ids are one slice, and the rows go back to token order in one ``index_copy_``.
+the GIL released). A region is the shards of one file that lie on one row grid (consecutive
+shards, in any order: a safetensors file of one plane's shards is one region however many
+shards it holds), so a checkpoint split into 512 shards is read in one call per file, not 512.
+With one region the rows go straight into vLLM's pinned host buffer in token order (no sort, no
+second copy); with several, the ids are grouped by region once, and the rows go back to token
+order in one ``index_copy_``.
 The staged bytes are vLLM's, bit for bit (raw planes: FP8 bytes, NVFP4 packed bytes and block
 scales, which vLLM's forward decodes as before).
 
@@ -22,8 +25,8 @@ This module imports neither vLLM nor anything that does: the plugin hands it vLL
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,54 +34,80 @@ import torch
 from ... import ops
 
 
-def _file_names(layer: Any) -> dict[int, str]:
-    """fd -> path of the files vLLM opened for ``layer`` (its ``_fds`` is path -> fd)."""
-    return {fd: path for path, fd in layer._fds.items()}
+@dataclass(frozen=True)
+class _Regions:
+    """Where one plane's rows lie: shards whose rows are one row grid of one file (the same
+    descriptor, data offsets equal modulo the row size: consecutive shards of a safetensors
+    file, or shards with other whole rows' worth of bytes between them) form a region, read by
+    one call with ids counted in rows from the region's first byte. Per shard: its region and
+    the region row of its first row; per region: (fd, data offset, path)."""
+
+    region_of: torch.Tensor  # int64 [shards]
+    first_row: torch.Tensor  # int64 [shards]
+    regions: tuple[tuple[int, int, str], ...]
 
 
-def _read_shard(
-    layer: Any, fd: int, ids: torch.Tensor, out: torch.Tensor, base: int, path: str
-) -> None:
-    """One shard file's rows: ``out[k]`` = the row of shard-local id ``ids[k]``, read from
-    ``fd`` at ``base`` (the shard's safetensors data offset). A short or failed read raises
-    vLLM's ValueError, naming the file."""
+# The attribute of vLLM's layer that caches its planes' regions (its files are bound once: vLLM
+# refuses a reload).
+_REGIONS_ATTR = "_qwen4exp_regions"
+
+
+def _regions(layer: Any, name: str, row_bytes: int) -> _Regions:
+    cache = layer.__dict__.setdefault(_REGIONS_ATTR, {})
+    found = cache.get(name)
+    if found is not None:
+        return found
+    fds, bases = (t.tolist() for t in layer._sources[name])
+    paths = {fd: path for path, fd in layer._fds.items()}
+    keys = [(fd, base % row_bytes) for fd, base in zip(fds, bases, strict=True)]
+    lowest: dict[tuple[int, int], int] = {}
+    for key, base in zip(keys, bases, strict=True):
+        lowest[key] = min(base, lowest.get(key, base))
+    index = {key: i for i, key in enumerate(lowest)}
+    found = _Regions(
+        torch.tensor([index[key] for key in keys], dtype=torch.int64),
+        torch.tensor(
+            [(base - lowest[key]) // row_bytes for key, base in zip(keys, bases, strict=True)],
+            dtype=torch.int64,
+        ),
+        tuple((fd, offset, paths.get(fd, "")) for (fd, _), offset in lowest.items()),
+    )
+    cache[name] = found
+    return found
+
+
+def _read_region(region: tuple[int, int, str], ids: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[k]`` = region row ``ids[k]``; a short or failed read raises vLLM's ValueError,
+    naming the file."""
+    fd, offset, path = region
     try:
-        ops.read_file_rows(
-            fd,
-            ids,
-            out,
-            data_offset=base,
-            row_bytes=out.shape[1],
-            vocab_start=0,
-            vocab_end=layer._shard_size,
-            path=path,
-        )
+        ops.read_file_rows(fd, ids, out, data_offset=offset, row_bytes=out.shape[1], path=path)
     except RuntimeError as exc:
         raise ValueError(f"PLE shard file {path} could not be read: {exc}") from exc
 
 
 def _stage_plane(layer: Any, name: str, ids: torch.Tensor, out: torch.Tensor, rows: Any) -> None:
-    """One plane (``weight`` or NVFP4's ``weight_scale``) of the step's ids into ``out`` (uint8
-    ``[n, row_bytes]``, token-major, as vLLM's pinned host buffer); ``rows`` is vLLM's scratch
-    buffer of at least ``n`` rows, used only with several shards."""
-    fds, bases = layer._sources[name]
-    names = _file_names(layer)
-    if fds.numel() == 1:
-        fd = int(fds[0])
-        _read_shard(layer, fd, ids, out, int(bases[0]), names.get(fd, ""))
+    """One plane (``weight`` or NVFP4's ``weight_scale``) of the step's ids (in range) into
+    ``out`` (uint8 ``[n, row_bytes]``, token-major: vLLM's pinned host buffer); ``rows`` is
+    vLLM's scratch buffer of at least ``n`` rows, used only where the rows lie in several
+    regions (:class:`_Regions`)."""
+    where = _regions(layer, name, out.shape[1])
+    shard = ids // layer._shard_size
+    region_rows = where.first_row[shard] + (ids - shard * layer._shard_size)
+    if len(where.regions) == 1:  # one call, in token order: no sort, no second copy
+        _read_region(where.regions[0], region_rows, out)
         return
-    # Sorted, each shard's ids are one slice: one call per shard file, into vLLM's scratch rows,
-    # then back to token order.
-    ordered, order = torch.sort(ids)
-    starts = torch.arange(fds.numel(), dtype=ordered.dtype) * layer._shard_size
-    bounds = torch.searchsorted(ordered, starts).tolist() + [ordered.numel()]
-    scratch = rows[: ordered.numel()]
-    for shard, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-        if lo == hi:
-            continue
-        fd = int(fds[shard])
-        local = ordered[lo:hi] - int(starts[shard])
-        _read_shard(layer, fd, local, scratch[lo:hi], int(bases[shard]), names.get(fd, ""))
+    # Grouped by region, each region's ids are one slice: one call per region into vLLM's
+    # scratch rows, then back to token order.
+    region = where.region_of[shard]
+    order = torch.argsort(region, stable=True)
+    counts = torch.bincount(region, minlength=len(where.regions)).tolist()
+    ordered, scratch = region_rows[order], rows[: ids.numel()]
+    lo = 0
+    for spot, count in zip(where.regions, counts, strict=True):
+        if count:
+            _read_region(spot, ordered[lo : lo + count], scratch[lo : lo + count])
+        lo += count
     out.index_copy_(0, order, scratch)
 
 
