@@ -363,6 +363,9 @@ CPU_CASES = {
         for phase, t in (("decode", 1), ("decode", 64), ("decode", 256), ("prefill", 8192))
         if not (source == "cold" and phase == "prefill")
     ],
+    "vllm_disk_offload": [
+        f"stage_{p}_bf16_{s}" for p in ("decode_T64", "prefill_T8192") for s in ("warm", "cold")
+    ],
 }
 # Of those, every variant of the headline shapes (formats, id patterns, the fast gate, the
 # dim-first conv state): what tools/check-gpu.sh benches, registry.HEADLINE_CASES.
@@ -383,6 +386,7 @@ HEADLINE_VARIANTS = {
     | {f"staged_{p}_{f}_ram" for p in ("decode_T64", "prefill_T8192") for f in ("fp8", "nvfp4")}
     | {f"staged_{p}_bf16_{s}" for p in ("decode_T64", "prefill_T8192") for s in ("ram", "warm")}
     | {"staged_decode_T64_bf16_cold"},
+    "vllm_disk_offload": set(CPU_CASES["vllm_disk_offload"]),
 }
 # The representative subset: each op's headline case of each phase, in its default format and
 # layout (the first of its cases at that shape).
@@ -399,7 +403,7 @@ HEADLINE = {
 def _selection(argv: list[str]) -> tuple[argparse.Namespace, dict[str, set[str]]]:
     """The parsed arguments and the cases of CPU_CASES the run would time, by op."""
     args, _ = bench_args.parse_args(argv)
-    ops_ = args.ops or list(OP_MODULES)
+    ops_ = bench_args.selected_ops(args)
     return args, {op: set(bench_args.selected_case_names(args, CPU_CASES[op])) for op in ops_}
 
 

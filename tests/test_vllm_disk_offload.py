@@ -14,12 +14,10 @@ import pytest
 
 from vllm_support import require_vllm, run_python, vllm_version
 
-pytestmark = [
-    *require_vllm(),
-    pytest.mark.skipif(
-        vllm_version() == "0.33.0", reason="vLLM 0.33.0 has no disk_offload (0.34.0 on)"
-    ),
-]
+pytestmark = require_vllm()
+_HAS_DISK_OFFLOAD = pytest.mark.skipif(
+    vllm_version() == "0.33.0", reason="vLLM 0.33.0 has no disk_offload (0.34.0 on)"
+)
 
 _SCRIPT = r"""
 import json, os, struct, sys
@@ -76,9 +74,258 @@ print(json.dumps({
 """
 
 
+@_HAS_DISK_OFFLOAD
 @pytest.mark.parametrize("plugins", ["qwen4exp", "none"])
 def test_fp8_rows_staged_from_the_file_are_scaled_as_vllm_does(tmp_path, plugins):
     out = run_python(_SCRIPT, env={"VLLM_PLUGINS": plugins, "QWEN4EXP_FOLDER": str(tmp_path)})
     found = json.loads(out.strip().splitlines()[-1])
     assert found["dequantize_swapped"] is (plugins == "qwen4exp")
     assert found["equal"] is True, found
+
+
+# ---- the staged rows: vLLM's read and ours, bit for bit ------------------------------------
+
+# Builds vLLM's disk-offloaded layer of each format over real safetensors files: the table split
+# into 3 checkpoint shards (vLLM's `split_ngram_parts`; 301 rows, so the last is shorter), shards
+# 0 and 1 in one file behind an odd-sized tensor (unaligned data offsets), shard 2 in another
+# (or, one_file, all three in the first).
+_STAGE_SETUP = r"""
+import json, os, struct, sys
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+if os.environ.get("VLLM_PLUGINS") == "qwen4exp":
+    import vllm.plugins
+    vllm.plugins.load_general_plugins()
+from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.models.qwen4_exp.common import ngram_embedding as common
+from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpPLEDiskOffloadEmbedding as Disk
+import qwen4exp_ext.vllm as plugin
+
+folder = os.environ["QWEN4EXP_FOLDER"]
+ROWS, PARTS, HEADS, MAX_TOKENS = 301, 3, 3, 9
+SHARD = (ROWS + PARTS - 1) // PARTS
+g = torch.Generator().manual_seed(11)
+# format -> (method, embedding width, {plane: full table as the checkpoint stores it})
+FORMATS = {
+    "bf16": (common.Qwen4ExpPLEUnquantizedEmbeddingMethod, 48,
+             {"weight": torch.randn(ROWS, 48, generator=g).to(torch.bfloat16)}),
+    "fp8": (common.Qwen4ExpPLEFp8EmbeddingMethod, 80,
+            {"weight": (torch.randn(ROWS, 80, generator=g) * 4).to(torch.float8_e4m3fn)}),
+    "nvfp4": (common.Qwen4ExpPLENvFp4EmbeddingMethod, 64,
+              {"weight": torch.randint(0, 256, (ROWS, 32), generator=g, dtype=torch.uint8),
+               "weight_scale": torch.rand(ROWS, 4, generator=g).to(torch.float8_e4m3fn)}),
+}
+
+vc = VllmConfig(device_config=DeviceConfig("cpu"))
+with set_current_vllm_config(vc):
+    init_distributed_environment(1, 0, "file://" + os.path.join(folder, "store"), 0, "gloo")
+    initialize_model_parallel(1, 1)
+
+def file_views(path, tensors):
+    # vLLM's loader hands over views of the file's mapping: the same, with numpy's memmap.
+    save_file(tensors, path)
+    with open(path, "rb") as f:
+        header_len = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(header_len))
+    views = {}
+    for key, tensor in tensors.items():
+        start = 8 + header_len + header[key]["data_offsets"][0]
+        nbytes = tensor.numel() * tensor.element_size()
+        mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(nbytes,))
+        views[key] = torch.from_numpy(np.asarray(mapped)).view(tensor.dtype).view(tensor.shape)
+    return views
+
+def build(fmt, parts=PARTS, tokens=MAX_TOKENS, one_file=False):
+    method, width, planes = FORMATS[fmt]
+    shard = (ROWS + parts - 1) // parts
+    with set_current_vllm_config(vc):
+        emb = Disk(ROWS, width, params_dtype=torch.bfloat16, padding_size=1, prefix=fmt,
+                   embedding_method=method(), num_ngram_heads=HEADS, max_total_tokens=tokens)
+    files = {"a": {"pad": torch.zeros(3, dtype=torch.uint8)}, "b": {}}
+    for name, table in planes.items():
+        for i in range(parts):
+            where = "b" if parts > 1 and i == parts - 1 and not one_file else "a"
+            files[where][f"shard_{i}.{name}"] = table[i * shard:(i + 1) * shard].contiguous()
+    for where, tensors in files.items():
+        if tensors:
+            stem = f"{fmt}-{parts}{'-one' if one_file else ''}-{where}"
+            for key, view in file_views(os.path.join(folder, f"{stem}.safetensors"),
+                                        tensors).items():
+                if key != "pad":
+                    i, name = key[len("shard_"):].split(".")
+                    emb.accept_checkpoint_shard(int(i), view, shard, name)
+    with torch.no_grad():
+        if fmt == "fp8":
+            emb.weight_scale.fill_(0.37)
+        if fmt == "nvfp4":
+            emb.weight_scale_2.fill_(0.5)
+    emb.embedding_method.process_weights_after_loading(emb)  # binds the files, drops the views
+    return emb, planes
+
+def staged(emb, tokens):
+    # Every plane's pinned host rows and device staging rows, as bytes.
+    return {name: (host[:tokens].clone(), staging[:tokens].clone())
+            for name, (staging, host, _) in emb._planes.items()}
+
+vllm_stage_rows = getattr(Disk.stage_rows, "__qwen4exp_replaces__", Disk.stage_rows)
+"""
+
+_STAGE_SCRIPT = (
+    _STAGE_SETUP
+    + r"""
+# Odd T (7 of 9), repeated ids (0 three times, 300 twice), ids in every shard and at each
+# shard's edges (100|101, 201|202, 300 the last row); the rest random.
+ids = torch.randint(0, ROWS, (7, HEADS), generator=g)
+ids[0] = torch.tensor([0, 100, 101])
+ids[1] = torch.tensor([201, 202, 300])
+ids[2] = torch.tensor([0, 300, 0])
+found = {}
+for fmt in FORMATS:
+    for parts, one_file in ((PARTS, False), (PARTS, True), (1, False)):
+        emb, planes = build(fmt, parts, one_file=one_file)
+        emb.copy_ids_to_host(ids)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            emb.stage_rows(7)
+        ours = staged(emb, 7)
+        for _, host, _ in emb._planes.values():
+            host.view(torch.uint8).fill_(0xA5)  # vLLM must write every byte again
+        vllm_stage_rows(emb, 7)
+        theirs = staged(emb, 7)
+        key = f"{fmt}/{parts}" + ("/one_file" if one_file else "")
+        found[key] = {
+            "read_file_rows": sum(e.name == "qwen4exp::read_file_rows" for e in prof.events()),
+            # the file's rows, as vLLM's own staging leaves them, and as ours does
+            "vllm_is_file": all(torch.equal(theirs[n][0], planes[n][ids])
+                                and torch.equal(theirs[n][1], planes[n][ids]) for n in planes),
+            "ours_is_vllm": all(torch.equal(ours[n][0].view(torch.uint8),
+                                            theirs[n][0].view(torch.uint8))
+                                and torch.equal(ours[n][1].view(torch.uint8),
+                                                theirs[n][1].view(torch.uint8)) for n in planes),
+        }
+        if fmt != "nvfp4":  # NVFP4's staged rows are decoded by vLLM's Triton kernel (GPU)
+            rows = emb.staged_rows(7)
+            want = planes["weight"][ids].flatten(-2)
+            found[key]["staged_rows"] = bool(torch.equal(rows.view(torch.uint8),
+                                                         want.view(torch.uint8)))
+print(json.dumps({"found": found, "swapped": plugin.swapped()}))
+"""
+)
+
+
+@_HAS_DISK_OFFLOAD
+@pytest.mark.parametrize("plugins", ["qwen4exp", "none"])
+def test_staged_rows_are_vllm_s_bit_for_bit(tmp_path, plugins):
+    """vLLM's disk-offload staging of bf16, FP8 and NVFP4 tables in 3 shards over 2 files, over
+    1 file, and in one shard, with the plugin: read by our reader (the profiler sees the op, once
+    per file region: consecutive shards of a file are one), and the pinned
+    host rows and staging rows equal, byte for byte, those vLLM's own stage_rows leaves and the
+    file's rows; without the plugin, vLLM's own read runs and nothing is swapped."""
+    out = run_python(_STAGE_SCRIPT, env={"VLLM_PLUGINS": plugins, "QWEN4EXP_FOLDER": str(tmp_path)})
+    result = json.loads(out.strip().splitlines()[-1])
+    ours = plugins == "qwen4exp"
+    assert ("Qwen4ExpPLEDiskOffloadEmbedding.stage_rows" in result["swapped"]) is ours
+    if ours:  # one call per file region: consecutive shards of a file are one (bf16, fp8)
+        for fmt in ("bf16", "fp8"):
+            calls = {k: result["found"][f"{fmt}/{k}"]["read_file_rows"] for k in ("3", "1")}
+            calls["3/one_file"] = result["found"][f"{fmt}/3/one_file"]["read_file_rows"]
+            assert calls == {"3": 2, "1": 1, "3/one_file": 1}, (fmt, calls)
+    assert len(result["found"]) == 9
+    for key, case in result["found"].items():
+        assert (case["read_file_rows"] > 0) is ours, key
+        assert case["vllm_is_file"] is True, key
+        assert case["ours_is_vllm"] is True, key
+        assert case.get("staged_rows", True) is True, key
+
+
+_TRUNCATED_SCRIPT = (
+    _STAGE_SETUP
+    + r"""
+sys.path.insert(0, os.environ["QWEN4EXP_TESTS"])
+from leak_support import nothing_left_behind
+
+emb, _ = build("bf16", 1)
+path = os.path.join(folder, "bf16-1-a.safetensors")
+os.truncate(path, os.path.getsize(path) - 96 * 3 // 2)  # the last row and a half gone
+result = {}
+for name, ids in (("last", [[0, 5, ROWS - 1]]), ("range", [[0, ROWS, 1]])):
+    emb.copy_ids_to_host(torch.tensor(ids))
+    try:
+        with nothing_left_behind():
+            emb.stage_rows(1)
+        result[name] = None
+    except Exception as exc:
+        result[name] = [type(exc).__name__, str(exc)]
+emb.copy_ids_to_host(torch.tensor([[0, 5, ROWS - 3]]))  # rows the file still has
+emb.stage_rows(1)
+result["kept"] = bool(torch.equal(emb._planes["weight"][1][0],
+                                  FORMATS["bf16"][2]["weight"][[0, 5, ROWS - 3]]))
+result["path"] = path
+print(json.dumps(result))
+"""
+)
+
+
+@_HAS_DISK_OFFLOAD
+@pytest.mark.parametrize("plugins", ["qwen4exp", "none"])
+def test_a_truncated_file_and_an_id_out_of_range_raise_as_vllm_s(tmp_path, plugins):
+    """A shard file cut short of a wanted row raises vLLM's ValueError naming the file, and an id
+    past the table vLLM's IndexError, with the plugin as without it, leaving no descriptor or
+    thread behind; rows the file still holds are read after that as before."""
+    from pathlib import Path
+
+    env = {
+        "VLLM_PLUGINS": plugins,
+        "QWEN4EXP_FOLDER": str(tmp_path),
+        "QWEN4EXP_TESTS": str(Path(__file__).parent),
+    }
+    result = json.loads(run_python(_TRUNCATED_SCRIPT, env=env).strip().splitlines()[-1])
+    assert result["last"][0] == "ValueError" and result["path"] in result["last"][1], result
+    assert result["range"] == ["IndexError", "PLE id out of range for 301 rows"], result
+    assert result["kept"] is True
+
+
+_RELEASE_SCRIPT = r"""
+import importlib, json, logging, sys
+records = []
+class H(logging.Handler):
+    def emit(self, r): records.append(r)
+logging.getLogger("vllm.qwen4exp_ext").addHandler(H())
+import qwen4exp_ext.vllm as plugin
+from qwen4exp_ext.vllm.shims import MARK, NVIDIA_EMBEDDING_MODULE
+plugin.register()
+hooked = any(getattr(f, "name", None) == NVIDIA_EMBEDDING_MODULE for f in sys.meta_path)
+nvidia = importlib.import_module(NVIDIA_EMBEDDING_MODULE)
+ours = sorted(
+    f"{cls.__name__}.{name}"
+    for cls in vars(nvidia).values()
+    if isinstance(cls, type) and cls.__module__ == nvidia.__name__  # not the re-exported ones
+    for name, fn in vars(cls).items() if getattr(fn, MARK, None) is not None
+)
+print(json.dumps({
+    "hooked": hooked,
+    "ours": ours,
+    "swapped": plugin.swapped(),
+    "has_class": hasattr(nvidia, "Qwen4ExpPLEDiskOffloadEmbedding"),
+    "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING],
+}))
+"""
+
+
+def test_the_disk_offload_row_exists_from_0_34_0_on():
+    """The disk_offload row is in 0.34.0's table only: on 0.33.0 the plugin neither waits for
+    vLLM's NVIDIA embedding module nor changes anything in it, and warns nothing (it would
+    decline, naming the missing class, if it looked for it); on 0.34.0 importing that module
+    swaps its stage_rows."""
+    found = json.loads(run_python(_RELEASE_SCRIPT).strip().splitlines()[-1])
+    assert found["warnings"] == []
+    if vllm_version() == "0.33.0":
+        assert found["has_class"] is False
+        assert found["hooked"] is False and found["ours"] == [], found
+        assert not any("DiskOffload" in label for label in found["swapped"])
+    else:
+        assert found["hooked"] is True
+        assert found["ours"] == ["Qwen4ExpPLEDiskOffloadEmbedding.stage_rows"], found
+        assert "Qwen4ExpPLEDiskOffloadEmbedding.stage_rows" in found["swapped"]

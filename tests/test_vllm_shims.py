@@ -123,13 +123,32 @@ def _row(**changes) -> shims.Swap:
     return replace(base, changes=tuple(changes.items()))
 
 
-def test_every_release_gets_every_row():
+def test_every_release_gets_every_row_that_exists_in_it():
     labels = [row.label for row in shims.SWAPS]
     assert len(set(labels)) == len(labels)
     for release in SUPPORTED_VLLM:
         rows = shims.swaps_for(release)
-        assert [row.label for row in rows] == labels
+        order = SUPPORTED_VLLM.index(release)
+        assert [row.label for row in rows] == [
+            row.label
+            for row in shims.SWAPS
+            if row.since is None or SUPPORTED_VLLM.index(row.since) <= order
+        ]
         assert all(row.changes == () for row in rows)
+
+
+def test_a_row_since_a_release_is_left_out_of_older_releases(monkeypatch):
+    """vLLM 0.34.0's disk_offload class does not exist in 0.33.0: 0.33.0's table has no row
+    for it (so the plugin never looks for it there), 0.34.0's and later ones' do."""
+    label = "Qwen4ExpPLEDiskOffloadEmbedding.stage_rows"
+    (row,) = [row for row in shims.SWAPS if row.label == label]
+    assert row.since == "0.34.0"
+    assert label not in [r.label for r in shims.swaps_for("0.33.0")]
+    for release in SUPPORTED_VLLM[SUPPORTED_VLLM.index("0.34.0") :]:
+        assert label in [r.label for r in shims.swaps_for(release)]
+    monkeypatch.setattr(shims, "SWAPS", (*shims.SWAPS, replace(row, since="9.9.9")))
+    with pytest.raises(ValueError, match=r"'9\.9\.9' is not in the swap table's releases"):
+        shims.swaps_for("0.34.0")
 
 
 def test_a_change_holds_from_its_release_on():

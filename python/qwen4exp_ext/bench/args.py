@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from qwen4exp_ext.bench.registry import OP_MODULES, headline_case_names
+from qwen4exp_ext.bench.registry import FULL_ONLY_OPS, OP_MODULES, headline_case_names
 from qwen4exp_ext.bench.rows import DEFAULT_APPEND, ROW_FIELDS
 from qwen4exp_ext.bench.runner import (
     CASE_BUDGET_S,
@@ -70,6 +70,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[int
                 "(pip install matplotlib, or the package's [test] extra)"
             )
     return args, thread_counts
+
+
+def selected_ops(args: argparse.Namespace) -> list[str]:
+    """The ops the run builds: those named, else every op (the subset: but FULL_ONLY_OPS)."""
+    if args.ops:
+        return list(args.ops)
+    return [op for op in OP_MODULES if not (args.subset and op in FULL_ONLY_OPS)]
 
 
 def selected_case_names(args: argparse.Namespace, names: Sequence[str]) -> list[str]:

@@ -37,9 +37,14 @@ from typing import Any
 
 import torch
 
-from qwen4exp_ext.bench.args import parse_args, selected_case_names, selected_device
+from qwen4exp_ext.bench.args import (
+    parse_args,
+    selected_case_names,
+    selected_device,
+    selected_ops,
+)
 from qwen4exp_ext.bench.machine import describe_environment, device_name
-from qwen4exp_ext.bench.registry import OP_MODULES, load_cases, load_sections
+from qwen4exp_ext.bench.registry import load_cases, load_sections
 from qwen4exp_ext.bench.report import (
     COLUMNS,
     _Progress,
@@ -104,8 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             report = {**environment, **run_info, "complete": complete}
             _write_json(args.json, report | {"results": results, "sections": sections})
 
-    selected_ops = args.ops or list(OP_MODULES)
-    for op in selected_ops:
+    run_ops = selected_ops(args)
+    for op in run_ops:
         progress.show(f"[{op}] building cases...")
         cases = load_cases(op, device)
         chosen = set(selected_case_names(args, [c.name for c in cases]))
@@ -161,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"appended {len(results)} row(s) to {args.append}")
     _write_tables(args, device, results)
     print()
-    print("\n".join(summary_lines(results, selected_ops, thread_counts)))
+    print("\n".join(summary_lines(results, run_ops, thread_counts)))
     if failures:
         print(f"{len(failures)} case(s) failed their check and were not timed", file=sys.stderr)
         return 1

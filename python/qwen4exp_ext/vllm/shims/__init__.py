@@ -1,14 +1,17 @@
 """What the vLLM plugin swaps: one row per vLLM function or method (:data:`SWAPS`); the
 replacements live by op family in :mod:`.ple` (``ple_ngram_ids``, ``ple_gate``, ``ple_conv``),
 :mod:`.lookup` (the table lookups of every format, the pinned table's allocation) and
-:mod:`.amd` (vLLM's AMD code: its NVFP4 refusal and loader, the step-entry lookups), over
+:mod:`.amd` (vLLM's AMD code: its NVFP4 refusal and loader, the step-entry lookups) and
+:mod:`.disk_offload` (vLLM 0.34.0's ``disk_offload`` staging, read by ``read_file_rows``), over
 :mod:`.base` (what they share).
 
 Every vLLM release the plugin supports (:data:`qwen4exp_ext.vllm.SUPPORTED_VLLM`) gets every row:
 a row names its target and signature as in the oldest supported release, and where a later
 release moved or changed them the row's ``changes`` say so, from that release on
 (:func:`swaps_for` resolves the table for one release); nothing is repeated per release where
-it is the same. Every replacement has its release's exact signature and calls
+it is the same. A row that a later release added (a class the older ones lack) says from which
+release it exists (``since``): :func:`swaps_for` leaves it out of older releases' tables, so
+that they never look for it. Every replacement has its release's exact signature and calls
 :mod:`qwen4exp_ext.ops`. Where
 our build has no kernel for a tensor's device (a CPU-only build in a GPU process), it calls
 vLLM's own function instead, so vLLM never breaks because of us.
@@ -48,12 +51,14 @@ from .base import (
     AMD_MODEL_MODULE,
     CONSUMER_PREFIX,
     DEVICE_TYPES,
+    DISK_OFFLOAD_EMBEDDING,
     EMBEDDING_MODULE,
     MARK,
     NVIDIA_EMBEDDING_MODULE,
     PLE_OPS_MODULE,
     signature_text,
 )
+from .disk_offload import _make_stage_rows
 from .lookup import (
     _make_allocate_pinned,
     _make_embedding,
@@ -112,6 +117,8 @@ class Swap:
     row that is not a function; ``trigger`` is the vLLM module whose import applies the row
     (with the other rows of the same trigger: all of them or none). ``changes`` holds
     ``(release, Change)`` pairs: what that release of vLLM changed, kept by later ones.
+    ``since`` is the first release that has the row's target at all (None: every supported
+    release); older releases' tables leave the row out.
     """
 
     owner: str
@@ -126,6 +133,7 @@ class Swap:
     what: str | None = None
     trigger: str = PLE_OPS_MODULE
     changes: tuple[tuple[str, Change], ...] = ()
+    since: str | None = None
 
     @property
     def label(self) -> str:
@@ -157,8 +165,13 @@ def _release_order(release: str) -> int:
 
 def swaps_for(release: str) -> tuple[Swap, ...]:
     """The rows of :data:`SWAPS` as vLLM ``release`` has them (ValueError for a release the
-    table does not know)."""
-    return tuple(swap.for_release(release) for swap in SWAPS)
+    table does not know); a row whose ``since`` is a later release is not among them."""
+    order = _release_order(release)
+    return tuple(
+        swap.for_release(release)
+        for swap in SWAPS
+        if swap.since is None or _release_order(swap.since) <= order
+    )
 
 
 SWAPS: tuple[Swap, ...] = (
@@ -277,5 +290,14 @@ SWAPS: tuple[Swap, ...] = (
         "(self, weights)",
         _make_amd_load_weights,
         trigger=AMD_LAYER_MODULE,
+    ),
+    Swap(
+        f"{NVIDIA_EMBEDDING_MODULE}:{DISK_OFFLOAD_EMBEDDING}",
+        "stage_rows",
+        "read_file_rows",
+        "(self, num_tokens)",
+        _make_stage_rows,
+        trigger=NVIDIA_EMBEDDING_MODULE,
+        since="0.34.0",
     ),
 )
