@@ -4,6 +4,7 @@ PLE layers with random weights (the one-process gloo group of the shard tests: c
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import torch
@@ -104,3 +105,28 @@ def ple_layers(device, table_format, max_tokens):
         layers.append(layer)
         twins.append(twin)
     return config, layers, twins
+
+
+class SlowOrFailingEmbedding(NGramEmbedding):
+    """An embedding whose lookup sleeps ``delay`` seconds for real, or raises ``failure``, each
+    time it runs: the producer side of a pipeline made slow or broken without touching files or
+    the worker."""
+
+    delay = 0.0
+    failure: BaseException | None = None
+
+    def _lookup_local(self, *args, **kwargs):
+        if self.failure is not None:
+            raise self.failure
+        time.sleep(self.delay)
+        return super()._lookup_local(*args, **kwargs)
+
+
+def slow_layers(count: int) -> list[SlowOrFailingEmbedding]:
+    """``count`` CPU-table layers (tables filled by ``fill_table``) that can be slowed or broken."""
+    layers = []
+    for index in range(count):
+        layer = SlowOrFailingEmbedding(CONFIG, index, placement="cpu", max_tokens=32)
+        fill_table(layer, index)
+        layers.append(layer)
+    return layers

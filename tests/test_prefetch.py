@@ -17,11 +17,11 @@ from lookup_support import (
     BATCHES,
     CONFIG,
     FORMATS,
-    fill_table,
     make_batch,
     make_embedding,
     ple_layers,
     same_bits,
+    slow_layers,
 )
 from qwen4exp_ext.layers import LookupPipeline, NGramEmbedding, PLEState
 
@@ -354,32 +354,10 @@ def test_a_static_buffer_refilled_after_a_failed_step_never_gets_the_old_rows(re
 # --- the other side slow, a lookup that raises ---------------------------------------------------
 
 
-class SlowOrFailingEmbedding(NGramEmbedding):
-    """An embedding whose lookup sleeps ``delay`` seconds for real, or raises ``failure``."""
-
-    delay = 0.0
-    failure: BaseException | None = None
-
-    def _lookup_local(self, *args, **kwargs):
-        if self.failure is not None:
-            raise self.failure
-        time.sleep(self.delay)
-        return super()._lookup_local(*args, **kwargs)
-
-
-def _slow_layers(count: int) -> list[SlowOrFailingEmbedding]:
-    layers = []
-    for index in range(count):
-        layer = SlowOrFailingEmbedding(CONFIG, index, placement="cpu", max_tokens=32)
-        fill_table(layer, index)
-        layers.append(layer)
-    return layers
-
-
 def test_a_slow_lookup_and_a_slow_consumer_still_get_their_rows():
     """Each lookup takes 0.2 s for real, and the consumer waits 0.2 s before it reads, over two
     steps: the rows handed out are each step's own."""
-    layers = _slow_layers(2)
+    layers = slow_layers(2)
     batches = [make_batch([5, 0, 13, 1], "cpu", seed=s) for s in range(2)]
     wants = [[layer(*batch) for layer in layers] for batch in batches]
     for layer in layers:
@@ -397,7 +375,7 @@ def test_a_lookup_that_raises_fails_its_layers_and_the_next_step_is_served(faile
     """Layer ``failed`` of three raises in step 1's start: start_prefetch raises it, the layers
     before keep step 1's rows, the failed one and those after say that their lookup failed (not
     "no lookup was started") and are not pending, and step 2 is served."""
-    layers = _slow_layers(3)
+    layers = slow_layers(3)
     batches = [make_batch([5, 0, 13, 1], "cpu", seed=s) for s in range(2)]
     wants = [[layer(*batch) for layer in layers] for batch in batches]
     pipeline = LookupPipeline(layers)

@@ -19,14 +19,13 @@ from leak_support import nothing_left_behind
 from lookup_support import (
     BATCHES,
     FORMATS,
-    fill_table,
     make_batch,
     make_embedding,
     ple_layers,
     same_bits,
+    slow_layers,
 )
-from ngram_support import CONFIG
-from qwen4exp_ext.layers import NGramEmbedding, StagedLookupPipeline
+from qwen4exp_ext.layers import StagedLookupPipeline
 
 STEPS = ([5, 0, 13, 1], [1], [], [32], [2, 7])
 
@@ -368,33 +367,10 @@ def test_the_worker_uses_the_submitters_thread_count_or_its_own():
 WAIT = 30  # seconds: any wait in these tests that takes longer is a hang
 
 
-class SlowOrFailingEmbedding(NGramEmbedding):
-    """An embedding whose lookup sleeps ``delay`` seconds for real, or raises ``failure``, each
-    time it runs: the producer side made slow or broken without touching files or the worker."""
-
-    delay = 0.0
-    failure: BaseException | None = None
-
-    def _lookup_local(self, *args, **kwargs):
-        if self.failure is not None:
-            raise self.failure
-        time.sleep(self.delay)
-        return super()._lookup_local(*args, **kwargs)
-
-
-def _slow_layers(count: int) -> list[SlowOrFailingEmbedding]:
-    layers = []
-    for index in range(count):
-        layer = SlowOrFailingEmbedding(CONFIG, index, placement="cpu", max_tokens=32)
-        fill_table(layer, index)
-        layers.append(layer)
-    return layers
-
-
 def test_a_slow_producer_is_waited_for_and_bounded_by_timeouts():
     """Each layer's lookup takes 0.3 s for real: rows(i) waits for layer i's rows (a shorter
     timeout raises TimeoutError, never partial rows), and the rows are forward's."""
-    layers = _slow_layers(2)
+    layers = slow_layers(2)
     batch = make_batch([5, 0, 13, 1], "cpu")
     wants = [layer(*batch) for layer in layers]
     for layer in layers:
@@ -412,7 +388,7 @@ def test_a_slow_producer_is_waited_for_and_bounded_by_timeouts():
 def test_a_slow_consumer_holds_its_slot_and_the_submit_waits_with_a_timeout():
     """The consumer sits on step 0's rows: step 2 (step 0's slot) waits in submit, a bounded
     wait, and step 0's rows are untouched until it releases them."""
-    (layer,) = _slow_layers(1)
+    (layer,) = slow_layers(1)
     batches = [make_batch([13, 2], "cpu", seed=s) for s in range(3)]
     wants = [layer(*batch) for batch in batches]
     with StagedLookupPipeline([layer], max_tokens=32) as pipeline:
@@ -447,7 +423,7 @@ def test_a_worker_that_raises_fails_its_step_and_serves_the_next(where):
     in the first layer's lookup; in the middle one of three): every layer of step 1 from the
     failed one on raises the error in rows() (no wait blocks), the layers before it have their
     rows, and steps 2 and 3 are served."""
-    layers = _slow_layers(3)
+    layers = slow_layers(3)
     batches = [make_batch([5, 0, 13, 1], "cpu", seed=s) for s in range(3)]
     wants = [[layer(*batch) for layer in layers] for batch in batches]
     failed = {"set_num_threads": 0, "first layer": 0, "middle layer": 1}[where]
