@@ -54,6 +54,7 @@ from qwen4exp_ext.tables.file_format import (
 
 __all__ = [
     "CHUNK_BYTES",
+    "NoTableRowsError",
     "check_output",
     "load_config",
     "pack_table",
@@ -90,6 +91,10 @@ _MAX_HEADS = 1024  # NH = (N - 1) * heads_per_ngram (SPEC §3)
 _CONFIG_MAX_BYTES = 64 << 20  # a config.json is a few KiB; anything far larger is not one
 # The checkpoint files a directory given as a checkpoint holds.
 CHECKPOINT_GLOB = "*.safetensors"
+
+
+class NoTableRowsError(TableFileError):
+    """The checkpoint holds no PLE table rows under the prefix (pack-model tries prefixes)."""
 
 
 @dataclass(frozen=True)
@@ -235,7 +240,7 @@ def _plan(checkpoint: _Checkpoint, config: Any, layer_index: int, dtype: Any | N
             )
         rows = [whole]
     if not rows:
-        raise TableFileError(
+        raise NoTableRowsError(
             f"{where}: no PLE table rows ({SHARD_PREFIX}<i>.weight or {WEIGHT_NAME}) under "
             f"prefix {checkpoint.prefix!r}"
         )

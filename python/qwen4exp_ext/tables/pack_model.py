@@ -42,6 +42,7 @@ from qwen4exp_ext.tables.file_format import (
 )
 from qwen4exp_ext.tables.pack import (
     CHECKPOINT_GLOB,
+    NoTableRowsError,
     check_output,
     checkpoint_files,
     load_config,
@@ -186,10 +187,8 @@ def _model(checkpoint_dir: str | os.PathLike, prefix: str | None) -> _Model:
         probe = template.replace(_PLACEHOLDER, str(first.decoder_layer))
         try:
             plan_table(files, config, first.index, None, probe)
-        except TableFileError as error:
-            if "no PLE table rows" not in str(error):
-                raise  # the table is under this prefix, but wrong: say how
-            continue
+        except NoTableRowsError:
+            continue  # any other error: the table is under this prefix, but wrong; say how
         return _Model(directory, config, files, layers, template)
     names = " or ".join(t.replace(_PLACEHOLDER, str(first.decoder_layer)) for t in PREFIX_TEMPLATES)
     raise TableFileError(
