@@ -259,11 +259,11 @@ def _flip_last_byte(path):
 
 MODEL_CASES = [
     # left off (argparse)
-    *cli("omitted", "checkpoint_dir", lambda w: OMIT, "arguments are required: checkpoint_dir", 2,
+    *cli("omitted", "checkpoint_dir", lambda w: OMIT, "arguments are required: CHECKPOINT_DIR", 2,
          commands=("pack-model",)),
     *cli("omitted", "output", lambda w: OMIT, "arguments are required: -o/--output", 2,
          commands=("pack-model",)),
-    *cli("omitted", "table_dir", lambda w: OMIT, "arguments are required: table_dir", 2,
+    *cli("omitted", "table_dir", lambda w: OMIT, "arguments are required: TABLE_DIR", 2,
          commands=("verify-model",)),
     # the checkpoint directory itself
     *cli("missing", "checkpoint_dir", lambda w: w.path("absent"),

@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qwen4exp-table",
         description="Pack a PLE layer's table from a safetensors checkpoint into a table file "
-        "(served from disk), verify one, or show its header.",
+        "(served from disk), verify one, or show its header; or pack and verify every PLE layer "
+        "of a model directory at once (pack-model, verify-model).",
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -71,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument(
             "--prefix",
             default=None,
+            metavar="TEMPLATE",
             help="the PLE embeddings' checkpoint name prefix, {layer} standing for the decoder "
             "layer (zero-based); default: the first of "
             + ", ".join(PREFIX_TEMPLATES)
@@ -87,10 +89,16 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype", default=None, help="the tables' format (default: the checkpoint's rows')"
     )
     pack_model.add_argument(
-        "-o", "--output", required=True, help="the table directory (created if missing)"
+        "-o",
+        "--output",
+        required=True,
+        metavar="OUT_DIR",
+        help="the table directory (created if missing)",
     )
     pack_model.add_argument(
-        "checkpoint_dir", help="the model directory: config.json, *.safetensors"
+        "checkpoint_dir",
+        metavar="CHECKPOINT_DIR",
+        help="the model directory: config.json, *.safetensors",
     )
 
     verify_model = commands.add_parser(
@@ -98,9 +106,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     model_arguments(verify_model)
     verify_model.add_argument(
-        "checkpoint_dir", help="the model directory: config.json, *.safetensors"
+        "checkpoint_dir",
+        metavar="CHECKPOINT_DIR",
+        help="the model directory: config.json, *.safetensors",
     )
-    verify_model.add_argument("table_dir", help="the table directory (ple<L>.q4xt files)")
+    verify_model.add_argument(
+        "table_dir", metavar="TABLE_DIR", help="the table directory (ple<L>.q4xt files)"
+    )
     return parser
 
 
