@@ -231,9 +231,10 @@ def test_a_run_killed_mid_way_leaves_only_complete_files_and_the_next_completes(
         if child.poll() is None:
             child.kill()
             child.wait(timeout=TIMEOUT)
+        reader.join(TIMEOUT)  # the pipe is at its end once the child is gone
+        assert not reader.is_alive()
         child.stdout.close()
         child.stderr.close()
-    reader.join(TIMEOUT)
     # Only complete files under the final names: each one's header and size check out, and it
     # holds its layer's rows.
     finals = sorted(p for p in out.iterdir() if not p.name.startswith("."))
