@@ -1,5 +1,6 @@
-"""The bad-input tables of the table-file surface (issue #47): ``qwen4exp-table`` (pack, verify,
-info: every argument), ``NGramEmbedding(placement="file")`` and ``FileTable``.
+"""The bad-input tables of the table-file surface (issues #47, #49): ``qwen4exp-table`` (pack,
+verify, info, pack-model, verify-model: every argument), ``NGramEmbedding(placement="file")`` and
+``FileTable``.
 
 A case overrides one argument of a valid baseline with one kind of mistake, and says the error
 it must give; tests/test_table_bad_inputs.py runs each and checks that nothing is written or
@@ -19,11 +20,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import model_checkpoint
 from lookup_support import CONFIG, NVFP4_CONFIG, make_embedding
 from qwen4exp_ext.layers import NGramEmbedding
 from qwen4exp_ext.tables.checkpoint import BUFFER_NAMES
 from qwen4exp_ext.tables.file_format import HEADER_BYTES, MAGIC
 from qwen4exp_ext.tables.pack import pack_table
+from qwen4exp_ext.tables.pack_model import pack_model
 
 LAYER = 1
 
@@ -109,14 +112,77 @@ class World:
         (link.symlink_to if symbolic else link.hardlink_to)(target)
         return str(link)
 
+    # --- a model directory (pack-model, verify-model) -------------------------------------------
+
+    def model(self) -> Path:
+        """A valid model directory (tests/model_checkpoint.py), made on first use, and its
+        packed table directory (self.tables)."""
+        path = self.root / "model"
+        if not path.exists():
+            model_checkpoint.write_model(path)
+            self.tables = self.root / "tables"
+            pack_model(path, self.tables)
+        return path
+
+    def model_like(self, name: str = "other_model", config: dict | None = None, **kwargs) -> str:
+        """Another model directory: write_model's ``kwargs``, then its config replaced."""
+        path = model_checkpoint.write_model(self.root / name, **kwargs)
+        if config is not None:
+            model_checkpoint.write_config(path, config)
+        return str(path)
+
+    def model_config_with(self, **changes) -> str:
+        return self.model_like(config=model_checkpoint.text_config(**changes))
+
+    def model_config_without(self, name: str) -> str:
+        fields = {k: v for k, v in model_checkpoint.text_config().items() if k != name}
+        return self.model_like(config=fields)
+
+    def model_without(self, *files: str) -> str:
+        path = Path(self.model_like())
+        for file in files:
+            (path / file).unlink()
+        return str(path)
+
+    def model_plus(self, name: str, make) -> str:
+        """A model directory with ``make(path)`` done at ``name`` in it."""
+        path = Path(self.model_like())
+        make(path / name)
+        return str(path)
+
+    def tables_with(self, layer: int, make) -> str:
+        """A copy of the packed table directory with ``make(path)`` done to ple<layer>.q4xt."""
+        copy = self.root / "tables_copy"
+        copy.mkdir()
+        for source in self.tables.iterdir():
+            (copy / source.name).write_bytes(source.read_bytes())
+        make(copy / f"ple{layer}.q4xt")
+        return str(copy)
+
+    def output_with(self, layer: int, make) -> str:
+        """An output directory holding ``make(path)`` at ple<layer>.q4xt."""
+        out = self.root / "out_dir"
+        out.mkdir()
+        make(out / f"ple{layer}.q4xt")
+        return str(out)
+
 
 # --- qwen4exp-table ---------------------------------------------------------------------------
 
 # A baseline per command: the arguments of a call that succeeds.
-COMMANDS = ("pack", "verify", "info")
+COMMANDS = ("pack", "verify", "info", "pack-model", "verify-model")
+MODEL_COMMANDS = ("pack-model", "verify-model")
 
 
 def baseline(world: World, command: str) -> dict:
+    if command in MODEL_COMMANDS:
+        return {
+            "checkpoint_dir": str(world.model()),
+            "output": world.path("new_tables"),
+            "table_dir": str(world.tables),
+            "prefix": None,
+            "dtype": None,
+        }
     return {
         "config": world.config,
         "layer": str(LAYER),
@@ -143,6 +209,12 @@ def argv(command: str, args: dict) -> list[str]:
 
     if command == "info":
         return ["info", *positional("table")]
+    if command == "pack-model":
+        line = [command, *option("--prefix", "prefix"), *option("--dtype", "dtype")]
+        return [*line, *option("-o", "output"), *positional("checkpoint_dir")]
+    if command == "verify-model":
+        line = [command, *option("--prefix", "prefix"), *positional("checkpoint_dir")]
+        return [*line, *positional("table_dir")]
     line = [command, *option("--config", "config"), *option("--layer", "layer")]
     line += option("--prefix", "prefix")
     if command == "pack":
@@ -163,6 +235,138 @@ def cli(case_id, arg, value, match, code=1, commands=("pack", "verify")):
 def _c(changes):
     return lambda w: w.config_with(**changes)
 
+
+# --- pack-model, verify-model: a model directory (config.json, *.safetensors) ----------------
+
+M = MODEL_COMMANDS
+PLE1 = "PLE layer 1 .decoder layer 3.: "
+SAFETENSORS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+_LAYER2 = r"'model\.language_model\.layers\.4\.ple\.ple_embedding\.'"
+
+
+def _mc(**changes):
+    return lambda w: w.model_config_with(**changes)
+
+
+def _fifo(path):
+    os.mkfifo(path)
+
+
+def _flip_last_byte(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+
+
+MODEL_CASES = [
+    # left off (argparse)
+    *cli("omitted", "checkpoint_dir", lambda w: OMIT, "arguments are required: CHECKPOINT_DIR", 2,
+         commands=("pack-model",)),
+    *cli("omitted", "output", lambda w: OMIT, "arguments are required: -o/--output", 2,
+         commands=("pack-model",)),
+    *cli("omitted", "table_dir", lambda w: OMIT, "arguments are required: TABLE_DIR", 2,
+         commands=("verify-model",)),
+    # the checkpoint directory itself
+    *cli("missing", "checkpoint_dir", lambda w: w.path("absent"),
+         "absent: no such checkpoint directory", commands=M),
+    *cli("fifo", "checkpoint_dir", lambda w: w.fifo(),
+         "fifo: the checkpoint directory is a FIFO, not a directory", commands=M),
+    *cli("file", "checkpoint_dir", lambda w: str(w.checkpoint),
+         "model.safetensors: the checkpoint directory is a file, not a directory", commands=M),
+    *cli("dev-zero", "checkpoint_dir", lambda w: "/dev/zero",
+         "/dev/zero: the checkpoint directory is a special file, not a directory", commands=M),
+    # its config.json
+    *cli("no-config", "checkpoint_dir", lambda w: w.model_without("config.json"),
+         "other_model/config.json: no such config file", commands=M),
+    *cli("config-fifo", "checkpoint_dir",
+         lambda w: w.model_plus("config.json", lambda p: p.unlink() or _fifo(p)),
+         "config.json: the config is a FIFO, not a regular file", commands=M),
+    *cli("config-not-json", "checkpoint_dir",
+         lambda w: w.model_plus("config.json", lambda p: p.write_bytes(b"{")),
+         "config.json: the config is not JSON", commands=M),
+    *cli("config-field", "checkpoint_dir", _mc(ngram_size="3"),
+         'config.json: ngram_size must be an integer, got "3"', commands=M),
+    *cli("no-ple-layers", "checkpoint_dir", lambda w: w.model_config_without("ple_layer_ids"),
+         r"config.json: the config has no PLE layers \(ple_layer_ids is empty\)", commands=M),
+    *cli("empty-ple-layers", "checkpoint_dir", _mc(ple_layer_ids=[]),
+         "config.json: the config has no PLE layers", commands=M),
+    *cli("ple-layers-string", "checkpoint_dir", _mc(ple_layer_ids="2"),
+         "config.json: ple_layer_ids must be a list of integers, got '2'", commands=M),
+    *cli("ple-layer-zero", "checkpoint_dir", _mc(ple_layer_ids=[2, 0]),
+         r"ple_layer_ids must hold one-indexed decoder layer ids \(integers >= 1\), got 0",
+         commands=M),
+    *cli("ple-layer-bool", "checkpoint_dir", _mc(ple_layer_ids=[True]),
+         "ple_layer_ids must hold one-indexed decoder layer ids .*, got True", commands=M),
+    *cli("ple-layer-float", "checkpoint_dir", _mc(ple_layer_ids=[2.0]),
+         "ple_layer_ids must hold one-indexed decoder layer ids .*, got 2.0", commands=M),
+    *cli("ple-layer-past-end", "checkpoint_dir", _mc(ple_layer_ids=[2, 7]),
+         "config.json: ple_layer_ids 7 is past num_hidden_layers = 6", commands=M),
+    *cli("other-seed", "checkpoint_dir", _mc(seed=8),
+         "layer_multipliers .* is not the config's layout of PLE layer 0", commands=M),
+    # its safetensors
+    *cli("no-safetensors", "checkpoint_dir",
+         lambda w: w.model_without(*SAFETENSORS),
+         "no .safetensors files in the directory", commands=M),
+    *cli("safetensors-fifo", "checkpoint_dir", lambda w: w.model_plus("x.safetensors", _fifo),
+         "x.safetensors: the checkpoint file is a FIFO, not a regular file", commands=M),
+    *cli("not-safetensors", "checkpoint_dir",
+         lambda w: w.model_plus("x.safetensors", lambda p: p.write_bytes(b"junk")),
+         "x.safetensors: not a readable safetensors file", commands=M),
+    *cli("a-layer-missing", "checkpoint_dir", lambda w: w.model_like(skip_layers=(2,)),
+         "no PLE table rows .* under prefix " + _LAYER2, commands=M),
+    *cli("other-names", "checkpoint_dir", lambda w: w.model_like(template="x.{layer}."),
+         r"no table of PLE layer 0 \(decoder layer 1\) under model.language_model.layers.1.ple."
+         r"ple_embedding. or model.layers.1.ple.ple_embedding.: give .* --prefix", commands=M),
+    # --prefix
+    *cli("no-placeholder", "prefix", lambda w: "model.layers.1.ple.ple_embedding.",
+         "--prefix 'model.layers.1.ple.ple_embedding.' has no {layer}", commands=M),
+    *cli("other", "prefix", lambda w: "x.{layer}.", "no PLE table rows .* under prefix 'x.1.'",
+         commands=M),
+    # --dtype (pack-model)
+    *cli("unknown", "dtype", lambda w: "fp7", "unsupported table dtype 'fp7'",
+         commands=("pack-model",)),
+    *cli("other", "dtype", lambda w: "float16", "dtype mismatch: the table was asked for as "
+         "float16", commands=("pack-model",)),
+    # -o/--output (pack-model): a directory, not inside the checkpoint's scan, each layer's name
+    # a regular file (or nothing) and none a checkpoint file
+    *cli("file", "output", lambda w: str(w.table),
+         "table.bin: the output directory is a file, not a directory", commands=("pack-model",)),
+    *cli("fifo", "output", lambda w: w.fifo(),
+         "fifo: the output directory is a FIFO, not a directory", commands=("pack-model",)),
+    *cli("no-parent", "output", lambda w: w.path("absent/tables"),
+         "tables: the output directory's parent .*absent does not exist",
+         commands=("pack-model",)),
+    *cli("in-checkpoint-scan", "output", lambda w: str(w.model() / "tables.safetensors"),
+         r"inside the checkpoint directory .*model, named like its files \(\*.safetensors\)",
+         commands=("pack-model",)),
+    *cli("layer-is-directory", "output", lambda w: w.output_with(1, Path.mkdir),
+         "ple1.q4xt: the output is a directory, not a regular file", commands=("pack-model",)),
+    *cli("layer-is-fifo", "output", lambda w: w.output_with(2, _fifo),
+         "ple2.q4xt: the output is a FIFO, not a regular file", commands=("pack-model",)),
+    *cli("layer-is-checkpoint", "output", lambda w: w.output_with(
+         0, lambda p: p.symlink_to(w.model() / "model-00002-of-00002.safetensors")),
+         "ple0.q4xt: the output is the checkpoint file .*model-00002-of-00002.safetensors",
+         commands=("pack-model",)),
+    # the table directory (verify-model)
+    *cli("missing", "table_dir", lambda w: w.path("absent"), "absent: no such table directory",
+         commands=("verify-model",)),
+    *cli("file", "table_dir", lambda w: str(w.table), "table.bin: the table directory is a file",
+         commands=("verify-model",)),
+    *cli("fifo", "table_dir", lambda w: w.fifo(), "fifo: the table directory is a FIFO",
+         commands=("verify-model",)),
+    *cli("layer-missing", "table_dir", lambda w: w.tables_with(1, Path.unlink),
+         PLE1 + ".*ple1.q4xt: no such table file", commands=("verify-model",)),
+    *cli("layer-differs", "table_dir", lambda w: w.tables_with(1, _flip_last_byte),
+         PLE1 + ".*ple1.q4xt: row .* differs from the checkpoint's", commands=("verify-model",)),
+    *cli("layer-truncated", "table_dir",
+         lambda w: w.tables_with(1, lambda p: p.write_bytes(p.read_bytes()[:-3])),
+         PLE1 + ".*ple1.q4xt: truncated table file", commands=("verify-model",)),
+    *cli("layer-of-another", "table_dir",
+         lambda w: w.tables_with(1, lambda p: p.write_bytes((w.tables / "ple0.q4xt").read_bytes())),
+         PLE1 + ".*the table file is PLE layer 0's, expected layer 1's",
+         commands=("verify-model",)),
+    *cli("layer-fifo", "table_dir", lambda w: w.tables_with(1, lambda p: p.unlink() or _fifo(p)),
+         PLE1 + ".*ple1.q4xt: the table file is a FIFO", commands=("verify-model",)),
+]  # fmt: skip
 
 NOT_REGULAR = "is a {}, not a regular file"
 REQUIRED = "the following arguments are required: "
@@ -285,6 +489,7 @@ CLI_CASES = [
          scale=10**400), "scale must be finite, got 1000000.*\\.\\.\\.", commands=("info",)),
     *cli("no-rows", "table", lambda w: w.header_with(num_rows=0), "num_rows must be positive",
          commands=("verify", "info")),
+    *MODEL_CASES,
 ]  # fmt: skip
 
 

@@ -8,7 +8,8 @@
 - :mod:`.checkpoint`: a PLE table's tensor names, shards and dtypes in a safetensors checkpoint
   (shared by the packer and ``NGramEmbedding``'s loader);
 - :mod:`.pack` and :mod:`.cli`: packing a checkpoint into a table file and verifying it
-  (``qwen4exp-table``).
+  (``qwen4exp-table``); :mod:`.pack_model`: every PLE layer of a model directory into a table
+  directory (``ple<L>.q4xt``) and verifying it (``pack-model``, ``verify-model``).
 
 Nothing here imports :mod:`qwen4exp_ext.layers`: the layers use the tables, not the reverse.
 This ``__init__`` imports nothing, so importing one module does not load the others.

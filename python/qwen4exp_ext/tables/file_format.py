@@ -33,6 +33,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import secrets
 import stat
 import struct
@@ -61,11 +62,13 @@ __all__ = [
     "format_name",
     "hash_layout",
     "layout_checksum",
+    "leftover_temporaries",
     "open_regular",
     "read_header",
     "read_header_at",
     "row_bytes_of",
     "table_dtype",
+    "table_path",
     "write_header",
     "write_table_file",
 ]
@@ -100,6 +103,9 @@ _FIELDS = (
 )
 # Every integer field and the file's size are int64 offsets for the readers (ops.read_file_rows).
 _INT_LIMIT = 2**63
+# A directory of table files (``qwen4exp-table pack-model``, vLLM's table directory) holds PLE
+# layer L's table as this name.
+TABLE_FILE_NAME = "ple{layer}.q4xt"
 
 
 class TableFileError(ValueError):
@@ -513,7 +519,7 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
     removed and ``path`` is left as it was."""
     path = Path(path)
     directory = path.parent
-    temporary = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+    temporary = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}{_TEMPORARY}"
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -530,6 +536,42 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+_TEMPORARY = ".tmp"
+
+
+def leftover_temporaries(path: str | os.PathLike) -> list[Path]:
+    """The temporary files that :func:`atomic_write` of ``path`` left beside it in a process
+    that is gone (killed while writing: its ``finally`` never ran). A temporary of a live
+    process (another writer, this one) is not listed: removing it would fail that write."""
+    path = Path(path)
+    name = re.compile(rf"\.{re.escape(path.name)}\.([0-9]+)\.[0-9a-f]{{16}}{re.escape(_TEMPORARY)}")
+    found = []
+    with os.scandir(path.parent) as entries:
+        for entry in entries:
+            match = name.fullmatch(entry.name)
+            if match and entry.is_file(follow_symlinks=False) and not _alive(int(match[1])):
+                found.append(Path(entry.path))
+    return sorted(found)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # gone, or a pid no process can have
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def table_path(directory: str | os.PathLike, layer_index: int) -> Path:
+    """PLE layer ``layer_index``'s table file in a table directory (TABLE_FILE_NAME)."""
+    layer_index = layout.check_layer_index(layer_index)
+    return Path(directory) / TABLE_FILE_NAME.format(layer=layer_index)
 
 
 def check_header(

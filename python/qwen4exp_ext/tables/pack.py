@@ -52,7 +52,15 @@ from qwen4exp_ext.tables.file_format import (
     write_table_file,
 )
 
-__all__ = ["CHUNK_BYTES", "load_config", "pack_table", "verify_table"]
+__all__ = [
+    "CHUNK_BYTES",
+    "NoTableRowsError",
+    "check_output",
+    "load_config",
+    "pack_table",
+    "plan_table",
+    "verify_table",
+]
 
 # Rows are read, written and compared this many bytes at a time (at least one row).
 CHUNK_BYTES = 64 << 20
@@ -83,6 +91,10 @@ _MAX_HEADS = 1024  # NH = (N - 1) * heads_per_ngram (SPEC §3)
 _CONFIG_MAX_BYTES = 64 << 20  # a config.json is a few KiB; anything far larger is not one
 # The checkpoint files a directory given as a checkpoint holds.
 CHECKPOINT_GLOB = "*.safetensors"
+
+
+class NoTableRowsError(TableFileError):
+    """The checkpoint holds no PLE table rows under the prefix (pack-model tries prefixes)."""
 
 
 @dataclass(frozen=True)
@@ -228,7 +240,7 @@ def _plan(checkpoint: _Checkpoint, config: Any, layer_index: int, dtype: Any | N
             )
         rows = [whole]
     if not rows:
-        raise TableFileError(
+        raise NoTableRowsError(
             f"{where}: no PLE table rows ({SHARD_PREFIX}<i>.weight or {WEIGHT_NAME}) under "
             f"prefix {checkpoint.prefix!r}"
         )
@@ -477,6 +489,19 @@ def _config(config: Any) -> Any:
     return load_config(config) if isinstance(config, (str, os.PathLike)) else config
 
 
+def plan_table(
+    checkpoint_files: Iterable[str | os.PathLike],
+    config: Any,
+    layer_index: int,
+    dtype: Any | None = None,
+    prefix: str = "",
+) -> TableFileHeader:
+    """The header :func:`pack_table` would write, after every check it makes of the checkpoint
+    (headers and the small tensors only: no row is read), nothing written: lets a caller that
+    packs several layers refuse a bad one before the first file is written."""
+    return _plan(_scan(checkpoint_files, prefix), _config(config), layer_index, dtype).header
+
+
 def pack_table(
     checkpoint_files: Iterable[str | os.PathLike],
     out_path: str | os.PathLike,
@@ -492,9 +517,9 @@ def pack_table(
     when complete (no partial file is ever left)."""
     out_path = Path(out_path)
     inputs = [Path(p) for p in checkpoint_files]
-    _check_output(out_path, inputs)
+    check_output(out_path, inputs)
     checkpoint = _scan(inputs, prefix)
-    _check_output(out_path, [Path(p) for p in checkpoint.files])  # also each file found
+    check_output(out_path, [Path(p) for p in checkpoint.files])  # also each file found
     plan = _plan(checkpoint, _config(config), layer_index, dtype)
     header = plan.header
     directory = out_path.parent
@@ -507,7 +532,7 @@ def pack_table(
     return header
 
 
-def _check_output(out_path: Path, inputs: list[Path]) -> None:
+def check_output(out_path: Path, inputs: list[Path]) -> None:
     """Refuses an output that would destroy or join its own input, before anything is read or
     written: one of the checkpoint files (the same path, or the same file through a hard or
     symbolic link), or a name in a checkpoint directory that the directory's scan reads
