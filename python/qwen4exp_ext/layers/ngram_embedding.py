@@ -413,9 +413,10 @@ class NGramEmbedding(CheckpointLoading, nn.Module):
         into ``output`` (and the ids into ``ids_output``) when given; each gather on a GPU
         launches at most ``max_blocks`` blocks (0: no cap)."""
         self._check_complete()
-        prefetch.check_batch(self, input_ids, query_start_loc, ngram_context, "NGramEmbedding")
         table = self.table
         if table is not None and table.device.type in FUSED_LOOKUP_DEVICES:
+            # (the other path checks the batch in _ngram_ids)
+            prefetch.check_batch(self, input_ids, query_start_loc, ngram_context, "NGramEmbedding")
             return ops.ngram_gather_rows(
                 input_ids.reshape(-1),
                 query_start_loc,
