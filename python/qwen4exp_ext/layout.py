@@ -8,8 +8,9 @@ tests/test_layout.py against transformers 5.18).
 
 from __future__ import annotations
 
-import operator
 from typing import NamedTuple
+
+from qwen4exp_ext._args import as_int
 
 MASK64 = (1 << 64) - 1
 SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
@@ -31,12 +32,9 @@ MAX_GLOBAL_HEADS = 1 << 16
 
 def check_layer_index(layer_index, name: str = "layer_index") -> int:
     """``layer_index`` as an int in [0, MAX_LAYER_INDEX]; raises naming ``name`` otherwise."""
-    try:
-        if isinstance(layer_index, bool):
-            raise TypeError
-        value = operator.index(layer_index)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {layer_index!r}") from None
+    value = as_int(layer_index)
+    if value is None:
+        raise TypeError(f"{name} must be an integer, got {layer_index!r}")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     if value > MAX_LAYER_INDEX:

@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import operator
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qwen4exp_ext import ops
+from qwen4exp_ext._args import as_int
 
 if TYPE_CHECKING:
     from .ngram_embedding import NGramEmbedding
@@ -264,9 +264,10 @@ def _embedding_of(module: Any, who: str = "LookupPipeline") -> NGramEmbedding:
 
 def whole_number(value: Any, name: str, who: str) -> int:
     """``value`` as an int (any integer type; not a bool, a float or a string)."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
+    number = as_int(value)
+    if number is None:
         raise TypeError(f"{who}: {name} must be an integer, got {type(value).__name__} {value!r}")
-    return operator.index(value)
+    return number
 
 
 def positive_int(value: Any, name: str, who: str) -> int:
@@ -310,12 +311,12 @@ def layer_index(embeddings: Sequence[NGramEmbedding], layer: Any, who: str) -> i
             if candidate is embedding:
                 return index
         raise ValueError(f"{who}: that layer is not part of this pipeline")
-    if isinstance(layer, bool) or not hasattr(layer, "__index__"):
+    index = as_int(layer)
+    if index is None:
         raise TypeError(
             f"{who}: layer must be an index into the pipeline's modules or one of them, got "
             f"{type(layer).__name__} {layer!r}"
         )
-    index = operator.index(layer)
     if not -count <= index < count:
         raise IndexError(f"{who}: layer {index} out of range ({count} layers)")
     return index % count

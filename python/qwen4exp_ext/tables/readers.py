@@ -25,7 +25,6 @@ import ctypes
 import errno
 import fcntl
 import mmap
-import operator
 import os
 import threading
 import warnings
@@ -36,6 +35,7 @@ from typing import Literal
 import torch
 
 from qwen4exp_ext import ops
+from qwen4exp_ext._args import as_int
 from qwen4exp_ext.tables.file_format import (
     TableFileHeader,
     check_header,
@@ -241,12 +241,7 @@ def evict_range(address: int, nbytes: int) -> None:
 
 def _io_threads(value) -> int:
     """``io_threads`` checked: an int in [0, MAX_IO_THREADS] (the op takes an int64)."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        count = operator.index(value)
-    except TypeError:
-        count = None
+    count = as_int(value)
     if count is None or not 0 <= count <= MAX_IO_THREADS:
         raise ValueError(
             f"io_threads must be an integer in [0, {MAX_IO_THREADS}] (0: the default), "
