@@ -201,29 +201,33 @@ def test_two_processes_mapping_one_file_share_its_pages(tmp_path, shm_dir, stage
     source = table_file(tmp_path)
     if not stage:
         os.sync()  # written back: the page cache's pages are clean
-    table = open_shared_table(source, shm_dir=shm_dir, stage=stage)
-    other = start_rank(source, shm_dir, "plain" if stage else "nostage")
-    try:
-        _, address, _ = read_line(other, "ready").split()
-        table.rows.sum()  # every page mapped here too
-        mine = smaps_of(table.rows.data_ptr(), "self")
-        theirs = smaps_of(int(address), other.pid)
-        # The rows' pages (from data_offset, page-aligned); the header page may be mapped in
-        # one process only (fault-around), so it is left out.
-        rows_kb = -(-table.rows.numel() // 4096) * 4
-        for counters in (mine, theirs):
-            # Every page of the rows is resident in both and shared by both. A tmpfs file's
-            # pages are always dirty (no disk behind them to be clean against), so the kernel
-            # counts them Shared_Dirty; a disk file's written-back pages are Shared_Clean.
-            shared_kb = counters["Shared_Dirty"] if stage else counters["Shared_Clean"]
-            assert shared_kb >= rows_kb, counters
-            assert shared_kb + 4 >= counters["Rss"], counters
-        finish(other)
-    finally:
-        if other.poll() is None:
-            other.kill()
-            other.wait(WAIT)
-        table.close()
+    with nothing_left_behind(tmp_path, shm_dir):
+        table = open_shared_table(source, shm_dir=shm_dir, stage=stage)
+        other = start_rank(source, shm_dir, "plain" if stage else "nostage")
+        try:
+            _, address, _ = read_line(other, "ready").split()
+            table.rows.sum()  # every page mapped here too
+            mine = smaps_of(table.rows.data_ptr(), "self")
+            theirs = smaps_of(int(address), other.pid)
+            # The rows' pages (from data_offset, page-aligned); the header page may be mapped
+            # in one process only (fault-around), so it is left out.
+            rows_kb = -(-table.rows.numel() // 4096) * 4
+            for counters in (mine, theirs):
+                # Every page of the rows is resident in both and shared by both. A tmpfs
+                # file's pages are always dirty (no disk behind them to be clean against), so
+                # the kernel counts them Shared_Dirty; a disk file's written-back pages are
+                # Shared_Clean.
+                shared_kb = counters["Shared_Dirty"] if stage else counters["Shared_Clean"]
+                assert shared_kb >= rows_kb, counters
+                assert shared_kb + 4 >= counters["Rss"], counters
+            finish(other)
+        finally:
+            if other.poll() is None:
+                other.kill()
+                other.wait(WAIT)
+                other.stdin.close()
+                other.stdout.close()
+            table.close()
 
 
 def test_staging_waits_for_a_slow_first_rank(tmp_path, shm_dir):
@@ -382,3 +386,48 @@ def test_an_ngram_embedding_reads_the_shared_copy(tmp_path, shm_dir):
             assert torch.equal(layer(*batch), ram(*batch))
             layer.close_table()
             del layer
+
+
+def test_without_a_tmpfs_to_stage_in_the_disk_file_is_mapped_through_the_page_cache(
+    tmp_path, caplog
+):
+    source = table_file(tmp_path)
+    not_tmpfs = tmp_path / "not_shm"
+    not_tmpfs.mkdir()
+    with nothing_left_behind(tmp_path):
+        with caplog.at_level(logging.WARNING, logger=shared.__name__):
+            table = open_shared_table(source, shm_dir=not_tmpfs)
+        with table:
+            assert table.how == "page_cache" and str(table.path) == source
+            assert f"{not_tmpfs} is not a tmpfs directory" in caplog.text
+            assert torch.equal(table.rows, file_rows(source))
+            assert mapped_file(table.rows.data_ptr()) == source
+
+
+def _gpu() -> bool:
+    from qwen4exp_ext.tables import host_memory
+
+    return torch.cuda.is_available() and host_memory._gpu_build()
+
+
+@pytest.mark.skipif(not _gpu(), reason="needs a CUDA/ROCm device and a GPU build")
+def test_the_shared_mapping_registered_on_the_gpu_reads_as_the_pinned_table(tmp_path, shm_dir):
+    from qwen4exp_ext import ops
+    from qwen4exp_ext.tables.host_memory import device_view, pinned_host_table
+
+    ram = make_embedding("bfloat16", "cpu")
+    source = tmp_path / "ple1.q4xt"
+    ram.save_table_file(source)
+    pinned = pinned_host_table(ram.num_rows, ram.head_dim, torch.bfloat16)
+    pinned.copy_(ram.weight.detach())
+    ids = torch.randint(0, ram.num_rows, (64, 4), device="cuda")
+    want = ops.gather_rows(device_view(pinned), ids)
+    with open_shared_table(source, shm_dir=shm_dir) as table:
+        rows = table.device_rows()
+        assert rows.is_cuda and table._registration.is_pinned()
+        assert table.device_rows().data_ptr() == rows.data_ptr()  # registered once
+        got = ops.gather_rows(table.header.value_view(rows), ids)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+        del rows
+    assert os.listdir(shm_dir) == []

@@ -15,13 +15,14 @@ every process that serves it (issue #49 item 2).
   records the source it was made from (path, device, inode, size, mtime) and the copy's own
   inode and size; a copy whose record no longer matches its source, or whose header differs from
   the source's, is stale and staged again;
-- ``"page_cache"`` (``stage=False``): the disk file is mapped where it is; processes share the
-  kernel's page cache, which may evict it (reads then go to the disk again);
-- ``"staged_lookup"``: the table is larger than the memory available (``MemAvailable``, plus what
-  of it is already in RAM), or ``/dev/shm`` has no room for it: nothing is mapped or copied, a
-  log line says why, and the table is returned as a :class:`~.readers.FileTable` with the
-  ``"direct"`` reader, for the CPU-staged lookups (``layers/staged.py``:
-  ``NGramEmbedding(placement="file", table_reader="direct")`` and ``StagedLookupPipeline``).
+- ``"page_cache"`` (``stage=False``, or ``shm_dir`` is not a tmpfs or has no room for the
+  table, logged): the disk file is mapped where it is; processes share the kernel's page cache,
+  which may evict it (reads then go to the disk again);
+- ``"staged_lookup"``: the table is larger than the memory available (``MemAvailable``, plus a
+  staged copy of it already in RAM): nothing is mapped or copied, a log line says why, and the
+  table is returned as a :class:`~.readers.FileTable` with the ``"direct"`` reader, for the
+  CPU-staged lookups (``layers/staged.py``: ``NGramEmbedding(placement="file",
+  table_reader="direct")`` and ``StagedLookupPipeline``).
 
 Who removes the copy: every process that maps it holds a shared ``flock`` on ``<copy>.users``
 while its :class:`SharedTable` is open; :meth:`SharedTable.close` (or garbage collection) drops
@@ -147,7 +148,12 @@ def plan_shared_table(
 ) -> SharePlan:
     """Reads and checks the file's header (against ``expected`` if given) and decides how it
     is shared (:class:`SharePlan`); maps, copies and locks nothing. A missing file or one that
-    is not a table raises :class:`~.file_format.TableFileError` naming it."""
+    is not a table raises :class:`~.file_format.TableFileError` naming it.
+
+    In order: on tmpfs, ``"tmpfs"`` (its pages are in RAM already); larger than the memory
+    available (``MemAvailable``, plus a staged copy of it already there), ``"staged_lookup"``;
+    ``stage`` and ``shm_dir`` a tmpfs with room for it, ``"stage"``; else ``"page_cache"``
+    (``stage=False``, or no room: a container's ``/dev/shm`` is often 64 MiB)."""
     source = Path(path)
     fd = open_regular(source)
     try:
@@ -157,48 +163,34 @@ def plan_shared_table(
     if expected is not None:
         check_header(header, expected, source)
     size = header.file_bytes
-    available = memory_available()
     if on_tmpfs(source):
         return SharePlan("tmpfs", source, source, header, "the table file is on tmpfs: mapped")
-    if not stage:
-        if size > available:
-            return SharePlan(
-                "staged_lookup",
-                source,
-                source,
-                header,
-                f"the table file is {_gib(size)}, more than the {_gib(available)} of memory "
-                "available (MemAvailable): its rows are read by the CPU-staged lookups",
-            )
-        return SharePlan("page_cache", source, source, header, "mapped through the page cache")
     copy = staged_copy_path(source, shm_dir)
-    if not os.path.isdir(shm_dir):
-        return SharePlan(
-            "staged_lookup", source, copy, header, f"{shm_dir} (to stage the table in) is missing"
-        )
     # A copy already there (fresh or stale) is memory that staging reuses or replaces.
-    already = _size_or_zero(copy)
-    if size > available + already:
+    already = _size_or_zero(copy) if stage else 0
+    available = memory_available() + already
+    if size > available:
         return SharePlan(
             "staged_lookup",
             source,
-            copy,
+            source,
             header,
-            f"the table file is {_gib(size)}, more than the {_gib(available + already)} of "
-            "memory available (MemAvailable, and its staged copy): its rows are read by the "
+            f"the table file is {_gib(size)}, more than the {_gib(available)} of memory "
+            "available (MemAvailable, and a staged copy of it): its rows are read by the "
             "CPU-staged lookups",
         )
-    free = shutil.disk_usage(shm_dir).free + already
-    if size > free:
-        return SharePlan(
-            "staged_lookup",
-            source,
-            copy,
-            header,
-            f"{shm_dir} has {_gib(free)} free, the table file is {_gib(size)}: its rows are "
-            "read by the CPU-staged lookups",
-        )
-    return SharePlan("stage", source, copy, header, f"staged in {shm_dir} and mapped")
+    if not stage:
+        return SharePlan("page_cache", source, source, header, "mapped through the page cache")
+    if not os.path.isdir(shm_dir) or not on_tmpfs(shm_dir):
+        why = f"{shm_dir} is not a tmpfs directory"
+    else:
+        free = shutil.disk_usage(shm_dir).free + already
+        if size <= free:
+            return SharePlan("stage", source, copy, header, f"staged in {shm_dir} and mapped")
+        why = f"{shm_dir} has {_gib(free)} free, the table file is {_gib(size)}"
+    return SharePlan(
+        "page_cache", source, source, header, f"not staged ({why}): mapped through the page cache"
+    )
 
 
 def open_shared_table(
@@ -220,7 +212,8 @@ def open_shared_table(
     if plan.how == "staged_lookup":
         log.warning("%s: not mapped whole: %s", plan.source, plan.reason)
         return FileTable(plan.source, expected, reader="direct")
-    log.info("%s: %s (%s)", plan.source, plan.reason, plan.path)
+    level = logging.WARNING if plan.reason.startswith("not staged") else logging.INFO
+    log.log(level, "%s: %s (%s)", plan.source, plan.reason, plan.path)
     return SharedTable(plan, expected, keep=keep, timeout=timeout, progress=progress)
 
 
@@ -396,9 +389,8 @@ class _Users:
     def remove_if_unused(self, deadline: float) -> bool:
         """Removes the copy, its record and lock files if no process holds ``.users``."""
         users = _sibling(self.copy, ".users")
-        if not users.exists():
-            if not self.copy.exists():
-                return False
+        if not users.exists() and not self.copy.exists():
+            return False
         fd = _lock(users, fcntl.LOCK_EX, None, "")
         if fd is None:
             return False  # another process uses the copy: the last one removes it
