@@ -431,3 +431,14 @@ def test_the_shared_mapping_registered_on_the_gpu_reads_as_the_pinned_table(tmp_
         assert torch.equal(got, want)
         del rows
     assert os.listdir(shm_dir) == []
+
+
+@pytest.mark.skipif(_gpu(), reason="the refusal of a machine without a GPU")
+def test_device_rows_without_a_gpu_is_refused_and_registers_nothing(tmp_path, shm_dir):
+    source = table_file(tmp_path)
+    with nothing_left_behind(tmp_path, shm_dir):
+        with open_shared_table(source, shm_dir=shm_dir) as table:
+            with pytest.raises(RuntimeError, match="SharedTable.device_rows: "):
+                table.device_rows()
+            assert table._registration is None
+            assert torch.equal(table.rows, file_rows(source))  # the CPU table still serves
