@@ -9,7 +9,10 @@
   (shared by the packer and ``NGramEmbedding``'s loader);
 - :mod:`.pack` and :mod:`.cli`: packing a checkpoint into a table file and verifying it
   (``qwen4exp-table``); :mod:`.pack_model`: every PLE layer of a model directory into a table
-  directory (``ple<L>.q4xt``) and verifying it (``pack-model``, ``verify-model``).
+  directory (``ple<L>.q4xt``) and verifying it (``pack-model``, ``verify-model``);
+- :mod:`.shared`: one copy of a table file per node: mapped shared where it is on tmpfs, or
+  staged into ``/dev/shm`` by one process under a lock, host-registered for the GPU's
+  zero-copy lookup, or left to the CPU-staged lookups when larger than the memory.
 
 Nothing here imports :mod:`qwen4exp_ext.layers`: the layers use the tables, not the reverse.
 This ``__init__`` imports nothing, so importing one module does not load the others.
