@@ -1,11 +1,15 @@
 """The toy n-gram config the layer tests share (tests/test_ngram_embedding.py,
-tests/test_load_weights.py, tests/test_sharding.py), and its table's layout."""
+tests/test_load_weights.py, tests/test_sharding.py), and its table's layout; the CPU hash widths
+that the ngram_ids and ngram_gather_rows tests run each kernel test on."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
-from qwen4exp_ext import layout
+import pytest
+
+from qwen4exp_ext import layout, ops
 
 CONFIG = SimpleNamespace(
     vocab_size=97,
@@ -52,3 +56,62 @@ def spy_on_ngram_ids(monkeypatch) -> list:
 
         monkeypatch.setattr(ops, name, spy)
     return seen
+
+
+@contextlib.contextmanager
+def cpu_ngram_hash(isa: str | None):
+    """Within the block the CPU n-gram hash (ngram_ids, and ngram_gather_rows' hashing) runs in
+    ``isa``, one of CPU_HASH_ISAS; None leaves the setting as it is (a backend other than the
+    CPU's)."""
+    if isa is None:
+        yield
+        return
+    previous = ops.set_cpu_ngram_hash_isa(isa)
+    try:
+        yield
+    finally:
+        ops.set_cpu_ngram_hash_isa(previous)
+
+
+def _cpu_hash_isas() -> list[str]:
+    found = []
+    for isa in ("scalar", "avx2", "avx512"):
+        try:
+            with cpu_ngram_hash(isa):
+                found.append(isa)
+        except ValueError:
+            pass
+    return found
+
+
+# The CPU hash widths this CPU has: by default the kernel runs only the widest, so each is pinned
+# in turn to test them all on one machine.
+CPU_HASH_ISAS = _cpu_hash_isas()
+
+
+def hash_cases(found) -> list:
+    """(backend, CPU hash width or None) params of the backends `found`: the CPU kernel once per
+    width this CPU has ("cpu-avx2"), every other backend once, as it is."""
+    cases = []
+    for backend in found:
+        if backend.name == "cpu":
+            cases += [pytest.param(backend, isa, id=f"cpu-{isa}") for isa in CPU_HASH_ISAS]
+        else:
+            cases.append(pytest.param(backend, None, id=backend.name))
+    return cases
+
+
+def pinned_hash_width(request):
+    """The context of a test parametrised by hash_cases: its "isa" parameter pinned (checked to
+    be what runs), or nothing for a test or backend without one. For an autouse fixture of the
+    test modules, so that their tests' bodies stay as they are."""
+    callspec = getattr(request.node, "callspec", None)
+    isa = callspec.params.get("isa") if callspec is not None else None
+    return _pinned(isa)
+
+
+@contextlib.contextmanager
+def _pinned(isa: str | None):
+    with cpu_ngram_hash(isa):
+        assert isa is None or ops.cpu_ngram_hash_isa() == isa
+        yield

@@ -38,7 +38,8 @@
 #   under ASan. protect_shadow_gap=0 is there in case one still does (CUDA maps memory in ASan's
 #   shadow gap); neither was needed on the GPU-less machine this was written on.
 # - tests/cpp/fast_divmod_check.cpp (the exhaustive edge cases of csrc/common/fast_divmod.h, which
-#   the kernels share) and tests/cpp/simt_selftest.cpp (the emulator's own test; its fibers tell
+#   the kernels share), tests/cpp/ngram_hash_check.cpp (ngram_ids' head reduction in every width
+#   the CPU has, tails and strided stores included) and tests/cpp/simt_selftest.cpp (the emulator's own test; its fibers tell
 #   ASan of every stack switch) are also built and run with the same sanitizers: seconds.
 # - Only the target_clones variant that this CPU selects (csrc/cpu/simd.h: AVX-512, AVX2 or the
 #   baseline) is exercised.
@@ -177,6 +178,7 @@ run_cpp_check() {  # name, extra compiler arguments...
   if [ "$status" -ne 0 ] && [ "$cpp_status" -ne 86 ]; then cpp_status=$status; fi
 }
 run_cpp_check fast_divmod_check
+run_cpp_check ngram_hash_check "$src/csrc/cpu/ngram_hash_simd.cpp"
 for wave in 32 64; do
   run_cpp_check simt_selftest -Wno-unknown-pragmas -DQWEN4EXP_SIMT_WAVE_SIZE=$wave \
     "$src/csrc/simt/runtime.cpp"

@@ -1,5 +1,6 @@
-// CPU kernel for ngram_gather_rows: ngram_ids' CPU kernel into a per-thread buffer of ids, then
-// gather_rows' CPU kernel from it. A row's hash costs a few ns against the tens of its gather, the
+// CPU kernel for ngram_gather_rows: ngram_ids' CPU kernel (in the hash width cpu_ngram_hash_isa
+// names: AVX-512, AVX2 or scalar) into a per-thread buffer of ids, then gather_rows' CPU kernel
+// from it. A row's hash costs a few ns against the tens of its gather, the
 // buffer (T·NH int64) stays in cache, and the op saves the caller a second dispatch, most of a
 // decode step's lookup at small T.
 #include <vector>

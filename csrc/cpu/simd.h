@@ -314,6 +314,10 @@ inline bool cpu_has_avx512f() {
   static const bool has = __builtin_cpu_supports("avx512f");
   return has;
 }
+inline bool cpu_has_avx512f_dq() {  // ngram_ids' hash: AVX-512DQ's 64-bit multiply and masks
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  return has;
+}
 inline bool cpu_has_avx512bw_vl() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl");

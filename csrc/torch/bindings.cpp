@@ -11,6 +11,7 @@
 #include <string>
 
 #include "../common/gather_rows.h"
+#include "../common/ngram_ids.h"
 #include "../common/ple_conv.h"
 #include "schemas.h"
 #include "switches.h"
@@ -53,6 +54,12 @@ TORCH_LIBRARY(qwen4exp, m) {
   m.def("cpu_gather_fp8_lookup() -> int", &qwen4exp::cpu_gather_fp8_lookup);
   m.def("set_cpu_gather_fp8_lookup(int lookup) -> int",
         &checked_setting<qwen4exp::set_cpu_gather_fp8_lookup>);
+  // How the CPU ngram_ids (and the fused ngram_gather_rows) reduces each head's mix
+  // (csrc/common/ngram_ids.h): 0 scalar, 1 AVX2, 2 AVX-512; by default the widest this CPU has.
+  // The setter takes -1 (that default) or a width and returns the setting it replaces.
+  m.def("cpu_ngram_hash_isa() -> int", &qwen4exp::cpu_ngram_hash_isa);
+  m.def("set_cpu_ngram_hash_isa(int isa) -> int",
+        &checked_setting<qwen4exp::set_cpu_ngram_hash_isa>);
   // How the 16-bit CPU conv looks its SiLU up (csrc/cpu/ple_conv.cpp): 0 a loop, 1 AVX-512
   // gathers; by default timed on first use. The setter takes -1 (timed), 0 or 1 and returns the
   // setting it replaces.

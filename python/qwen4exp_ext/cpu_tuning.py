@@ -16,9 +16,11 @@ __all__ = [
     "cpu_conv_silu_lookup",
     "cpu_gather_fp8_lookup",
     "cpu_gather_stream_bytes",
+    "cpu_ngram_hash_isa",
     "set_cpu_conv_silu_lookup",
     "set_cpu_gather_fp8_lookup",
     "set_cpu_gather_stream_bytes",
+    "set_cpu_ngram_hash_isa",
 ]
 
 
@@ -98,6 +100,31 @@ def set_cpu_conv_silu_lookup(lookup: str | None) -> str | None:
     code = -1 if lookup is None else _CONV_SILU_LOOKUPS.index(lookup)
     previous = torch.ops.qwen4exp.set_cpu_conv_silu_lookup(code)
     return None if previous < 0 else _CONV_SILU_LOOKUPS[previous]
+
+
+_NGRAM_HASH_ISAS = ("scalar", "avx2", "avx512")  # the kernel's codes 0, 1 and 2
+
+
+def cpu_ngram_hash_isa() -> str:
+    """How the CPU ``ngram_ids`` (and the fused ``ngram_gather_rows``) reduces each head's hash
+    modulo its size: ``"avx512"`` (8 heads a step, AVX-512F and DQ), ``"avx2"`` (4) or
+    ``"scalar"`` (one at a time). By default the widest this CPU has;
+    :func:`set_cpu_ngram_hash_isa` pins one, so that each can be tested on one machine. Same ids
+    either way."""
+    return _NGRAM_HASH_ISAS[torch.ops.qwen4exp.cpu_ngram_hash_isa()]
+
+
+def set_cpu_ngram_hash_isa(isa: str | None) -> str | None:
+    """Pins the CPU n-gram hash to ``"scalar"``, ``"avx2"`` or ``"avx512"`` (None: the widest
+    this CPU has) for the whole process; returns the setting it replaces. A width this CPU or
+    build lacks raises ValueError, naming it."""
+    if isa is not None and isa not in _NGRAM_HASH_ISAS:
+        raise ValueError(
+            f"set_cpu_ngram_hash_isa: isa must be 'scalar', 'avx2', 'avx512' or None, got {isa!r}"
+        )
+    code = -1 if isa is None else _NGRAM_HASH_ISAS.index(isa)
+    previous = torch.ops.qwen4exp.set_cpu_ngram_hash_isa(code)
+    return None if previous < 0 else _NGRAM_HASH_ISAS[previous]
 
 
 _stream_bytes_from_env = _switches.cpu_gather_stream_bytes_from_env()

@@ -24,9 +24,11 @@ from .cpu_tuning import (
     cpu_conv_silu_lookup,
     cpu_gather_fp8_lookup,
     cpu_gather_stream_bytes,
+    cpu_ngram_hash_isa,
     set_cpu_conv_silu_lookup,
     set_cpu_gather_fp8_lookup,
     set_cpu_gather_stream_bytes,
+    set_cpu_ngram_hash_isa,
 )
 from .reference import FP8_DTYPES
 
@@ -35,6 +37,7 @@ __all__ = [
     "cpu_conv_silu_lookup",
     "cpu_gather_fp8_lookup",
     "cpu_gather_stream_bytes",
+    "cpu_ngram_hash_isa",
     "gather_rows",
     "ngram_head_divmod",
     "ngram_ids",
@@ -44,6 +47,7 @@ __all__ = [
     "set_cpu_conv_silu_lookup",
     "set_cpu_gather_fp8_lookup",
     "set_cpu_gather_stream_bytes",
+    "set_cpu_ngram_hash_isa",
 ]
 
 

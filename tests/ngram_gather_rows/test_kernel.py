@@ -23,23 +23,32 @@ from gather_support import (
     make_table,
     take_launch_record,
 )
-from ngram_support import HASHING_ARGS
+from ngram_support import HASHING_ARGS, hash_cases, pinned_hash_width
 from qwen4exp_ext import ops, reference
 from qwen4exp_ext.testing import assert_exact, same_layout
 
 from .support import EOS, VOCAB, call, expected, make_batch
 
 BACKENDS = backends()
+# Every backend, the CPU kernel once per hash width this CPU has (scalar, AVX2, AVX-512).
+HASH_CASES = hash_cases(BACKENDS)
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.fixture(autouse=True)
+def _hash_width(request):
+    """A HASH_CASES test runs in its CPU hash width."""
+    with pinned_hash_width(request):
+        yield
+
+
+@pytest.mark.parametrize(("backend", "isa"), HASH_CASES)
 @pytest.mark.parametrize("ngram_size", [2, 3, 5])  # context 1, 2 (unrolled on the GPU), 4
 @pytest.mark.parametrize(
     "table_dtype",
     [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e4m3fnuz],
 )
 @pytest.mark.parametrize("width", [8, 32, 5])  # 5, and fp8 at 8: rows not 16-byte pieces
-def test_matches_the_oracle_composition(backend, ngram_size, table_dtype, width) -> None:
+def test_matches_the_oracle_composition(backend, isa, ngram_size, table_dtype, width) -> None:
     gen = torch.Generator().manual_seed(ngram_size * 131 + width)
     args, rows = make_batch(ngram_size, 2, [7, 0, 300, 1, 40], gen, backend.device)
     table = make_table(rows, width, table_dtype, gen=gen).to(backend.device)
@@ -52,9 +61,24 @@ def test_matches_the_oracle_composition(backend, ngram_size, table_dtype, width)
         assert_exact(got, want, f"{table_dtype} -> {out_dtype}", bitwise=True)
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize(("backend", "isa"), HASH_CASES)
+@pytest.mark.parametrize(
+    ("ngram_size", "heads_per_ngram"), [(3, 8), (2, 5), (4, 3), (7, 1)], ids=str
+)
+def test_head_counts_and_block_tails(backend, isa, ngram_size, heads_per_ngram) -> None:
+    """NH = 16 (the released layer: two AVX-512 vectors, four AVX2 ones), 5, 9 and 6 heads (tails
+    shorter than a vector), over batches whose token counts leave the CPU kernel's 64-token block
+    of mixes part full (65, 3, 130 tokens and an empty request)."""
+    gen = torch.Generator().manual_seed(ngram_size * 10 + heads_per_ngram)
+    args, rows = make_batch(ngram_size, heads_per_ngram, [65, 0, 3, 130], gen, backend.device)
+    table = make_table(rows, 8, torch.float32, gen=gen).to(backend.device)
+    got = call(backend, args, table)
+    assert_exact(got, expected(args, table), f"N={ngram_size} K_h={heads_per_ngram}", bitwise=True)
+
+
+@pytest.mark.parametrize(("backend", "isa"), HASH_CASES)
 @pytest.mark.parametrize("head_divmod", [False, True])
-def test_shards_strides_and_head_constants(backend, head_divmod) -> None:
+def test_shards_strides_and_head_constants(backend, isa, head_divmod) -> None:
     """Vocabulary shards (ids outside a rank's rows are zero rows), a strided input_ids view, an
     output whose rows are a strided view, and the layer's precomputed head constants."""
     gen = torch.Generator().manual_seed(3)
@@ -73,8 +97,8 @@ def test_shards_strides_and_head_constants(backend, head_divmod) -> None:
         assert (out[:, width:] == 7.0).all(), "wrote past its rows"
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=str)
-def test_nvfp4_table(backend) -> None:
+@pytest.mark.parametrize(("backend", "isa"), HASH_CASES)
+def test_nvfp4_table(backend, isa) -> None:
     gen = torch.Generator().manual_seed(4)
     args, rows = make_batch(3, 2, [33, 90], gen, backend.device)
     table = torch.randint(0, 256, (rows, 16), dtype=torch.uint8, generator=gen)  # d = 32
@@ -86,8 +110,8 @@ def test_nvfp4_table(backend) -> None:
     assert_exact(got, expected(args, table, **gather), "nvfp4", bitwise=True)
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=str)
-def test_empty_batch_and_no_requests(backend) -> None:
+@pytest.mark.parametrize(("backend", "isa"), HASH_CASES)
+def test_empty_batch_and_no_requests(backend, isa) -> None:
     gen = torch.Generator().manual_seed(5)
     args, rows = make_batch(3, 2, [4], gen, backend.device)
     table = make_table(rows, 8, torch.bfloat16, gen=gen).to(backend.device)

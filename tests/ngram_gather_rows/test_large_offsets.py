@@ -24,6 +24,7 @@ from large_offsets_support import (
     seed,
     token_rows,
 )
+from ngram_support import CPU_HASH_ISAS, cpu_ngram_hash
 from qwen4exp_ext import reference
 from qwen4exp_ext.testing import assert_exact
 
@@ -89,14 +90,27 @@ def check_ngram_gather_kind(files, backend, table_format, kind):
         assert_exact(output.clone(), expected, f"{kind} N={ngram_size} {out_dtype}", bitwise=True)
 
 
-@pytest.mark.parametrize(("backend", "path"), gather_cases())
+def hash_gather_cases() -> list:
+    """gather_cases(), the CPU kernel's in every hash width this CPU has too."""
+    found = []
+    for case in gather_cases():
+        backend, path = case.values
+        for isa in CPU_HASH_ISAS if backend.name == "cpu" else [None]:
+            name = case.id if isa is None else f"{case.id}-{isa}"
+            found.append(pytest.param(backend, path, isa, id=name))
+    return found
+
+
+@pytest.mark.parametrize(("backend", "path", "isa"), hash_gather_cases())
 @pytest.mark.parametrize("table_format", FORMATS)
-def test_hashed_rows_and_outputs_past_2_31_and_2_32_elements(tmp_path, backend, path, table_format):
+def test_hashed_rows_and_outputs_past_2_31_and_2_32_elements(
+    tmp_path, backend, path, isa, table_format
+):
     """Each head's rows straddle the row that holds element 2^31 or 2^32 of a table of more than
     2^32 elements, or end at its last row (every format; NVFP4's block scales interleaved as in a
     table file), read from a vocabulary shard and written into an ``output=`` whose token rows
     straddle 2^31 and 2^32 elements and lie past them, input_ids read from past them. Catches
     ``row * table_row_stride`` and ``t * output_row_stride`` computed in 32 bits in the fused
     kernel, the ids kernel plus gather, and the CPU kernel."""
-    with gather_path(path):
+    with gather_path(path), cpu_ngram_hash(isa):
         run_leaving_nothing(tmp_path, check_ngram_gather, backend, table_format)

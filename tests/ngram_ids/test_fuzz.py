@@ -27,6 +27,7 @@ from fuzz_support import (
     random_ints,
     sizes,
 )
+from ngram_support import cpu_ngram_hash, hash_cases
 from qwen4exp_ext import reference
 from qwen4exp_ext.testing import assert_exact
 
@@ -124,6 +125,7 @@ def ngram_body(backend, draw: Recorder) -> None:
         assert_unchanged(laid, base, name)
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=str)
-def test_fuzz_ngram_ids(backend, record_property):
-    fuzz(f"ngram_ids on {backend}", lambda draw: ngram_body(backend, draw), record_property)
+@pytest.mark.parametrize(("backend", "isa"), hash_cases(BACKENDS))  # the CPU in every hash width
+def test_fuzz_ngram_ids(backend, isa, record_property):
+    with cpu_ngram_hash(isa):
+        fuzz(f"ngram_ids on {backend}", lambda draw: ngram_body(backend, draw), record_property)

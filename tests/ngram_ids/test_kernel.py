@@ -12,17 +12,27 @@ import pytest
 import torch
 
 from conftest import backends
+from ngram_support import hash_cases, pinned_hash_width
 from qwen4exp_ext import ops, reference
 from qwen4exp_ext.testing import same_layout
 
 from .support import TOY, Layout, model_layout, random_batch, random_layout, run_both
 
 BACKENDS = backends()
+# Every backend, the CPU kernel once per hash width this CPU has (scalar, AVX2, AVX-512).
+HASH_CASES = hash_cases(BACKENDS)
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.fixture(autouse=True)
+def _hash_width(request):
+    """A HASH_CASES test runs in its CPU hash width."""
+    with pinned_hash_width(request):
+        yield
+
+
+@pytest.mark.parametrize(("backend", "isa"), HASH_CASES)
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
-def test_matches_reference_on_random_varlen_batches(backend, id_dtype):
+def test_matches_reference_on_random_varlen_batches(backend, isa, id_dtype):
     rng = random.Random(1234)
     for case in range(250):
         ngram_size = rng.choice([2, 3, 3, 4, 8])
@@ -33,8 +43,8 @@ def test_matches_reference_on_random_varlen_batches(backend, id_dtype):
         assert torch.equal(got, expected), f"case {case}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=str)
-def test_int32_output_and_released_layout(backend):
+@pytest.mark.parametrize(("backend", "isa"), HASH_CASES)
+def test_int32_output_and_released_layout(backend, isa):
     lay = model_layout(248320, 3, 8, 20_000_000, 1234, 0, eos=248044)
     rng = random.Random(5)
     for _ in range(20):
@@ -44,8 +54,8 @@ def test_int32_output_and_released_layout(backend):
         assert torch.equal(got.long(), expected)
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=str)
-def test_strided_views(backend):
+@pytest.mark.parametrize(("backend", "isa"), HASH_CASES)
+def test_strided_views(backend, isa):
     """input_ids and ngram_context as non-contiguous views, output as a column-sliced view."""
     ops, device = backend.ops, backend.device
     rng = random.Random(7)
@@ -128,11 +138,11 @@ def transformers_ids(module, sequence: list[int]) -> torch.Tensor:
     return emb[:, 0::2].round().long()
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize(("backend", "isa"), HASH_CASES)
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("ngram_size,heads_per_ngram,layer_index", [(3, 2, 0), (4, 1, 2)])
 def test_matches_transformers_on_random_chunked_batches(
-    backend, id_dtype, ngram_size, heads_per_ngram, layer_index
+    backend, isa, id_dtype, ngram_size, heads_per_ngram, layer_index
 ):
     """Whole documents through transformers; the same documents cut into chunks (with the right
     context each) through our kernel, several requests per varlen batch; 100 batches per
@@ -235,8 +245,8 @@ def run_with_divmod(backend, input_ids, qsl, context, lay: Layout, head_divmod, 
     ).cpu()
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=str)
-def test_head_divmod_gives_the_same_ids(backend):
+@pytest.mark.parametrize(("backend", "isa"), HASH_CASES)
+def test_head_divmod_gives_the_same_ids(backend, isa):
     """Odd shapes (T = 1, 129, 151 over one or several requests, NH = 1..21 heads, sizes over
     the whole int64 range): the same ids with the layer's constants as without, and as the
     reference."""
@@ -274,9 +284,9 @@ def stale_constants(lay: Layout, rng: random.Random) -> torch.Tensor:
     return ops.ngram_head_divmod(torch.tensor(other))
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize(("backend", "isa"), HASH_CASES)
 @pytest.mark.parametrize("out_dtype", [torch.int64, torch.int32])
-def test_stale_head_divmod_still_gives_the_right_ids(backend, out_dtype):
+def test_stale_head_divmod_still_gives_the_right_ids(backend, isa, out_dtype):
     """Constants built for other sizes (another layer's, or from before the sizes were
     reloaded): every head whose stored divisor is not its size is computed as without them.
     Used as they are, such constants would give ids outside the head's range."""

@@ -12,6 +12,7 @@ import torch
 
 from conftest import backends
 from large_offsets_support import TOKEN_ROW_STRIDE, TOKEN_ROWS, run_leaving_nothing
+from ngram_support import cpu_ngram_hash, hash_cases
 from qwen4exp_ext import reference
 from qwen4exp_ext.testing import assert_exact
 
@@ -91,9 +92,9 @@ def check_ids_layout(files, backend, ngram_size, output_layout):
             assert_exact(output.clone(), want, f"{output_layout}: int32 ids (-1 past 2^31 - 1)")
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize(("backend", "isa"), hash_cases(BACKENDS))  # the CPU in every hash width
 @pytest.mark.parametrize("ngram_size", [3, 4, 6])
-def test_ids_past_2_31_and_2_32(tmp_path, backend, ngram_size):
+def test_ids_past_2_31_and_2_32(tmp_path, backend, isa, ngram_size):
     """Ids of heads whose rows lie around and past 2^31 and 2^32 (exact in int64; an int32 output
     refused on the CPU, -1 past 2^31 - 1 on the emulator), with input_ids and ngram_context read
     from past 2^31 and 2^32 elements of their storage and ids written there, by token rows or by
@@ -101,4 +102,5 @@ def test_ids_past_2_31_and_2_32(tmp_path, backend, ngram_size):
     others. Catches the id ``residue + offset`` narrowed to 32 bits, and ``t * output_row_stride``,
     ``h * output_col_stride``, the input's ``t * stride`` and the context's ``r * row_stride``
     computed in 32 bits."""
-    run_leaving_nothing(tmp_path, check_ids, backend, ngram_size)
+    with cpu_ngram_hash(isa):
+        run_leaving_nothing(tmp_path, check_ids, backend, ngram_size)
