@@ -1,5 +1,5 @@
 """What the gather_rows tests share (tests/gather_rows/, tests/ngram_gather_rows/): the switch
-between the CPU kernel's two paths and the one of its fp8 conversions, tables that hold every
+between the CPU kernel's paths and the one of its fp8 conversions, tables that hold every
 finite bit pattern, and what the grid-cap (max_blocks) tests need of the HIP kernels'
 launches."""
 
@@ -18,18 +18,19 @@ FP8_NAN_BYTES = {torch.float8_e4m3fn: (0x7F, 0xFF), torch.float8_e4m3fnuz: (0x80
 
 @contextlib.contextmanager
 def cpu_gather_path(path: str):
-    """Within the block the CPU gather takes ``path``: "cached" or "streaming" (where the CPU
-    has one: ops.cpu_gather_stream_bytes() != -1)."""
-    previous = ops.set_cpu_gather_stream_bytes({"cached": 2**62, "streaming": 0}[path])
+    """Within the block the CPU gather takes ``path`` for every output size: one of
+    ops.CPU_GATHER_PATHS ("stream" only where the CPU has it: ops.cpu_gather_stream_bytes() !=
+    -1)."""
+    previous = ops.set_cpu_gather_path(path)
     try:
         yield
     finally:
-        ops.set_cpu_gather_stream_bytes(previous)
+        ops.set_cpu_gather_path(previous)
 
 
 def _cpu_paths() -> list[str]:
-    with cpu_gather_path("streaming"):
-        return ["cached", "streaming"] if ops.cpu_gather_stream_bytes() == 0 else ["cached"]
+    has_stream = ops.cpu_gather_stream_bytes() != -1
+    return [path for path in ops.CPU_GATHER_PATHS if has_stream or path != "stream"]
 
 
 CPU_PATHS = _cpu_paths()  # the CPU gather paths this CPU has

@@ -64,12 +64,46 @@ struct GatherRowsParams {
 // kernel for.
 QWEN4EXP_API void run_gather_rows_cpu(const GatherRowsParams& p);
 
-// The CPU kernel streams outputs of at least this many bytes (sorted reads, non-temporal
-// stores); -1 where this CPU or build has no streaming path. The default is what this process's
-// threads can keep in cache.
+// The CPU kernel's paths (csrc/cpu/gather_rows.cpp): kGatherPathCached (prefetched rows,
+// ordinary stores), kGatherPathStream (sorted reads, non-temporal stores; x86-64 with AVX) and
+// kGatherPathPlain (one row after another, no prefetch: what index_select does).
+constexpr int64_t kGatherPathDefault = -1;  // set_cpu_gather_path: no pinned path
+constexpr int64_t kGatherPathCached = 0;
+constexpr int64_t kGatherPathStream = 1;
+constexpr int64_t kGatherPathPlain = 2;
+constexpr int64_t kGatherPathUntimed = 3;  // cpu_gather_path: large gathers not timed yet
+constexpr int64_t kGatherPaths = 3;
+
+// Which path a gather takes. An output smaller than what this process's threads can keep in
+// cache takes the cached path. A larger one takes the path timed on this machine: the first
+// 2·(paths) large gathers of a kind (same-dtype copies, or conversions) at a thread count run
+// each path in turn and time it, and every later one takes the fastest. An explicit setting
+// wins over that timing: set_cpu_gather_path pins one path for every size;
+// set_cpu_gather_stream_bytes a threshold (streaming from it on, cached below it).
+
+// The CPU kernel streams outputs of at least this many bytes by an explicit threshold, and times
+// its paths for outputs of at least this many bytes by default (what this process's threads can
+// keep in cache); -1 where this CPU or build has no streaming path.
 QWEN4EXP_API int64_t cpu_gather_stream_bytes();
-// Sets that size (bytes >= 0, or -1 for the default) and returns the setting it replaces.
+// Sets that threshold (bytes >= 0, or -1: no threshold, the timed default) and returns the
+// setting it replaces.
 QWEN4EXP_API int64_t set_cpu_gather_stream_bytes(int64_t bytes);
+// The path a gather of `out_bytes` output bytes (of a conversion, with `converts`) would take now
+// on the calling thread's thread count; kGatherPathUntimed where it would time one.
+QWEN4EXP_API int64_t cpu_gather_path(int64_t out_bytes, bool converts);
+// Pins a path (kGatherPathDefault: none) and returns the setting it replaces; throws
+// std::invalid_argument on an unknown path or the streaming path where this CPU has none.
+QWEN4EXP_API int64_t set_cpu_gather_path(int64_t path);
+// The timing of the large gathers of a kind at the calling thread count: {chosen path (or
+// kGatherPathUntimed), output bytes of the first timed call, threads, then the best time in ns
+// of each path (cached, stream, plain; -1: not timed)}.
+constexpr int kGatherTimingFields = 3 + kGatherPaths;
+QWEN4EXP_API void cpu_gather_timing(bool converts, int64_t out[kGatherTimingFields]);
+// Gathers run since the last reset, by path (cached, stream, plain), then fp8 gathers by the
+// lookup they converted with (scalar, AVX2, AVX-512): what the bench reports as the path that
+// ran. With `reset` the counts start again from zero.
+constexpr int kGatherCallFields = kGatherPaths + 3;
+QWEN4EXP_API void cpu_gather_calls(bool reset, int64_t out[kGatherCallFields]);
 
 // How the CPU kernel converts fp8 rows: kFp8LookupScalar (a 256-entry table, an element at a
 // time), kFp8LookupAvx2 (byte shuffles, for 16-bit outputs whose table factors; scalar

@@ -138,7 +138,7 @@ struct StreamJob {
   const RowConverter<In, Out>* convert;
   RowStores stores;
   int64_t items, block_items, blocks, shift, buckets;
-  int64_t cache_bytes;  // what one thread can keep in cache (cpu_gather_stream_bytes / threads)
+  int64_t cache_bytes;  // what one thread can keep in cache (cache_bytes / threads)
 };
 
 // One block of items.
@@ -258,7 +258,7 @@ void stream_block(const StreamJob<In, Out>& job, int64_t block) {
         write_row<false>(stores, dst + c * kOut, reinterpret_cast<const char*>(stage), n * kOut);
       }
     };
-    convert_staged(owned, row_bytes, scale_bytes, source, prefetch, emit);
+    convert_staged(owned, row_bytes, scale_bytes, kPrefetchDistance, source, prefetch, emit);
   }
 #if QWEN4EXP_X86_AVX512
   // Streaming stores are weakly ordered: make them visible before this block counts as done.
@@ -268,7 +268,7 @@ void stream_block(const StreamJob<In, Out>& job, int64_t block) {
 
 template <Dtype In, Dtype Out>
 void streaming_gather(const GatherRowsParams& p, const RowConverter<In, Out>& convert,
-                      RowStores stores, int64_t stream_bytes_from) {
+                      RowStores stores, int64_t cache_bytes) {
   const int64_t items = p.num_tokens * p.num_heads;
   const int64_t threads = cpu::num_threads();
   const int64_t l2_items = std::max(kStreamMinBlockItems, cache_share().l2 / kStreamScratchBytes);
@@ -287,34 +287,42 @@ void streaming_gather(const GatherRowsParams& p, const RowConverter<In, Out>& co
                                (items + block_items - 1) / block_items,
                                shift,
                                (last_row >> shift) + 1,
-                               stream_bytes_from / threads};
+                               cache_bytes / threads};
   cpu::parallel_blocks(job.blocks, 1, [&](int64_t block) { stream_block(job, block); });
 }
 
-// set_cpu_gather_stream_bytes's setting; -1: the default. Read with one relaxed load per call.
+// set_cpu_gather_stream_bytes's setting; -1: none (the timed default). Read with one relaxed
+// load per call.
 std::atomic<int64_t> stream_bytes_setting{-1};
 
 }  // namespace
 
-void gather_rows_streaming(const GatherRowsParams& p, int64_t stream_bytes_from) {
+void gather_rows_streaming(const GatherRowsParams& p, int64_t cache_bytes) {
   dispatch_gather_dtypes(p, [&](auto in, auto out) {
     constexpr Dtype In = decltype(in)::kDtype, Out = decltype(out)::kDtype;
-    streaming_gather<In, Out>(p, RowConverter<In, Out>(p), best_row_stores(), stream_bytes_from);
+    streaming_gather<In, Out>(p, RowConverter<In, Out>(p), best_row_stores(), cache_bytes);
   });
+}
+
+bool has_streaming_path() { return best_row_stores() != RowStores::kPlain; }
+
+int64_t stream_bytes_setting_now() { return stream_bytes_setting.load(std::memory_order_relaxed); }
+
+int64_t cached_output_bytes() {
+  const CacheShare& share = cache_share();
+  return num_threads() * (share.l2 + share.l3);
 }
 
 }  // namespace cpu
 
-// Outputs of at least this many bytes take the streaming path; -1 where it is not available
-// (no streaming stores: not x86-64, or no AVX). The default is what this process's threads can
-// keep in cache (cache_share: per thread the core's L2 and its share of the L3); Python sets
-// another (ops.set_cpu_gather_stream_bytes), so tests can force either path.
+// -1 where there is no streaming path (no streaming stores: not x86-64, or no AVX); else the
+// explicit threshold, or by default what this process's threads can keep in cache (cache_share:
+// per thread the core's L2 and its share of the L3), from which the paths are timed. Python sets
+// a threshold (ops.set_cpu_gather_stream_bytes), so tests can force either path.
 int64_t cpu_gather_stream_bytes() {
-  if (cpu::best_row_stores() == cpu::RowStores::kPlain) return -1;
-  const int64_t set = cpu::stream_bytes_setting.load(std::memory_order_relaxed);
-  if (set >= 0) return set;
-  const cpu::CacheShare& share = cpu::cache_share();
-  return cpu::num_threads() * (share.l2 + share.l3);
+  if (!cpu::has_streaming_path()) return -1;
+  const int64_t set = cpu::stream_bytes_setting_now();
+  return set >= 0 ? set : cpu::cached_output_bytes();
 }
 
 int64_t set_cpu_gather_stream_bytes(int64_t bytes) {

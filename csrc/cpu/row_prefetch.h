@@ -52,13 +52,15 @@ inline std::vector<char>& raw_stage() {
 // items [0, count) go in chunks of kRawStageBytes: a chunk's rows are first copied as they are
 // stored (each followed by its NVFP4 block scales, scale_bytes of them) into this thread's
 // L1-resident buffer, in a loop as lean as the same-dtype copy, prefetching
-// prefetch(j + kPrefetchDistance) as it goes; then emit(j, row, scales) converts each from
-// there. source(j) gives item j's row and scales as stored; a null row is a zero row, which is
-// not staged and reaches emit as a null row.
+// prefetch(j + distance) as it goes (distance 0: none, the plain path; the caller prefetches the
+// first `distance` items); then emit(j, row, scales) converts each from there. source(j) gives
+// item j's row and scales as stored; a null row is a zero row, which is not staged and reaches
+// emit as a null row.
 template <typename Source, typename Prefetch, typename Emit>
 __attribute__((always_inline)) inline void convert_staged(int64_t count, int64_t row_bytes,
-                                                          int64_t scale_bytes, Source source,
-                                                          Prefetch prefetch, Emit emit) {
+                                                          int64_t scale_bytes, int64_t distance,
+                                                          Source source, Prefetch prefetch,
+                                                          Emit emit) {
   const int64_t raw_bytes = row_bytes + scale_bytes;
   const int64_t chunk_rows = std::max<int64_t>(1, kRawStageBytes / raw_bytes);
   std::vector<char>& raw = raw_stage();
@@ -66,7 +68,7 @@ __attribute__((always_inline)) inline void convert_staged(int64_t count, int64_t
   for (int64_t j0 = 0; j0 < count; j0 += chunk_rows) {
     const int64_t end = std::min(count, j0 + chunk_rows);
     for (int64_t j = j0; j < end; ++j) {
-      if (j + kPrefetchDistance < count) prefetch(j + kPrefetchDistance);
+      if (distance > 0 && j + distance < count) prefetch(j + distance);
       const auto [row, scales] = source(j);
       if (row == nullptr) continue;
       char* staged = raw.data() + (j - j0) * raw_bytes;

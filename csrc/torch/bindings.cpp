@@ -9,6 +9,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "../common/gather_rows.h"
 #include "../common/ngram_ids.h"
@@ -42,12 +43,32 @@ TORCH_LIBRARY(qwen4exp, m) {
   // SPEC §3: the fast-modulo constants of a layer's head sizes (int64 [NH]) as ngram_ids'
   // head_divmod, int64 [NH, 4]; a CPU kernel (csrc/torch/cpu_ops.cpp), not emulated: host code.
   m.def("ngram_head_divmod(Tensor head_sizes) -> Tensor");
-  // The output size (bytes) from which the CPU gather takes its streaming path (sorted reads,
-  // non-temporal stores; csrc/cpu/gather_rows_stream.cpp), -1 where this CPU or build has none.
+  // The output size (bytes) from which the CPU gather streams (sorted reads, non-temporal stores;
+  // csrc/cpu/gather_rows_stream.cpp) by an explicit threshold, or by default times its paths; -1
+  // where this CPU or build has no streaming path.
   m.def("cpu_gather_stream_bytes() -> int", &qwen4exp::cpu_gather_stream_bytes);
-  // Sets that size (-1: the default, from the cache sizes) and returns the setting it replaces.
+  // Sets that threshold (-1: none, the timed default) and returns the setting it replaces.
   m.def("set_cpu_gather_stream_bytes(int bytes) -> int",
         &checked_setting<qwen4exp::set_cpu_gather_stream_bytes>);
+  // The CPU gather's path (csrc/common/gather_rows.h: 0 cached, 1 stream, 2 plain, 3 not timed
+  // yet) for an output of out_bytes bytes (a conversion's, with `converts`), and the setter that
+  // pins one (-1: none pinned), returning the setting it replaces.
+  m.def("cpu_gather_path(int out_bytes, bool converts) -> int", &qwen4exp::cpu_gather_path);
+  m.def("set_cpu_gather_path(int path) -> int", &checked_setting<qwen4exp::set_cpu_gather_path>);
+  // The timing behind that path at this thread count: [path, output bytes, threads, best ns of
+  // the cached, stream and plain paths (-1: not timed)].
+  m.def("cpu_gather_timing(bool converts) -> int[]", [](bool converts) {
+    std::vector<int64_t> out(qwen4exp::kGatherTimingFields);
+    qwen4exp::cpu_gather_timing(converts, out.data());
+    return out;
+  });
+  // Gathers run by path (cached, stream, plain) and fp8 ones by lookup (scalar, avx2, avx512)
+  // since the last reset; `reset` starts the counts again.
+  m.def("cpu_gather_calls(bool reset) -> int[]", [](bool reset) {
+    std::vector<int64_t> out(qwen4exp::kGatherCallFields);
+    qwen4exp::cpu_gather_calls(reset, out.data());
+    return out;
+  });
   // How the CPU gather converts fp8 rows (csrc/common/gather_rows.h): 0 scalar, 1 AVX2, 2
   // AVX-512; by default the widest this CPU has. The setter takes -1 (that default) or a lookup
   // and returns the setting it replaces.

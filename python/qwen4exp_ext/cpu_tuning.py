@@ -3,7 +3,8 @@ Every setting gives the same values; they exist to tune and to test each path on
 :mod:`qwen4exp_ext.ops` re-exports them all (``ops.set_cpu_gather_stream_bytes`` etc.).
 
 ``QWEN4EXP_CPU_GATHER_STREAM_BYTES`` in the environment sets :func:`cpu_gather_stream_bytes`
-when this module is imported (with :mod:`qwen4exp_ext.ops`, so with the package).
+when this module is imported (with :mod:`qwen4exp_ext.ops`, so with the package). The gather's
+path for large outputs is otherwise timed on this machine (:func:`cpu_gather_path`).
 """
 
 from __future__ import annotations
@@ -13,30 +14,43 @@ import torch
 from . import _switches
 
 __all__ = [
+    "CPU_GATHER_PATHS",
     "cpu_conv_silu_lookup",
+    "cpu_gather_calls",
     "cpu_gather_fp8_lookup",
+    "cpu_gather_path",
     "cpu_gather_stream_bytes",
+    "cpu_gather_timing",
     "cpu_ngram_hash_isa",
     "set_cpu_conv_silu_lookup",
     "set_cpu_gather_fp8_lookup",
+    "set_cpu_gather_path",
     "set_cpu_gather_stream_bytes",
     "set_cpu_ngram_hash_isa",
 ]
 
+# The CPU gather's paths, as the kernel numbers them (csrc/common/gather_rows.h): "cached"
+# (rows prefetched ahead, ordinary stores), "stream" (a block's rows read in table order, written
+# with non-temporal stores; x86-64 with AVX only) and "plain" (a row after another, no prefetch:
+# what ``index_select`` does).
+CPU_GATHER_PATHS = ("cached", "stream", "plain")
+_UNTIMED = "untimed"  # the kernel's code 3: large gathers not timed yet
+
 
 def cpu_gather_stream_bytes() -> int:
-    """The output size in bytes from which the CPU ``gather_rows`` takes its streaming path
-    (rows read in table order and written with non-temporal stores); -1 where
-    this CPU has none (it needs x86-64 with AVX). Default: what this process's threads can keep
-    in cache (per thread its core's L2 and its share of the L3, at most 4 MiB of it); another
-    comes from :func:`set_cpu_gather_stream_bytes`, or from ``QWEN4EXP_CPU_GATHER_STREAM_BYTES``
-    in the environment when the package is imported."""
+    """The output size in bytes from which the CPU ``gather_rows`` streams, where a threshold is
+    set (:func:`set_cpu_gather_stream_bytes`, or ``QWEN4EXP_CPU_GATHER_STREAM_BYTES`` in the
+    environment when the package is imported); by default the size from which it times its
+    paths instead (:func:`cpu_gather_path`): what this process's threads can keep in cache (per
+    thread its core's L2 and its share of the L3, at most 4 MiB of it). -1 where this CPU has no
+    streaming path (it needs x86-64 with AVX)."""
     return int(torch.ops.qwen4exp.cpu_gather_stream_bytes())
 
 
 def set_cpu_gather_stream_bytes(stream_bytes: int | None) -> int | None:
-    """Sets the size :func:`cpu_gather_stream_bytes` reports (0: every call streams; None: the
-    default, from the cache sizes) for the whole process; returns the setting it replaces."""
+    """Sets a threshold for the whole process: outputs of at least ``stream_bytes`` bytes
+    stream, smaller ones take the cached path (0: every call streams); it wins over the timed
+    choice. None: no threshold, the timed default again. Returns the setting it replaces."""
     if stream_bytes is not None and (
         isinstance(stream_bytes, bool)
         or not isinstance(stream_bytes, int)
@@ -50,6 +64,79 @@ def set_cpu_gather_stream_bytes(stream_bytes: int | None) -> int | None:
         -1 if stream_bytes is None else stream_bytes
     )
     return None if previous < 0 else int(previous)
+
+
+def cpu_gather_path(output_bytes: int | None = None, *, converting: bool = False) -> str:
+    """The path the CPU ``gather_rows`` takes now, at this thread count
+    (:func:`torch.get_num_threads`), for an output of ``output_bytes`` bytes (None: a large
+    one, a prefill): one of :data:`CPU_GATHER_PATHS`, or ``"untimed"``. ``converting``: for a
+    gather that converts its rows (fp8, NVFP4, or into another dtype), which is timed apart from
+    same-dtype copies.
+
+    An output smaller than what this process's threads keep in cache
+    (:func:`cpu_gather_stream_bytes`) takes the cached path. For a larger one the path is chosen
+    by measurement on this machine: the first six such gathers of a kind at a thread count (four
+    where the CPU has no streaming path) run each path twice, in turn, and time it, and every
+    later one takes the fastest ("untimed" until then; :func:`cpu_gather_timing` has the
+    figures). The plain path is ``index_select``'s way, so the choice is never slower than that
+    on the gathers it timed. An explicit setting wins: :func:`set_cpu_gather_path` pins a path,
+    :func:`set_cpu_gather_stream_bytes` a threshold. Same values on every path."""
+    if output_bytes is None:
+        output_bytes = _switches.INT64_MAX
+    elif isinstance(output_bytes, bool) or not isinstance(output_bytes, int) or output_bytes < 0:
+        raise ValueError(
+            f"cpu_gather_path: output_bytes must be an int >= 0 or None, got {output_bytes!r}"
+        )
+    code = torch.ops.qwen4exp.cpu_gather_path(min(output_bytes, _switches.INT64_MAX), converting)
+    return _UNTIMED if code == len(CPU_GATHER_PATHS) else CPU_GATHER_PATHS[code]
+
+
+def set_cpu_gather_path(path: str | None) -> str | None:
+    """Pins the CPU gather's path for every output size, for the whole process: one of
+    :data:`CPU_GATHER_PATHS` (None: none pinned, the threshold or the timed choice again), so
+    that each can be tested on one machine; returns the setting it replaces. ``"stream"`` raises
+    ValueError where this CPU or build has no streaming path."""
+    if path is not None and path not in CPU_GATHER_PATHS:
+        raise ValueError(
+            f"set_cpu_gather_path: path must be 'cached', 'stream', 'plain' or None, got {path!r}"
+        )
+    code = -1 if path is None else CPU_GATHER_PATHS.index(path)
+    previous = torch.ops.qwen4exp.set_cpu_gather_path(code)
+    return None if previous < 0 else CPU_GATHER_PATHS[previous]
+
+
+def cpu_gather_timing(*, converting: bool = False) -> dict[str, object] | None:
+    """The measurement behind :func:`cpu_gather_path` for large gathers at this thread count
+    (``converting``: of the converting ones), or None where none has been made yet:
+    ``{"path": the choice, "output_bytes": the first timed gather's output, "threads": n,
+    "seconds": {path: its best time}}`` (a path this CPU lacks is left out)."""
+    code, output_bytes, threads, *nanoseconds = torch.ops.qwen4exp.cpu_gather_timing(converting)
+    if code == len(CPU_GATHER_PATHS):
+        return None
+    return {
+        "path": CPU_GATHER_PATHS[code],
+        "output_bytes": output_bytes,
+        "threads": threads,
+        "seconds": {
+            path: ns * 1e-9
+            for path, ns in zip(CPU_GATHER_PATHS, nanoseconds, strict=True)
+            if ns >= 0
+        },
+    }
+
+
+def cpu_gather_calls(reset: bool = False) -> dict[str, dict[str, int]]:
+    """How many CPU gathers (``gather_rows``, and ``ngram_gather_rows``' gathers) ran each path
+    since the last reset, ``{"path": {path: n}, "fp8_lookup": {lookup: n}}`` (fp8 tables: the
+    lookup that converted them, see :func:`cpu_gather_fp8_lookup`), whichever thread ran them;
+    with ``reset`` the counts then start again from zero. The bench reports from these which
+    path its timed calls took."""
+    counts = torch.ops.qwen4exp.cpu_gather_calls(reset)
+    paths = len(CPU_GATHER_PATHS)
+    return {
+        "path": dict(zip(CPU_GATHER_PATHS, counts[:paths], strict=True)),
+        "fp8_lookup": dict(zip(_GATHER_FP8_LOOKUPS, counts[paths:], strict=True)),
+    }
 
 
 _GATHER_FP8_LOOKUPS = ("scalar", "avx2", "avx512")  # the kernel's codes 0, 1 and 2

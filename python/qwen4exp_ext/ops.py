@@ -21,22 +21,31 @@ import torch
 from . import _fakes, _switches
 from ._fakes import NVFP4_TABLE_DTYPE as _NVFP4_TABLE_DTYPE
 from .cpu_tuning import (
+    CPU_GATHER_PATHS,
     cpu_conv_silu_lookup,
+    cpu_gather_calls,
     cpu_gather_fp8_lookup,
+    cpu_gather_path,
     cpu_gather_stream_bytes,
+    cpu_gather_timing,
     cpu_ngram_hash_isa,
     set_cpu_conv_silu_lookup,
     set_cpu_gather_fp8_lookup,
+    set_cpu_gather_path,
     set_cpu_gather_stream_bytes,
     set_cpu_ngram_hash_isa,
 )
 from .reference import FP8_DTYPES
 
 __all__ = [
+    "CPU_GATHER_PATHS",
     "KernelOps",
     "cpu_conv_silu_lookup",
+    "cpu_gather_calls",
     "cpu_gather_fp8_lookup",
+    "cpu_gather_path",
     "cpu_gather_stream_bytes",
+    "cpu_gather_timing",
     "cpu_ngram_hash_isa",
     "gather_rows",
     "ngram_head_divmod",
@@ -46,6 +55,7 @@ __all__ = [
     "read_file_rows",
     "set_cpu_conv_silu_lookup",
     "set_cpu_gather_fp8_lookup",
+    "set_cpu_gather_path",
     "set_cpu_gather_stream_bytes",
     "set_cpu_ngram_hash_isa",
 ]
@@ -174,9 +184,10 @@ class KernelOps:
         ever reads out of bounds. A CUDA/ROCm ``table`` may be the GPU view of pinned host memory
         (:func:`qwen4exp_ext.tables.host_memory.device_view`): read zero-copy over PCIe.
 
-        On the CPU an output of at least :func:`cpu_gather_stream_bytes` bytes (a prefill) is
-        written with streaming stores: it bypasses the cache, which it would not fit in anyway.
-        Same values either way.
+        On the CPU an output larger than the caches (a prefill) takes the path measured fastest
+        on this machine (:func:`cpu_gather_path`): streaming stores that bypass the cache, which
+        it would not fit in anyway, prefetched rows, or index_select's plain row copy. Same
+        values on every path.
 
         ``max_blocks`` > 0 caps the grid of every GPU launch (and the SIMT emulator's) at that
         many blocks, so that a gather on a side stream takes a bounded share of the GPU from the

@@ -5,10 +5,11 @@ decoding, strided views, rows beyond element 2^31, the same output under a cappe
 SPEC's properties (shards sum to the whole, ids out of range give +0 rows) are in
 test_properties.py, the errors in test_bad_inputs.py.
 
-The CPU kernel has two paths: the cached one (csrc/cpu/gather_rows.cpp), and the streaming one
-that large outputs take (sorted reads, non-temporal stores; csrc/cpu/gather_rows_stream.cpp).
-Every CPU test here runs on both: the ``cpu_path`` fixture (support.py) sets the output size from
-which the CPU streams to "never" or "always".
+The CPU kernel has three paths: the cached one (csrc/cpu/gather_rows.cpp), the streaming one
+(sorted reads, non-temporal stores; csrc/cpu/gather_rows_stream.cpp) and the plain one (a row
+after another, as index_select); large outputs take the one timed fastest on the machine. Every
+CPU test here runs on each: the ``cpu_path`` fixture (support.py) pins it. The timed choice
+itself is tested in test_path_choice.py.
 """
 
 from __future__ import annotations
@@ -273,7 +274,7 @@ def test_many_blocks_wide_rows_and_zero_rows(backend, table_dtype):
             assert torch.all(buffer[:, :1] == 3) and torch.all(buffer[:, 1 + heads * width :] == 3)
 
 
-@pytest.mark.skipif("streaming" not in CPU_PATHS, reason="this CPU has no streaming path")
+@pytest.mark.skipif("stream" not in CPU_PATHS, reason="this CPU has no streaming path")
 @pytest.mark.parametrize("table_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_cpu_streaming_sorted_and_output_order(table_dtype, threads):
@@ -293,13 +294,16 @@ def test_cpu_streaming_sorted_and_output_order(table_dtype, threads):
     out_bytes = tokens * heads * width * 2
     previous_threads = torch.get_num_threads()
     previous = ops.set_cpu_gather_stream_bytes(out_bytes // 4)
+    previous_path = ops.set_cpu_gather_path(None)  # the threshold decides, not the fixture's pin
     try:
         torch.set_num_threads(threads)
+        assert ops.cpu_gather_path(out_bytes) == "stream"
         for ids in (fresh, duplicates, mixed):
             expected = reference.gather_rows(table, ids, scale=scale, out_dtype=torch.bfloat16)
             got = ops.gather_rows(table, ids, scale=scale, out_dtype=torch.bfloat16)
             assert_exact(got, expected, bitwise=True)
     finally:
+        ops.set_cpu_gather_path(previous_path)
         ops.set_cpu_gather_stream_bytes(previous)
         torch.set_num_threads(previous_threads)
 
@@ -310,7 +314,7 @@ def test_cpu_gather_stream_bytes_switch():
     environment is read at import only (tests/test_switches.py)."""
     previous = ops.set_cpu_gather_stream_bytes(None)
     try:
-        if "streaming" not in CPU_PATHS:
+        if "stream" not in CPU_PATHS:
             assert ops.set_cpu_gather_stream_bytes(0) is None
             assert ops.cpu_gather_stream_bytes() == -1
             return

@@ -166,7 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"appended {len(results)} row(s) to {args.append}")
     _write_tables(args, device, results)
     print()
-    print("\n".join(summary_lines(results, run_ops, thread_counts)))
+    # The machine the figures are from: the CPU's model and generation, or the GPU's name.
+    machine = environment["cpu_model"] if device.type == "cpu" else environment["device"]
+    print("\n".join(summary_lines(results, run_ops, thread_counts, machine)))
     if failures:
         print(f"{len(failures)} case(s) failed their check and were not timed", file=sys.stderr)
         return 1

@@ -34,7 +34,9 @@ def describe_environment(device: torch.device) -> dict[str, Any]:
         "torch_gpu_runtime": torch.version.hip or torch.version.cuda,
         "threads": torch.get_num_threads(),
         "build_info": build_info() if callable(build_info) else None,
-        # Outputs of at least this many bytes take the CPU gather's streaming path (-1: none).
+        # Outputs of at least this many bytes take the CPU gather's streaming path where a
+        # threshold is set, else its timed path (-1: no streaming path); each CPU row's
+        # "cpu_paths" says which path ran, and the timing behind it.
         "cpu_gather_stream_bytes": ops.cpu_gather_stream_bytes(),
         # How the CPU gather converted fp8 rows ("avx512", "avx2" or "scalar").
         "cpu_gather_fp8_lookup": ops.cpu_gather_fp8_lookup(),
@@ -44,8 +46,9 @@ def describe_environment(device: torch.device) -> dict[str, Any]:
         "vllm_kernels": vllm_triton.source_origin() if device.type == "cuda" else None,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         # What "AMD EPYC" alone (a VM's model name) does not say: the host CPU's generation,
-        # vector extensions and caches, whichever device ran.
+        # vector extensions and caches, whichever device ran; "cpu_model" in words.
         "cpu": _cpu_facts(),
+        "cpu_model": cpu_text(),
         "source": _source_commit(),
     }
 
@@ -74,6 +77,7 @@ def _cpu_facts() -> dict[str, Any] | None:
     facts["family"] = fields.get("cpu family")
     facts["model"] = fields.get("model")
     facts["model_name"] = fields.get("model name")
+    facts["generation"] = cpu_generation(facts["vendor"], facts["family"], facts["model"])
     flags = set(fields.get("flags", "").split())
     facts["flags"] = [flag for flag in _CPU_FLAGS if flag in flags]
     cache_dir = Path("/sys/devices/system/cpu/cpu0/cache")
@@ -87,6 +91,56 @@ def _cpu_facts() -> dict[str, Any] | None:
         if kind != "Instruction" and level in ("2", "3"):
             facts[f"l{level}"] = size
     return facts
+
+
+# The server generations the CPU kernels' figures come from (docs/design/cpu-kernel-notes.md),
+# by vendor and family: (first model, last model, name), from the vendors' model numbers. A VM
+# often names its CPU "AMD EPYC" or "Intel Xeon Processor" and nothing more.
+_GENERATIONS = {
+    ("AuthenticAMD", 23): ((0x00, 0x2F, "Zen/Zen+"), (0x30, 0xFF, "Zen 2")),
+    ("AuthenticAMD", 25): (
+        (0x00, 0x0F, "Zen 3"),
+        (0x10, 0x1F, "Zen 4"),
+        (0x20, 0x5F, "Zen 3"),
+        (0x60, 0xAF, "Zen 4"),
+    ),
+    ("AuthenticAMD", 26): ((0x00, 0xFF, "Zen 5"),),
+    ("GenuineIntel", 6): (
+        (0x55, 0x55, "Skylake/Cascade Lake"),
+        (0x6A, 0x6C, "Ice Lake"),
+        (0x8F, 0x8F, "Sapphire Rapids"),
+        (0xAD, 0xAE, "Granite Rapids"),
+        (0xAF, 0xAF, "Sierra Forest"),
+        (0xCF, 0xCF, "Emerald Rapids"),
+    ),
+}
+
+
+def cpu_generation(vendor: str | None, family: str | None, model: str | None) -> str | None:
+    """The CPU's generation ("Zen 4", "Sapphire Rapids") from /proc/cpuinfo's vendor_id, cpu
+    family and model, where _GENERATIONS knows it; else None."""
+    try:
+        key, number = (vendor, int(family or "")), int(model or "")
+    except ValueError:
+        return None
+    for first, last, name in _GENERATIONS.get(key, ()):
+        if first <= number <= last:
+            return name
+    return None
+
+
+def cpu_text(facts: dict[str, Any] | None = None) -> str | None:
+    """The CPU in words for the summary: its model name, generation, family and model ("AMD
+    EPYC (Zen 4, family 25 model 17)"); None where /proc/cpuinfo is not there."""
+    facts = _cpu_facts() if facts is None else facts
+    if not facts:
+        return None
+    details = [facts.get("generation")]
+    if facts.get("family") is not None and facts.get("model") is not None:
+        details.append(f"family {facts['family']} model {facts['model']}")
+    details = [d for d in details if d]
+    name = facts.get("model_name") or "unnamed CPU"
+    return f"{name} ({', '.join(details)})" if details else name
 
 
 def _source_commit() -> str | None:

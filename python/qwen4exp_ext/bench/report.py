@@ -20,6 +20,7 @@ import torch
 
 from qwen4exp_ext.bench.machine import PEAK_TBPS, device_name
 from qwen4exp_ext.bench.registry import Section, headline_case_names
+from qwen4exp_ext.bench.runner import path_text
 
 COLUMNS = (
     ("op", 11, "s"),
@@ -38,6 +39,8 @@ COLUMNS = (
     ("MB", 8, ".4g"),
     *((f"{gpu} µs", 10, ".3g") for gpu in PEAK_TBPS),
     ("% peak", 7, "rs"),  # a right-aligned text: "-" where there is no listed GPU
+    # CPU: the gather path / fp8 lookup / hash width that ran (runner.cpu_paths), "-" for none.
+    ("path", 13, "s"),
 )
 
 
@@ -92,17 +95,22 @@ class _Progress:
 
 
 def summary_lines(
-    results: Sequence[dict[str, Any]], ops_: Sequence[str], thread_counts: Sequence[int]
+    results: Sequence[dict[str, Any]],
+    ops_: Sequence[str],
+    thread_counts: Sequence[int],
+    cpu: str | None = None,
 ) -> list[str]:
-    """The run's conclusion, from its results (nothing more is timed): a heading, then one line
+    """The run's conclusion, from its results (nothing more is timed): a heading (naming the
+    ``cpu``, machine.cpu_text(), where given), then one line
     per op of ``ops_``: for each phase of ``registry.HEADLINE_PHASES``, the op's first case that
     ran and matches it (``registry.headline_case_names``), its speedup over the headline
     baseline and ours as a % of the same-run copy, at each thread count ("-" where that count
     has no result, e.g. a failed check)."""
     counts = " / ".join(map(str, thread_counts))
     plural = "thread" if list(thread_counts) == [1] else "threads"
+    on = f" on {cpu}" if cpu else ""
     lines = [
-        f"summary ({counts} {plural}): ours against the headline baseline (speedup) and "
+        f"summary ({counts} {plural}){on}: ours against the headline baseline (speedup) and "
         "against a same-run copy of the same bytes (% copy)"
     ]
     width = max(map(len, ops_), default=0)
@@ -142,6 +150,7 @@ def _table_values(result: dict[str, Any]) -> list[object]:
         result["bytes"] / 1e6,
         *(result["roofline_us"][gpu] for gpu in PEAK_TBPS),
         "-" if result["pct_of_peak"] is None else f"{result['pct_of_peak']:.1f}",
+        path_text(result.get("cpu_paths")),
     ]
 
 
@@ -169,9 +178,9 @@ def _si(x: float) -> str:
 
 
 def _csv_rows(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[str, object]]]:
-    """The table's numbers per case and thread count, then p50_us_<name> of every contender
-    (ours, each baseline, the oracle, each reference, the copy; blank where a case has no such
-    baseline or reference)."""
+    """The table's numbers per case and thread count (with its "path"), then p50_us_<name> of
+    every contender (ours, each baseline, the oracle, each reference, the copy; blank where a
+    case has no such baseline or reference)."""
     contenders: dict[str, None] = {"ours": None}
     for r in results:
         contenders |= dict.fromkeys(r["baselines"])
@@ -198,6 +207,7 @@ def _csv_rows(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[s
         "mb",
         *(f"{gpu}_roofline_us" for gpu in PEAK_TBPS),
         "pct_of_peak",
+        "path",
         *(f"p50_us_{name}" for name in contenders),
     ]
     rows = []
@@ -225,6 +235,7 @@ def _csv_rows(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[dict[s
                 "mb": r["bytes"] / 1e6,
                 **{f"{gpu}_roofline_us": r["roofline_us"][gpu] for gpu in PEAK_TBPS},
                 "pct_of_peak": "" if r["pct_of_peak"] is None else r["pct_of_peak"],
+                "path": path_text(r.get("cpu_paths")),
                 **{f"p50_us_{name}": p50.get(name, "") for name in contenders},
             }
         )

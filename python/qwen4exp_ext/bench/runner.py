@@ -3,7 +3,8 @@ oracle and every baseline (``_check``; a disagreement is ``CheckFailed``, and th
 timed), sizes the run to a time budget where no repeat count is given (``_auto_repeat``), times
 ours, the baselines, the oracle, the references and a same-traffic copy in one interleaved loop
 and returns the case's result: the dict that becomes a table row, a CSV row, a ``--append`` row
-and an entry of the JSON's "results". ``_num_threads`` runs a block at one torch thread count.
+and an entry of the JSON's "results" (on a CPU with ``cpu_paths``: which paths of our CPU kernels
+the timed calls took). ``_num_threads`` runs a block at one torch thread count.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from qwen4exp_ext import ops
 from qwen4exp_ext.bench.machine import PEAK_TBPS, pct_of_peak
 from qwen4exp_ext.bench.registry import Case
 from qwen4exp_ext.bench.timing import Quantiles, roofline_copy, time_interleaved
@@ -98,9 +100,12 @@ def _run_case(
     if repeat is None:
         repeat = _auto_repeat(fns, device, warmup, budget_s, case.before_call)
         warmup = 0  # done
+    if device.type == "cpu":
+        ops.cpu_gather_calls(reset=True)  # from here on: the gathers of the timed calls
     times = time_interleaved(
         fns, device, warmup, repeat, wall_clock=case.host_waits, before_call=case.before_call
     )
+    paths = cpu_paths(case.op) if device.type == "cpu" else None
     ours, oracle, copy_t = times["ours"], times["oracle"], times["copy"]
     baselines = {name: times[name] for name in case.baselines}
     headline = baselines[case.baseline]
@@ -139,6 +144,8 @@ def _run_case(
         "roofline_us": {gpu: case.nbytes / (tbps * 1e6) for gpu, tbps in PEAK_TBPS.items()},
         "pct_of_peak": pct_of_peak(rates["ours"], device),
     }
+    if paths is not None:
+        result["cpu_paths"] = paths
     if case.references:
         result["references"] = {name: asdict(times[name]) for name in case.references}
     if case.derive is not None:
@@ -148,6 +155,57 @@ def _run_case(
             raise ValueError(f"{case.op}/{case.name}: derived fields {sorted(clash)} are taken")
         result |= derived
     return result
+
+
+# The ops whose CPU rows say which paths of our CPU kernels ran (issue #51): the gather's, its
+# fp8 lookup's and the n-gram hash's, in the result's "cpu_paths" and the table's "path" column.
+CPU_PATH_OPS = ("ngram_ids", "gather_rows", "ngram_gather_rows", "host_lookup")
+# Of those, the ones that hash n-grams (ngram_ids' kernel, alone or fused into the gather).
+HASHING_OPS = ("ngram_ids", "ngram_gather_rows", "host_lookup")
+
+
+def cpu_paths(op: str) -> dict[str, Any] | None:
+    """For a row of ``op`` on a CPU, read right after its timed loop: which gather path ran
+    (``gather``, the one most of the loop's gathers took, None where none ran;
+    ``gather_calls``, every path that ran and how often: the first large gathers of a process
+    time each path, ``ops.cpu_gather_path``), the figures of that timing at this thread count
+    (``gather_timing``: per kind, "copy" or "convert", where made), the lookup that converted
+    fp8 rows (``fp8_lookup``, None where no fp8 gather ran) and the width of the n-gram hash
+    (``hash``, for the ops that hash). Counted over every gather of the loop, whoever made it:
+    a baseline built on our kernel (``ngram_gather_rows``' two_ops) takes the same path. None for
+    other ops."""
+    if op not in CPU_PATH_OPS:
+        return None
+    calls = ops.cpu_gather_calls()
+    ran = {path: n for path, n in calls["path"].items() if n}
+    lookups = {lookup: n for lookup, n in calls["fp8_lookup"].items() if n}
+    timing = {
+        kind: ops.cpu_gather_timing(converting=kind == "convert") for kind in ("copy", "convert")
+    }
+    return {
+        "gather": max(ran, key=ran.get) if ran else None,
+        "gather_calls": ran,
+        "gather_timing": {kind: t for kind, t in timing.items() if t is not None},
+        "fp8_lookup": max(lookups, key=lookups.get) if lookups else None,
+        "hash": hash_width() if op in HASHING_OPS else None,
+    }
+
+
+def hash_width() -> str | None:
+    """The width the CPU ``ngram_ids`` (and the fused gather) hashes with ("avx512", "avx2",
+    "scalar"), for the rows of HASHING_OPS."""
+    return ops.cpu_ngram_hash_isa()
+
+
+def path_text(paths: dict[str, Any] | None) -> str:
+    """The table's "path" cell: the gather's path, its fp8 lookup and the hash width where they
+    apply ("stream", "cached/avx512", "plain/-/avx2"...), "-" for none."""
+    if paths is None:
+        return "-"
+    parts = [paths["gather"] or "-", paths["fp8_lookup"] or "-", paths["hash"] or "-"]
+    while len(parts) > 1 and parts[-1] == "-":
+        parts.pop()
+    return "/".join(parts)
 
 
 def speedup_vs_vllm(times: Mapping[str, Quantiles], vllm: str | None) -> float | None:
