@@ -13,8 +13,9 @@ a fresh interpreter), in bf16, fp8 and NVFP4:
   shards only, and every row looked up is bit for bit the row loaded from safetensors;
 - two gloo ranks (ETP = 2) each map half of the file, and their reduced rows equal one rank's;
 - a missing, foreign, truncated, wrong-format or wrong-layer file, a checkpoint whose scale or
-  hash buffers differ from the file's, and a bad directory fail at construction or load, naming
-  the file (or the setting), with nothing left behind.
+  hash buffers differ from the file's, a bad directory and (vLLM 0.34.0) a disk-offloaded table
+  fail at construction or load, naming the file (or the setting), with nothing left behind; a
+  good one, built, loaded and freed, leaves nothing behind either.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import model_checkpoint as mc
-from vllm_support import require_vllm, run_python
+from vllm_support import require_vllm, run_python, vllm_version
 
 pytestmark = require_vllm()
 
@@ -291,6 +292,8 @@ def _bad_cases(tmp: Path, packed) -> list[dict]:
         )
     )
     cases.append(dict(name="no_directory", table_dir=str(tmp / "nowhere")))
+    if vllm_version() != "0.33.0":  # 0.34's disk_offload reads the checkpoint itself
+        cases.append(dict(name="disk_offload", table_dir=str(tables), disk_offload=True))
     for case in cases:
         case.setdefault("config", config)
         case.setdefault("files", files)
@@ -314,6 +317,7 @@ def test_bad_table_files_fail_naming_the_file_and_leave_nothing_behind(packed, t
         "scale_mismatch": ("TableFileError", file, "the file was packed from another checkpoint"),
         "buffer_mismatch": ("TableFileError", file, "layout checksum differs"),
         "no_directory": ("ValueError", "qwen4exp_table_dir", "must name an existing directory"),
+        "disk_offload": ("TableFileError", file, "disk_offload reads the checkpoint itself"),
     }
     assert set(messages) == {c["name"] for c in bad}
     assert messages.pop("good") is None

@@ -66,11 +66,16 @@ def text_config(case: dict) -> SimpleNamespace:
     return SimpleNamespace(**case["config"])
 
 
-def build(case: dict, cls: str, directory: str | None, tp: int = 1):
-    """vLLM's n-gram embedding of the case's layer, built as vLLM builds it."""
+def build(case: dict, cls: str, directory: str | None, tp: int = 1, disk_offload: bool = False):
+    """vLLM's n-gram embedding of the case's layer, built as vLLM builds it (``disk_offload``:
+    vLLM 0.34's disk-offloaded table, as its EngramConfig would choose it)."""
     config = text_config(case)
     prefix = case["prefix"].removesuffix(".")
-    with set_current_vllm_config(vllm_config(directory, tp)), torch.device("cpu"):
+    current = vllm_config(directory, tp)
+    if disk_offload:  # vLLM's own check of the setting wants CUDA; its class builds on the CPU
+        engram = SimpleNamespace(disk_offload=True, cpu_offload=False)
+        object.__setattr__(current, "engram_config", engram)
+    with set_current_vllm_config(current), torch.device("cpu"):
         if cls == "nvidia":
             return NvidiaNGramEmbedding(
                 config,
@@ -209,7 +214,12 @@ def run_bad(case: dict, out: str) -> None:
     def attempt(bad: dict) -> str | None:
         """The error of building and loading the bad case (the model freed when it returns)."""
         try:
-            embedding = build({**case, "config": bad["config"]}, bad["cls"], bad["table_dir"])
+            embedding = build(
+                {**case, "config": bad["config"]},
+                bad["cls"],
+                bad["table_dir"],
+                disk_offload=bad.get("disk_offload", False),
+            )
             embedding.load_weights(checkpoint(case, bad["files"]))
         except Exception as error:  # noqa: BLE001 - what the test checks
             return f"{type(error).__name__}: {error}"
