@@ -26,7 +26,7 @@ import torch
 from leak_support import nothing_left_behind
 from qwen4exp_ext import _switches, simt
 from qwen4exp_ext.bench import gather_rows, registry, staged_lookup, step_proxy, vllm_triton
-from qwen4exp_ext.vllm import choice, prefetch
+from qwen4exp_ext.vllm import choice, prefetch, table_dir
 
 TIMEOUT = 120  # seconds for a fresh interpreter (it imports torch) or a call that could block
 INT64_OVER = str(1 << 63)
@@ -175,6 +175,45 @@ def test_a_bad_kernels_switch_is_one_warning_and_auto(value, monkeypatch, plugin
         f"qwen4exp_ext vLLM plugin: QWEN4EXP_VLLM_KERNELS={value!r} is not one of "
         "auto|ours|vllm; using auto"
     ]
+
+
+TABLE_DIR_CASES = {
+    # name: (make the value from tmp_path, what the one warning says of it)
+    "missing": (lambda p: str(p / "nowhere"), "does not exist"),
+    "a file": (lambda p: str(written(p / "ple0.q4xt", b"x")), "is not a directory"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TABLE_DIR_CASES))
+def test_a_bad_table_dir_is_one_warning_and_off(case, tmp_path, monkeypatch, plugin_warnings):
+    """``$QWEN4EXP_VLLM_TABLE_DIR`` (vllm/table_dir.py), read at each PLE layer's construction:
+    a value that names no directory is one warning naming it, and vLLM's own tables."""
+    make, said = TABLE_DIR_CASES[case]
+    value = make(tmp_path)
+    monkeypatch.setenv(_switches.VLLM_TABLE_DIR_ENV, value)
+    with nothing_left_behind(tmp_path):
+        assert table_dir.configured_table_dir(None) is None
+        assert table_dir.configured_table_dir(None) is None  # every layer: warned once
+    assert plugin_warnings() == [
+        f"qwen4exp_ext vLLM plugin: QWEN4EXP_VLLM_TABLE_DIR must name an existing directory, "
+        f"got {value!r}, which {said}; using the default, off"
+    ]
+
+
+def test_the_table_dir_of_additional_config_comes_first_and_a_bad_one_raises(
+    tmp_path, monkeypatch, plugin_warnings
+):
+    from types import SimpleNamespace
+
+    monkeypatch.setenv(_switches.VLLM_TABLE_DIR_ENV, str(tmp_path / "nowhere"))
+    config = SimpleNamespace(additional_config={table_dir.ADDITIONAL_CONFIG_KEY: str(tmp_path)})
+    assert table_dir.configured_table_dir(config) == tmp_path
+    monkeypatch.setenv(_switches.VLLM_TABLE_DIR_ENV, "")
+    assert table_dir.configured_table_dir(SimpleNamespace(additional_config={})) is None
+    bad = SimpleNamespace(additional_config={table_dir.ADDITIONAL_CONFIG_KEY: 7})
+    with pytest.raises(ValueError, match="'qwen4exp_table_dir' must name an existing directory"):
+        table_dir.configured_table_dir(bad)
+    assert plugin_warnings() == []
 
 
 class Timer:

@@ -315,17 +315,21 @@ print(json.dumps({
 
 
 def test_the_disk_offload_row_exists_from_0_34_0_on():
-    """The disk_offload row is in 0.34.0's table only: on 0.33.0 the plugin neither waits for
-    vLLM's NVIDIA embedding module nor changes anything in it, and warns nothing (it would
+    """The disk_offload row is in 0.34.0's table only: on 0.33.0 the plugin changes nothing in
+    vLLM's NVIDIA embedding module but the table directory's rows, and warns nothing (it would
     decline, naming the missing class, if it looked for it); on 0.34.0 importing that module
-    swaps its stage_rows."""
+    swaps its stage_rows too."""
     found = json.loads(run_python(_RELEASE_SCRIPT).strip().splitlines()[-1])
     assert found["warnings"] == []
+    # Every release: the n-gram embedding's rows of a PLE table directory (vllm/table_dir.py).
+    table_dir_rows = ["Qwen4ExpNGramEmbedding.__init__", "Qwen4ExpNGramEmbedding.load_weights"]
+    assert found["hooked"] is True
     if vllm_version() == "0.33.0":
         assert found["has_class"] is False
-        assert found["hooked"] is False and found["ours"] == [], found
+        assert found["ours"] == table_dir_rows, found
         assert not any("DiskOffload" in label for label in found["swapped"])
     else:
-        assert found["hooked"] is True
-        assert found["ours"] == ["Qwen4ExpPLEDiskOffloadEmbedding.stage_rows"], found
+        assert found["ours"] == sorted(
+            ["Qwen4ExpPLEDiskOffloadEmbedding.stage_rows", *table_dir_rows]
+        ), found
         assert "Qwen4ExpPLEDiskOffloadEmbedding.stage_rows" in found["swapped"]

@@ -115,6 +115,20 @@ def env_flag_or_warn(name: str, default: bool, logger: logging.Logger) -> bool:
         return default
 
 
+def env_directory_or_warn(name: str, logger: logging.Logger) -> Path | None:
+    """:func:`env_directory` for the vLLM plugin's folder variables: a value that names no
+    directory is one warning on ``logger`` (vLLM's log) and None (the variable's default, off)."""
+    try:
+        return env_directory(name)
+    except ValueError as error:
+        warn_once(logger, f"qwen4exp_ext vLLM plugin: {error}; using the default, off")
+        return None
+
+
+# The vLLM plugin's table directory (vllm/table_dir.py): packed PLE table files, ple<L>.q4xt.
+VLLM_TABLE_DIR_ENV = "QWEN4EXP_VLLM_TABLE_DIR"
+
+
 _lock = threading.Lock()
 _libraries: list[str] = []  # the namespaces of the op libraries bound so far
 _debug_checks_process = env_flag(DEBUG_CHECKS_ENV, False)  # a bad word fails the import

@@ -37,13 +37,21 @@ import torch
 from qwen4exp_ext import ops
 from qwen4exp_ext._args import as_int
 from qwen4exp_ext.tables.file_format import (
+    TableFileError,
     TableFileHeader,
     check_header,
     open_regular,
     read_header_at,
 )
 
-__all__ = ["FileTable", "TableReader", "evict_range", "madvise_range", "prefault_range"]
+__all__ = [
+    "FileTable",
+    "TableReader",
+    "evict_range",
+    "madvise_range",
+    "map_row_range",
+    "prefault_range",
+]
 
 TableReader = Literal["mmap", "direct"]
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -284,6 +292,58 @@ def _map_rows(fd: int, path: str, header: TableFileHeader) -> torch.Tensor:
             count=header.num_rows * header.row_bytes,
         )
     return flat.view(header.num_rows, header.row_bytes)
+
+
+def map_row_range(
+    path: str | os.PathLike,
+    expected: TableFileHeader | None,
+    start: int,
+    count: int,
+    *,
+    private: bool = False,
+) -> tuple[TableFileHeader, torch.Tensor]:
+    """(header, uint8 [count, row_bytes]) of rows [start, start + count) of the table file at
+    ``path``, checked (:func:`read_header_at`, and against ``expected`` if given) and mapped on
+    their own: a rank maps only its vocabulary shard's pages, not the whole file.
+
+    The mapping is read-only and shared (``MAP_SHARED``: every process mapping the file shares
+    its page-cache pages), or with ``private`` a private copy-on-write one that may be written
+    (host registration of a mapping writes to it, see vllm/table_dir.py). The descriptor is
+    closed before returning (Python's mmap holds its own duplicate while mapped); the tensor
+    keeps the mapping alive, and unmaps it when the last view of it goes."""
+    fd = open_regular(path)
+    try:
+        header = read_header_at(fd, path)
+        if expected is not None:
+            check_header(header, expected, path)
+        if not (0 <= start and 0 < count and start + count <= header.num_rows):
+            raise TableFileError(
+                f"{path}: rows [{start}, {start + count}) are not in the table file's "
+                f"{header.num_rows} rows"
+            )
+        first = header.data_offset + start * header.row_bytes
+        nbytes = count * header.row_bytes
+        aligned = first - first % mmap.ALLOCATIONGRANULARITY
+        if private:
+            mapping = mmap.mmap(
+                fd, first + nbytes - aligned, offset=aligned, access=mmap.ACCESS_COPY
+            )
+        else:
+            mapping = mmap.mmap(
+                fd,
+                first + nbytes - aligned,
+                flags=mmap.MAP_SHARED,
+                prot=mmap.PROT_READ,
+                offset=aligned,
+            )
+    finally:
+        os.close(fd)
+    if hasattr(mapping, "madvise"):
+        mapping.madvise(mmap.MADV_RANDOM)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only memory: see _map_rows
+        flat = torch.frombuffer(mapping, dtype=torch.uint8, offset=first - aligned, count=nbytes)
+    return header, flat.view(count, header.row_bytes)
 
 
 def madvise_range(address: int, nbytes: int, advice: int) -> None:

@@ -133,6 +133,9 @@ def _apply(trigger: str, rows: tuple[Any, ...]) -> None:
                     if isinstance(owner, type)
                     else getattr(owner, swap.name, None)
                 )
+                if current is None and swap.adds:  # a method vLLM lacks: added, nothing to check
+                    plan.append((swap, owner, None))
+                    continue
                 if current is None:
                     _decline(f"vLLM has no {swap.owner.replace(':', '.')}.{swap.name}")
                     return
@@ -171,14 +174,24 @@ def _apply(trigger: str, rows: tuple[Any, ...]) -> None:
 
 
 def _install(
-    swap: Any, owner: Any, old: Callable[..., Any], new: Callable[..., Any], mark: str | None
-) -> Callable[..., Any]:
+    swap: Any,
+    owner: Any,
+    old: Callable[..., Any] | None,
+    new: Callable[..., Any] | None,
+    mark: str | None,
+) -> Callable[..., Any] | None:
     """Puts ``new`` everywhere vLLM holds ``old``: the owner, the modules that imported it, and
     the torch.ops.vllm op registered with it. With ``mark``, ``new`` is our replacement of
     ``old`` (and says so); without, this undoes a swap."""
     from .shims import CONSUMER_PREFIX
 
-    if mark is not None:
+    if new is None:  # undoing the addition of a method vLLM lacks
+        delattr(owner, swap.name)
+        return new
+    if mark is not None and old is None:  # a method vLLM lacks (Swap.adds): marked as ours
+        new.__qualname__ = f"{owner.__qualname__}.{swap.name}"
+        setattr(new, mark, new)
+    elif mark is not None:
         new.__qualname__ = getattr(old, "__qualname__", swap.name)
         new.__doc__ = old.__doc__
         new.__wrapped__ = old  # type: ignore[attr-defined]  (inspect.signature shows vLLM's)

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .. import SUPPORTED_VLLM, prefetch
+from .. import SUPPORTED_VLLM, prefetch, table_dir
 from .amd import (
     _lift_amd_nvfp4_refusal,
     _make_amd_load_weights,
@@ -55,6 +55,7 @@ from .base import (
     EMBEDDING_MODULE,
     MARK,
     NVIDIA_EMBEDDING_MODULE,
+    NVIDIA_MODEL_MODULE,
     PLE_OPS_MODULE,
     signature_text,
 )
@@ -118,7 +119,9 @@ class Swap:
     (with the other rows of the same trigger: all of them or none). ``changes`` holds
     ``(release, Change)`` pairs: what that release of vLLM changed, kept by later ones.
     ``since`` is the first release that has the row's target at all (None: every supported
-    release); older releases' tables leave the row out.
+    release); older releases' tables leave the row out. ``adds``: a method vLLM's class lacks
+    (vLLM's optional hooks), added by the plugin and removed on undo; should vLLM define it, the
+    row wraps vLLM's like any other (``make`` takes None or vLLM's method).
     """
 
     owner: str
@@ -134,6 +137,7 @@ class Swap:
     trigger: str = PLE_OPS_MODULE
     changes: tuple[tuple[str, Change], ...] = ()
     since: str | None = None
+    adds: bool = False
 
     @property
     def label(self) -> str:
@@ -249,6 +253,65 @@ SWAPS: tuple[Swap, ...] = (
         "gather_rows",
         "(self, num_embeddings, embedding_dim, dtype)",
         _make_allocate_pinned,
+    ),
+    # A table directory (table_dir.py): vLLM's PLE tables from packed table files.
+    Swap(
+        f"{EMBEDDING_MODULE}:Qwen4ExpPLEDeviceEmbedding",
+        "allocate_embedding_weight",
+        "gather_rows",
+        "(self, num_embeddings, embedding_dim, dtype)",
+        table_dir.make_allocate_device,
+    ),
+    Swap(
+        f"{NVIDIA_EMBEDDING_MODULE}:Qwen4ExpNGramEmbedding",
+        "__init__",
+        "gather_rows",
+        "(self, config, embedding_dim, ple_dense_layer_id, max_total_tokens, *,"
+        " data_parallel_rank, prefix, quant_config=None, params_dtype=None,"
+        " use_sequence_parallel=False)",
+        table_dir.make_ngram_init,
+        what="nvidia Qwen4ExpNGramEmbedding.__init__ (PLE table directory)",
+        trigger=NVIDIA_EMBEDDING_MODULE,
+    ),
+    Swap(
+        f"{NVIDIA_EMBEDDING_MODULE}:Qwen4ExpNGramEmbedding",
+        "load_weights",
+        "gather_rows",
+        "(self, weights)",
+        table_dir.wrap_load_weights,
+        what="nvidia Qwen4ExpNGramEmbedding.load_weights (PLE table directory)",
+        trigger=NVIDIA_EMBEDDING_MODULE,
+    ),
+    Swap(
+        f"{NVIDIA_MODEL_MODULE}:Qwen4ExpForCausalLM",
+        "is_unused_checkpoint_weight",
+        "gather_rows",
+        "(self, name)",
+        table_dir.make_is_unused_checkpoint_weight,
+        what="nvidia Qwen4ExpForCausalLM.is_unused_checkpoint_weight (PLE table directory)",
+        trigger=NVIDIA_MODEL_MODULE,
+        adds=True,
+    ),
+    Swap(
+        f"{AMD_LAYER_MODULE}:Qwen4ExpNGramEmbedding",
+        "__init__",
+        "gather_rows",
+        "(self, config, embedding_dim, ple_dense_layer_id, max_total_tokens, prefix, layer_name,"
+        " *, data_parallel_rank=0, quant_config=None, params_dtype=None,"
+        " use_sequence_parallel=False)",
+        table_dir.make_ngram_init,
+        what="amd Qwen4ExpNGramEmbedding.__init__ (PLE table directory)",
+        trigger=AMD_LAYER_MODULE,
+    ),
+    Swap(
+        f"{AMD_MODEL_MODULE}:Qwen4ExpForCausalLM",
+        "is_unused_checkpoint_weight",
+        "gather_rows",
+        "(self, name)",
+        table_dir.make_is_unused_checkpoint_weight,
+        what="amd Qwen4ExpForCausalLM.is_unused_checkpoint_weight (PLE table directory)",
+        trigger=AMD_MODEL_MODULE,
+        adds=True,
     ),
     Swap(
         AMD_LAYER_MODULE,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import prefetch
+from .. import prefetch, table_dir
 from .base import DEVICE_TYPES, EMBEDDING_MODULE, NVIDIA_EMBEDDING_MODULE
 from .lookup import _lookup_rows_capped
 from .ple import head_divmod_for
@@ -43,7 +43,8 @@ def _make_amd_load_weights(original: Callable[..., set[str]]) -> Callable[..., s
     """AMD `Qwen4ExpNGramEmbedding.load_weights`: an NVFP4 table's shards (``weight`` and
     ``weight_scale`` per shard, ``weight_scale_2`` once) are loaded by vLLM's NVIDIA
     ``Qwen4ExpNGramEmbedding.load_weights``, the same loader over the same attributes, which
-    knows them; other tables by the AMD one, as before."""
+    knows them; other tables by the AMD one, as before. A layer whose table comes from a table
+    file loads no row shard (:func:`..table_dir.wrap_load_weights`)."""
 
     def load_weights(self: Any, weights: Any) -> set[str]:
         common = sys.modules.get(EMBEDDING_MODULE)
@@ -53,7 +54,8 @@ def _make_amd_load_weights(original: Callable[..., set[str]]) -> Callable[..., s
         nvidia = importlib.import_module(NVIDIA_EMBEDDING_MODULE)
         return nvidia.Qwen4ExpNGramEmbedding.load_weights(self, weights)
 
-    return load_weights
+    # A layer served from a table file skips the checkpoint's row shards (table_dir.py).
+    return table_dir.wrap_load_weights(load_weights)
 
 
 def _eager_forward_context() -> Any:

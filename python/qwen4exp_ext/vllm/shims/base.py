@@ -22,6 +22,8 @@ EMBEDDING_MODULE = "vllm.models.qwen4_exp.common.ngram_embedding"
 AMD_LAYER_MODULE = "vllm.models.qwen4_exp.amd.ple_layer"
 # vLLM's AMD model, whose Qwen4ExpModel.__call__ starts a step (prefetch.py).
 AMD_MODEL_MODULE = "vllm.models.qwen4_exp.amd.model"
+# vLLM's NVIDIA model, whose Qwen4ExpForCausalLM gets the loader's skip hook (table_dir.py).
+NVIDIA_MODEL_MODULE = "vllm.models.qwen4_exp.nvidia.model"
 # vLLM's NVIDIA n-gram embedding, whose load_weights knows NVFP4 shards.
 NVIDIA_EMBEDDING_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 # vLLM 0.34.0's disk-offloaded PLE table (in NVIDIA_EMBEDDING_MODULE): no table in memory; vLLM

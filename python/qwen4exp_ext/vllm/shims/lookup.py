@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ... import ops
-from .. import choice
+from .. import choice, table_dir
 from ..choice import OURS, token_bucket
 from .base import DEVICE_TYPES, DISK_OFFLOAD_EMBEDDING, MARK, NVIDIA_EMBEDDING_MODULE
 
@@ -308,11 +308,15 @@ def _make_nvfp4_lookup_from_pinned(original: Callable[..., None]) -> Callable[..
 def _make_allocate_pinned(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight`: the pinned table (and NVFP4
     block scales) allocated at exactly their size (huge pages, prefaulted, NUMA-local to the GPU,
-    registered once), not rounded up to a power of two by torch's caching host allocator."""
+    registered once), not rounded up to a power of two by torch's caching host allocator; under a
+    table directory, this rank's rows of the table file (:mod:`..table_dir`)."""
 
     def allocate_embedding_weight(
         self: Any, num_embeddings: int, embedding_dim: int, dtype: torch.dtype
     ) -> torch.Tensor:
+        rows = table_dir.allocate_from_file(self, num_embeddings, embedding_dim, dtype)
+        if rows is not None:  # a table directory: the file's rows, mapped and registered
+            return rows
         if "cuda" not in DEVICE_TYPES:  # no registration without our GPU glue
             return original(self, num_embeddings, embedding_dim, dtype)
         from ...tables import host_memory
