@@ -505,3 +505,45 @@ def test_host_decode_equals_vllm_s_device_decode_on_the_gpu():
         pytest.skip("needs a GPU: vLLM's decode_rows is a Triton kernel")
     found = _last_json(run_python(_GPU_DECODE_SCRIPT))
     assert all(case == {"nvfp4": True, "fp8": True} for case in found.values()), found
+
+
+_FAILED_READ_SCRIPT = (
+    _EARLY_SETUP
+    + r"""
+path = os.path.join(folder, "dense-b.safetensors")  # shard 2's rows
+os.truncate(path, os.path.getsize(path) - 32 * 3 // 2)  # its last row and a half gone
+found = {}
+with nothing_left_behind(), set_current_vllm_config(vc):
+    input_ids, qsl, ctx = step_inputs(STEPS[0])
+    ids = original(type(twin).compute_ngram_ids)(twin, input_ids, qsl, ctx)
+    ids[0, 0] = rows - 1  # the lost row (the ids buffer is vLLM's: rewrite the hashed ids)
+    twin.compute_ngram_ids = lambda *args: ids  # this step's ids, as hashed above, with it
+    nvidia.stage_checkpoint_rows([(twin, emb)], input_ids, qsl, ctx)
+    found["returned"] = True  # the read failed on the worker, not here
+    try:
+        emb.staged_rows(input_ids.shape[0])
+        found["error"] = None
+    except Exception as exc:
+        found["error"] = [type(exc).__name__, str(exc)]
+    del twin.compute_ngram_ids
+    ids[0, 0] = 0  # a row the file still has: the next step reads again
+    twin.compute_ngram_ids = lambda *args: ids
+    nvidia.stage_checkpoint_rows([(twin, emb)], input_ids, qsl, ctx)
+    again = emb.staged_rows(input_ids.shape[0])
+    found["next_step"] = same(again, planes["weight"][ids].flatten(-2))
+    step_shim.join_worker()
+found["path"] = path
+print(json.dumps(found))
+"""
+)
+
+
+@_HAS_DISK_OFFLOAD
+def test_a_read_that_fails_on_the_worker_raises_in_the_forward(tmp_path):
+    """Early started, a shard file cut short of a wanted row: ``stage_checkpoint_rows`` returns,
+    and the forward's ``staged_rows`` raises vLLM's ValueError naming the file; the next step
+    reads as before, and no thread or descriptor is left behind."""
+    result = _last_json(run_python(_FAILED_READ_SCRIPT, env=_env(tmp_path, "dense")))
+    assert result["returned"] is True
+    assert result["error"][0] == "ValueError" and result["path"] in result["error"][1], result
+    assert result["next_step"] is True, result
