@@ -294,10 +294,16 @@ class H(logging.Handler):
     def emit(self, r): records.append(r)
 logging.getLogger("vllm.qwen4exp_ext").addHandler(H())
 import qwen4exp_ext.vllm as plugin
-from qwen4exp_ext.vllm.shims import MARK, NVIDIA_EMBEDDING_MODULE
+from qwen4exp_ext.vllm.shims import MARK, NVIDIA_EMBEDDING_MODULE, SWAPS
 plugin.register()
-hooked = any(getattr(f, "name", None) == NVIDIA_EMBEDDING_MODULE for f in sys.meta_path)
-nvidia = importlib.import_module(NVIDIA_EMBEDDING_MODULE)
+later = [s for s in SWAPS if s.since == "0.34.0"]
+# the modules whose import brings only rows of 0.34.0 (the AMD layer's brings older ones too)
+triggers = sorted({s.trigger for s in later} - {s.trigger for s in SWAPS if s.since is None})
+hooks = {getattr(f, "name", "") for f in sys.meta_path}
+hooked = sorted(t for t in triggers if t in hooks or t in sys.modules)  # or applied at once
+for trigger in sorted({s.trigger for s in later}):
+    importlib.import_module(trigger)
+nvidia = sys.modules[NVIDIA_EMBEDDING_MODULE]
 ours = sorted(
     f"{cls.__name__}.{name}"
     for cls in vars(nvidia).values()
@@ -305,8 +311,12 @@ ours = sorted(
     for name, fn in vars(cls).items() if getattr(fn, MARK, None) is not None
 )
 print(json.dumps({
-    "hooked": hooked,
+    "hooked": sorted(hooked),
+    "triggers": triggers,
     "ours": ours,
+    "stage_function_ours": getattr(getattr(nvidia, "stage_checkpoint_rows", None), MARK, None)
+                           is not None,
+    "labels": [s.label for s in later],
     "swapped": plugin.swapped(),
     "has_class": hasattr(nvidia, "Qwen4ExpPLEDiskOffloadEmbedding"),
     "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING],
@@ -314,22 +324,34 @@ print(json.dumps({
 """
 
 
-def test_the_disk_offload_row_exists_from_0_34_0_on():
-    """The disk_offload row is in 0.34.0's table only: on 0.33.0 the plugin changes nothing in
-    vLLM's NVIDIA embedding module but the table directory's rows, and warns nothing (it would
-    decline, naming the missing class, if it looked for it); on 0.34.0 importing that module
-    swaps its stage_rows too."""
+def test_the_disk_offload_rows_exist_from_0_34_0_on():
+    """The disk_offload rows (``since`` 0.34.0: the read, the step and its staged rows, the
+    config check, the AMD layer's construction and forward, the AMD model state's staging) are
+    in 0.34.0's table only: on 0.33.0 the plugin neither waits for their modules nor changes
+    anything in them, and warns nothing (it would decline, naming a missing class or function,
+    if it looked for one); on 0.34.0 importing those modules swaps every one of them, and
+    swapped() lists them. The NVIDIA embedding module's table-directory rows (every release)
+    are there on both."""
     found = json.loads(run_python(_RELEASE_SCRIPT).strip().splitlines()[-1])
     assert found["warnings"] == []
+    assert len(found["labels"]) == 7, found["labels"]
     # Every release: the n-gram embedding's rows of a PLE table directory (vllm/table_dir.py).
     table_dir_rows = ["Qwen4ExpNGramEmbedding.__init__", "Qwen4ExpNGramEmbedding.load_weights"]
-    assert found["hooked"] is True
     if vllm_version() == "0.33.0":
         assert found["has_class"] is False
+        assert found["triggers"] and found["hooked"] == [], found
         assert found["ours"] == table_dir_rows, found
-        assert not any("DiskOffload" in label for label in found["swapped"])
+        assert found["stage_function_ours"] is False
+        assert not any(label in found["swapped"] for label in found["labels"]), found
     else:
+        assert found["hooked"] == found["triggers"], found
         assert found["ours"] == sorted(
-            ["Qwen4ExpPLEDiskOffloadEmbedding.stage_rows", *table_dir_rows]
+            [
+                "Qwen4ExpPLEDiskOffloadEmbedding.stage_rows",
+                "Qwen4ExpPLEDiskOffloadEmbedding.staged_rows",
+                *table_dir_rows,
+            ]
         ), found
-        assert "Qwen4ExpPLEDiskOffloadEmbedding.stage_rows" in found["swapped"]
+        assert found["stage_function_ours"] is True
+        missing = [label for label in found["labels"] if label not in found["swapped"]]
+        assert missing == [], found

@@ -14,7 +14,10 @@
 # leaving a lease of 15 minutes room for the machine's start and a second, shorter call:
 #   TESTS          pytest -k expression (default "cuda or gpu or linking": the GPU tests and how
 #                  this machine's compiler linked the modules; the CPU kernels and the SIMT
-#                  emulator are CI's, on every run); TESTS="" runs the whole suite
+#                  emulator are CI's, on every run); TESTS="" runs the whole suite. With vLLM
+#                  0.34.0 importable (PYTHONPATH=its unpacked site), that includes the check of
+#                  our host decode of disk_offload's FP8/NVFP4 rows against vLLM's decode_rows
+#                  (tests/test_vllm_disk_offload_step.py, ..._on_the_gpu)
 #   TEST_WORKERS   pytest-xdist workers (default 8), TESTS_SECONDS (default 150)
 #   MEMCHECK_TESTS (default: the GPU kernel tests that cover every kernel and layout),
 #   MEMCHECK_SECONDS (default 150; 0 skips), CMAKE_SECONDS (default 200, beside the tests; 0 skips)

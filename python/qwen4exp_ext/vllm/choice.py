@@ -15,6 +15,10 @@ from prefill-sized batches and bounds the timing to about 15 classes per op and 
 kernel's relative speed, which follows occupancy, changes within a bucket by at most a factor
 of two in T. Each op adds what changes the kernel: dtype, row width, table format (unquantized,
 FP8, NVFP4; device or pinned), the conv mode, state layout, dilation and fused residual.
+One choice is not between kernels: ``disk_offload_rows`` (vLLM 0.34's disk-offloaded FP8/NVFP4
+tables, :mod:`.shims.disk_offload_step`) is our CPU gather decoding the step's rows on the host
+and its copy of activation rows, against vLLM's copy of the raw rows and its device decode, timed
+on the step's own rows in the forward of the class's first eager step (that step stages raw rows).
 
 When nothing is timed:
 

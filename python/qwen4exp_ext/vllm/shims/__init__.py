@@ -2,8 +2,9 @@
 replacements live by op family in :mod:`.ple` (``ple_ngram_ids``, ``ple_gate``, ``ple_conv``),
 :mod:`.lookup` (the table lookups of every format, the pinned table's allocation) and
 :mod:`.amd` (vLLM's AMD code: its NVFP4 refusal and loader, the step-entry lookups) and
-:mod:`.disk_offload` (vLLM 0.34.0's ``disk_offload`` staging, read by ``read_file_rows``), over
-:mod:`.base` (what they share).
+:mod:`.disk_offload` (vLLM 0.34.0's ``disk_offload`` staging, read by ``read_file_rows``) and
+:mod:`.disk_offload_step` (its steps started early, FP8/NVFP4 decoded on the host, and, with
+:mod:`.amd`, on ROCm), over :mod:`.base` (what they share).
 
 Every vLLM release the plugin supports (:data:`qwen4exp_ext.vllm.SUPPORTED_VLLM`) gets every row:
 a row names its target and signature as in the oldest supported release, and where a later
@@ -40,11 +41,17 @@ from typing import Any
 
 from .. import SUPPORTED_VLLM, prefetch, table_dir
 from .amd import (
+    AMD_MODEL_STATE_MODULE,
+    ENGRAM_CONFIG_MODULE,
     _lift_amd_nvfp4_refusal,
     _make_amd_load_weights,
     _make_amd_model_call,
+    _make_amd_ngram_forward,
+    _make_amd_ngram_init,
     _make_amd_nvfp4_check,
     _make_amd_pinned_lookup,
+    _make_amd_prepare_inputs,
+    _make_verify_model_config,
 )
 from .base import (
     AMD_LAYER_MODULE,
@@ -60,6 +67,7 @@ from .base import (
     signature_text,
 )
 from .disk_offload import _make_stage_rows
+from .disk_offload_step import _make_stage_checkpoint_rows, _make_staged_rows
 from .lookup import (
     _make_allocate_pinned,
     _make_embedding,
@@ -361,6 +369,70 @@ SWAPS: tuple[Swap, ...] = (
         "(self, num_tokens)",
         _make_stage_rows,
         trigger=NVIDIA_EMBEDDING_MODULE,
+        since="0.34.0",
+    ),
+    # vLLM 0.34.0's disk_offload, a step at a time (disk_offload_step.py): started early, the
+    # forward waiting for its own layer, FP8/NVFP4 decoded on the host where chosen.
+    Swap(
+        NVIDIA_EMBEDDING_MODULE,
+        "stage_checkpoint_rows",
+        "read_file_rows",
+        "(modules, input_ids, query_start_loc, ngram_context)",
+        _make_stage_checkpoint_rows,
+        trigger=NVIDIA_EMBEDDING_MODULE,
+        since="0.34.0",
+    ),
+    Swap(
+        f"{NVIDIA_EMBEDDING_MODULE}:{DISK_OFFLOAD_EMBEDDING}",
+        "staged_rows",
+        "read_file_rows",
+        "(self, num_tokens)",
+        _make_staged_rows,
+        trigger=NVIDIA_EMBEDDING_MODULE,
+        since="0.34.0",
+    ),
+    # ... and on ROCm (amd.py): vLLM's refusal lifted where our path serves it, the AMD layer
+    # building, loading (load_weights, above) and reading the disk-offloaded table, and the AMD
+    # model state staging each step.
+    Swap(
+        f"{ENGRAM_CONFIG_MODULE}:EngramConfig",
+        "verify_model_config",
+        "read_file_rows",
+        "(self, model_config)",
+        _make_verify_model_config,
+        trigger=ENGRAM_CONFIG_MODULE,
+        since="0.34.0",
+    ),
+    Swap(
+        f"{AMD_LAYER_MODULE}:Qwen4ExpNGramEmbedding",
+        "__init__",
+        "read_file_rows",
+        "(self, config, embedding_dim, ple_dense_layer_id, max_total_tokens, prefix, layer_name,"
+        " *, data_parallel_rank=0, quant_config=None, params_dtype=None,"
+        " use_sequence_parallel=False)",
+        _make_amd_ngram_init,
+        what="amd.ple_layer Qwen4ExpNGramEmbedding.__init__ (disk_offload)",
+        trigger=AMD_LAYER_MODULE,
+        since="0.34.0",
+    ),
+    Swap(
+        f"{AMD_LAYER_MODULE}:Qwen4ExpNGramEmbedding",
+        "forward",
+        "read_file_rows",
+        "(self, input_ids, query_start_loc, ngram_context)",
+        _make_amd_ngram_forward,
+        what="amd.ple_layer Qwen4ExpNGramEmbedding.forward (disk_offload)",
+        trigger=AMD_LAYER_MODULE,
+        since="0.34.0",
+    ),
+    Swap(
+        f"{AMD_MODEL_STATE_MODULE}:Qwen4ExpModelState",
+        "prepare_inputs",
+        "read_file_rows",
+        "(self, input_batch, req_states)",
+        _make_amd_prepare_inputs,
+        what="amd.model_state Qwen4ExpModelState.prepare_inputs (disk_offload)",
+        trigger=AMD_MODEL_STATE_MODULE,
         since="0.34.0",
     ),
 )

@@ -7,16 +7,18 @@ This module imports neither vLLM nor anything that does: the plugin hands it vLL
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import prefetch, table_dir
-from .base import DEVICE_TYPES, EMBEDDING_MODULE, NVIDIA_EMBEDDING_MODULE
-from .lookup import _lookup_rows_capped
+from .base import AMD_LAYER_MODULE, DEVICE_TYPES, EMBEDDING_MODULE, NVIDIA_EMBEDDING_MODULE
+from .lookup import _lookup_rows_capped, _staged_by_vllm
 from .ple import head_divmod_for
 
 
@@ -41,16 +43,19 @@ def _lift_amd_nvfp4_refusal() -> bool:
 
 def _make_amd_load_weights(original: Callable[..., set[str]]) -> Callable[..., set[str]]:
     """AMD `Qwen4ExpNGramEmbedding.load_weights`: an NVFP4 table's shards (``weight`` and
-    ``weight_scale`` per shard, ``weight_scale_2`` once) are loaded by vLLM's NVIDIA
-    ``Qwen4ExpNGramEmbedding.load_weights``, the same loader over the same attributes, which
-    knows them; other tables by the AMD one, as before. A layer whose table comes from a table
-    file loads no row shard (:func:`..table_dir.wrap_load_weights`)."""
+    ``weight_scale`` per shard, ``weight_scale_2`` once), and every shard of a disk-offloaded
+    table (vLLM 0.34.0), are loaded by vLLM's NVIDIA ``Qwen4ExpNGramEmbedding.load_weights``,
+    the same loader over the same attributes, which knows them; other tables by the AMD one,
+    as before. A layer whose table comes from a table file loads no row shard
+    (:func:`..table_dir.wrap_load_weights`)."""
 
     def load_weights(self: Any, weights: Any) -> set[str]:
         common = sys.modules.get(EMBEDDING_MODULE)
-        method = getattr(getattr(self, "ngram_embedding", None), "embedding_method", None)
-        if common is None or not isinstance(method, common.Qwen4ExpPLENvFp4EmbeddingMethod):
-            return original(self, weights)
+        embedding = getattr(self, "ngram_embedding", None)
+        method = getattr(embedding, "embedding_method", None)
+        nvfp4 = common is not None and isinstance(method, common.Qwen4ExpPLENvFp4EmbeddingMethod)
+        if not nvfp4 and not _staged_by_vllm(embedding):  # (vLLM 0.34's disk offload: its
+            return original(self, weights)  # shards go to accept_checkpoint_shard)
         nvidia = importlib.import_module(NVIDIA_EMBEDDING_MODULE)
         return nvidia.Qwen4ExpNGramEmbedding.load_weights(self, weights)
 
@@ -144,3 +149,133 @@ def _make_amd_pinned_lookup(original: Callable[..., None]) -> Callable[..., None
         return original(ngram_ids, output, layer_name)
 
     return qwen4_exp_amd_ple_ngram_embedding_pinned
+
+
+# ---- vLLM 0.34.0's disk_offload on ROCm ------------------------------------------------------
+# vLLM refuses disk_offload off CUDA, and its AMD layer neither builds the disk-offloaded table
+# nor stages its rows. The rows below lift the refusal where our path serves the platform, build
+# the table in the AMD layer, load its shards, take its staged rows in the forward, and stage
+# each step from the AMD model state's prepare_inputs (disk_offload_step.py), as vLLM's NVIDIA
+# code does.
+
+# vLLM's AMD model state (0.34.0: no staging call of its own).
+AMD_MODEL_STATE_MODULE = "vllm.models.qwen4_exp.amd.model_state"
+# vLLM's engram config, whose verify_model_config refuses disk_offload off CUDA.
+ENGRAM_CONFIG_MODULE = "vllm.config.engram"
+# The AMD model state's attribute that caches its disk-offloaded layers.
+_DISK_MODULES_ATTR = "_qwen4exp_disk_offload_modules"
+
+
+def _disk_offload_served(platform: Any) -> bool:
+    """Whether our path serves disk_offload on vLLM's ``platform`` where vLLM refuses it: ROCm
+    with a GPU build of ours (our reader, our gather, our n-gram ids), or CPU tensors (vLLM's
+    CPU platform, or none detected, as on a machine without a GPU)."""
+    if platform.is_cuda():
+        return False
+    if platform.is_rocm():
+        return "cuda" in DEVICE_TYPES
+    return platform.is_cpu() or not getattr(platform, "device_type", "")
+
+
+def _make_verify_model_config(original: Callable[..., None]) -> Callable[..., None]:
+    """``EngramConfig.verify_model_config(self, model_config)``: vLLM's checks, except that
+    disk_offload of a Qwen4Exp model is allowed where :func:`_disk_offload_served`."""
+
+    def verify_model_config(self: Any, model_config: Any) -> None:
+        if not getattr(self, "disk_offload", False):
+            return original(self, model_config)
+        platform = importlib.import_module("vllm.platforms").current_platform
+        if not _disk_offload_served(platform):
+            return original(self, model_config)
+        original(dataclasses.replace(self, disk_offload=False), model_config)  # the other checks
+        fields = getattr(sys.modules[ENGRAM_CONFIG_MODULE], "_NGRAM_LAYER_FIELDS", {})
+        if fields.get(model_config.architecture) != "ple_layer_ids":
+            raise ValueError("disk_offload requires a Qwen4Exp model on CUDA or ROCm")
+        return None
+
+    return verify_model_config
+
+
+def _make_amd_ngram_init(original: Callable[..., None]) -> Callable[..., None]:
+    """AMD ``Qwen4ExpNGramEmbedding.__init__``: with ``engram_config.disk_offload``, the table
+    is vLLM's ``Qwen4ExpPLEDiskOffloadEmbedding`` (no table in memory), as vLLM's NVIDIA layer
+    builds it, and (as there) the sequence-parallel reduce-scatter is off: every rank stages
+    full rows. vLLM's AMD ``__init__`` picks between the pinned and device classes by the names
+    of its module, so both name the disk class while it runs (model construction is one
+    thread; the lock keeps two constructions apart)."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        config = importlib.import_module("vllm.config").get_current_vllm_config()
+        engram = getattr(config, "engram_config", None)
+        if engram is None or not getattr(engram, "disk_offload", False):
+            return original(self, *args, **kwargs)
+        disk = importlib.import_module(NVIDIA_EMBEDDING_MODULE).Qwen4ExpPLEDiskOffloadEmbedding
+        layer_module = sys.modules[AMD_LAYER_MODULE]
+        names = ("Qwen4ExpPLEPinnedHostEmbedding", "Qwen4ExpPLEDeviceEmbedding")
+        with _init_lock:
+            saved = {name: layer_module.__dict__[name] for name in names}
+            try:
+                for name in names:
+                    setattr(layer_module, name, disk)
+                original(self, *args, **kwargs)
+            finally:
+                for name, cls in saved.items():
+                    setattr(layer_module, name, cls)
+        self.use_reduce_scatter = False
+        self.ngram_embedding.reduce_results = True
+        return None
+
+    return __init__
+
+
+_init_lock = threading.Lock()
+
+
+def _make_amd_ngram_forward(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """AMD ``Qwen4ExpNGramEmbedding.forward(self, input_ids, query_start_loc,
+    ngram_context)``: a disk-offloaded table's rows are the step's staged rows (no hashing, no
+    lookup), as in vLLM's NVIDIA forward; other tables as before."""
+
+    def forward(
+        self: Any, input_ids: torch.Tensor, query_start_loc: torch.Tensor, ngram_context: Any
+    ) -> torch.Tensor:
+        embedding = self.ngram_embedding
+        if not _staged_by_vllm(embedding):
+            return original(self, input_ids, query_start_loc, ngram_context)
+        rows = embedding.staged_rows(input_ids.reshape(-1).shape[0])
+        return self._sp_shard_embeddings(rows) if self.use_sequence_parallel else rows
+
+    return forward
+
+
+def _make_amd_prepare_inputs(original: Callable[..., dict]) -> Callable[..., dict]:
+    """AMD ``Qwen4ExpModelState.prepare_inputs(self, input_batch, req_states)``: vLLM's, then
+    the step's rows of every disk-offloaded PLE table staged (started) as vLLM's NVIDIA model
+    state does, from the step's ids and the query starts and n-gram context just prepared."""
+
+    def prepare_inputs(self: Any, input_batch: Any, req_states: Any) -> dict:
+        model_inputs = original(self, input_batch, req_states)
+        if not getattr(self, "uses_ngram_embedding", False):
+            return model_inputs
+        modules = self.__dict__.get(_DISK_MODULES_ATTR)
+        if modules is None:
+            modules = [
+                (m, m.ngram_embedding)
+                for m in self.model.modules()
+                if _staged_by_vllm(getattr(m, "ngram_embedding", None))
+            ]
+            self.__dict__[_DISK_MODULES_ATTR] = modules
+        if modules:
+            from .disk_offload_step import amd_ngram_ids, stage_step
+
+            stage_step(
+                modules,
+                input_batch.input_ids,
+                model_inputs["query_start_loc"],
+                model_inputs["ngram_context"],
+                amd_ngram_ids,
+                config=self.vllm_config,
+            )
+        return model_inputs
+
+    return prepare_inputs

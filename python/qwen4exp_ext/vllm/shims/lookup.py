@@ -214,12 +214,15 @@ def _make_lookup_dtype(original: Callable[..., torch.dtype]) -> Callable[..., to
 
 def _make_fp8_dequantize(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`Qwen4ExpPLEFp8EmbeddingMethod.dequantize`: rows our gather already dequantised are only
-    cast (as vLLM's NVFP4 method does); vLLM's raw-byte rows are dequantised by vLLM."""
+    cast (as vLLM's NVFP4 method does); vLLM's raw-byte rows are dequantised by vLLM. A
+    disk-offloaded table's rows are raw (fp8) unless our CPU gather decoded them on the host
+    (disk_offload_step.py): their dtype says which."""
 
     def dequantize(
         self: Any, layer: torch.nn.Module, embeddings: torch.Tensor, output_dtype: torch.dtype
     ) -> torch.Tensor:
-        if _fp8_fused(layer):
+        decoded = _staged_by_vllm(layer) and embeddings.dtype != _FP8_TABLE_DTYPE
+        if decoded or _fp8_fused(layer):
             return embeddings.to(output_dtype)
         return original(self, layer, embeddings, output_dtype)
 
