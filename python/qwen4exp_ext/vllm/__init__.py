@@ -153,17 +153,24 @@ def _apply(trigger: str, rows: tuple[Any, ...]) -> None:
             return
 
         done: list[tuple[Any, Any, Callable[..., Any], Callable[..., Any]]] = []
+        # Two rows may swap one function (e.g. the AMD embedding's __init__: the table
+        # directory's row and 0.34's disk_offload row): the later one wraps the earlier's
+        # replacement, not vLLM's function, so that neither is lost.
+        installed: dict[tuple[int, str], Callable[..., Any]] = {}
         try:
             for swap, owner, original in plan:
-                replacement = _install(swap, owner, original, swap.make(original), MARK)
-                done.append((swap, owner, original, replacement))
+                key = (id(owner), swap.name)
+                wrapped = installed.get(key, original)
+                replacement = _install(swap, owner, wrapped, swap.make(wrapped), MARK)
+                installed[key] = replacement
+                done.append((swap, owner, wrapped, replacement))
         except Exception as exc:  # noqa: BLE001 - undo, so that vLLM is exactly as it was
-            for swap, owner, original, replacement in reversed(done):
-                _install(swap, owner, replacement, original, None)
+            for swap, owner, wrapped, replacement in reversed(done):
+                _install(swap, owner, replacement, wrapped, None)
             _decline(f"swapping failed ({type(exc).__name__}: {exc})")
             return
-        for swap, _, original, _ in done:
-            _swapped[swap.label] = original
+        for swap, _, original in plan:
+            _swapped[swap.label] = original  # vLLM's own function, also under a chained row
         if plan:
             logger.info(
                 "qwen4exp_ext vLLM plugin: Qwen4Exp PLE runs on qwen4exp_ext kernels: %s",
