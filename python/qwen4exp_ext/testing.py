@@ -25,6 +25,8 @@ from qwen4exp_ext.reference import FP8_DTYPES
 
 __all__ = [
     "EXACT",
+    "HC_MIN_EQUAL_SHARE",
+    "HC_OPS",
     "TOLERANCES",
     "Tolerance",
     "assert_exact",
@@ -110,6 +112,54 @@ TOLERANCES: dict[tuple[str, str | None, torch.dtype, str], Tolerance] = {
         for against in ("conv1d", "conv1d_fp32")
     },
 }
+
+
+# The hyper-connection ops (SPEC §10), each output, as the same rounding points give them.
+HC_OPS = ("hc_combine_norm", "grouped_gemma_rmsnorm", "hc_silu", "hc_gate_mix", "hc_combine")
+# Against vLLM's Triton kernels (Triton's CPU interpreter) and against the oracle: bf16 and fp16
+# within one unit in the last place (the exp of numpy, torch and a kernel differ by up to two fp32
+# units, and a sum of squares in another order by a few, which can flip the one rounding of a
+# stored value; measured fp16 against vLLM on odd shapes, HC = 1..8, H up to 2560: 99.8% of
+# hc_gate_mix's and >= 99.95% of the other outputs bit-equal, hc_silu all, never more than one
+# unit apart). The atol covers fp16's subnormal range, whose unit is 2^-24. fp32 within 4e-6
+# absolute + 2e-6 relative: measured at most 1.9e-6 apart (two units at |x| < 16): the Gemma affine
+# y + y·w cancels where w is near -1, which turns a unit of y into a large relative difference,
+# and the combine cancels where residual and injected block output nearly do; bf16 is compared
+# with the oracle only (the interpreter mis-rounds it, triton#8322).
+_HC_ONE_UNIT = {
+    torch.bfloat16: Tolerance(1e-6, 2.0**-7),
+    torch.float16: Tolerance(1e-6, 2.0**-10),
+    torch.float32: Tolerance(4e-6, 2e-6),
+}
+TOLERANCES.update(
+    {
+        (op, None, dt, against): _HC_ONE_UNIT[dt]
+        for op in HC_OPS
+        for dt in _FLOATS
+        for against in ("reference", "vllm")
+        if not (dt == torch.bfloat16 and against == "vllm")
+    }
+)
+# A whole GatedResidual module ("hc_module": vLLM's AMD module on the five ops, mix and the
+# delayed combine_and_mix) against seed 004's pure-PyTorch module ("seed") and transformers'
+# Qwen4ExpTextGatedResidual with its decoder's combine ("transformers"), inputs |x| < 8. fp32
+# within 1e-5 (measured 1e-6: GEMM blocking and the Gemma affine's form). bf16: both round the
+# gate, the gated products, the injection weight and block·injection to bf16 where vLLM's
+# kernels keep fp32, and mean the streams in bf16: measured one unit of the largest term (2^-5
+# at |x| < 8) where terms cancel, hence atol 2^-5 and two units (2^-6) relative.
+TOLERANCES.update(
+    {
+        ("hc_module", None, dt, against): tol
+        for dt, tol in (
+            (torch.float32, Tolerance(1e-5, 1e-5)),
+            (torch.bfloat16, Tolerance(2.0**-5, 2.0**-6)),
+        )
+        for against in ("seed", "transformers")
+    }
+)
+# The least share of bit-equal elements against vLLM's kernels (interpreter) in fp16: what was
+# measured (above), less a margin for other shapes and seeds.
+HC_MIN_EQUAL_SHARE = 0.99
 
 
 def tolerance(
