@@ -20,6 +20,7 @@ import torch
 
 __all__ = [
     "HC_DTYPES",
+    "HC_OPS",
     "grouped_gemma_rmsnorm",
     "hc_average_combine",
     "hc_combine",
@@ -28,6 +29,14 @@ __all__ = [
     "hc_silu",
 ]
 
+# The five ops, by the names of their doors (ops.<name>), the oracle's and vLLM's.
+HC_OPS: tuple[str, ...] = (
+    "hc_combine_norm",
+    "grouped_gemma_rmsnorm",
+    "hc_silu",
+    "hc_gate_mix",
+    "hc_combine",
+)
 # The activation dtypes of the five ops (SPEC §10); norm weights may also be fp32.
 HC_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
