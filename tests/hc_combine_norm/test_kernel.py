@@ -1,0 +1,115 @@
+"""hc_combine_norm's kernels (issue #50) on every backend this machine has (cpu, and the HIP kernel
+on the SIMT emulator at wave 32 and 64): against the oracle in every dtype on strided and
+contiguous rows, against vLLM's own Triton kernel on Triton's CPU interpreter (fp16: the share
+of bit-equal elements and one unit in the last place; fp32: the stated tolerance,
+qwen4exp_ext.testing), out=, empty batches and opcheck. The checks are
+tests/hc_kernel_support.py's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hc_kernel_support as checks
+import hc_support
+from conftest import backends
+from qwen4exp_ext import ops
+
+OP = "hc_combine_norm"
+BACKENDS = backends()
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("dtype", checks.DTYPES, ids=str)
+@pytest.mark.parametrize("shape", checks.SHAPES, ids=str)
+@pytest.mark.parametrize("strided", [True, False], ids=["strided", "contiguous"])
+def test_matches_oracle(backend, dtype, shape, strided):
+    checks.check_matches_oracle(backend, OP, dtype, shape, strided=strided)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(3, 40, 4), (2, 33, 3), (1, 520, 2)], ids=str)
+def test_matches_vllm_triton_kernel(backend, dtype, shape):
+    checks.check_matches_vllm(backend, OP, dtype, shape)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("dtype", checks.DTYPES, ids=str)
+def test_out_writes_into_strided_views(backend, dtype):
+    checks.check_out(backend, OP, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_empty_batch(backend):
+    checks.check_empty(backend, OP)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+def test_opcheck(backend):
+    checks.check_opcheck(backend, OP)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize(
+    "batch_kw",
+    [
+        dict(per_branch=False),  # one [H] weight shared by the streams
+        dict(weight_dtype=torch.float32),  # fp32 weights of bf16 activations
+        dict(per_branch=False, weight_dtype=torch.float32, strided=False),
+    ],
+    ids=str,
+)
+def test_norm_weight_layouts(backend, batch_kw):
+    checks.check_matches_oracle(backend, OP, torch.bfloat16, (3, 40, 4), **batch_kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("dtype", checks.DTYPES, ids=str)
+def test_without_injection_logits(backend, dtype):
+    """injection_logits None (vLLM's NVIDIA module): the block output added as it is."""
+    batch = hc_support.hc_batch(3, 33, 3, dtype, seed=9)
+    batch.injection_logits = None
+    got = checks.run(backend, OP, *hc_support.op_args(OP, batch))
+    expected = hc_support.as_tuple(hc_support.oracle(OP, batch))
+    for g, e in zip(got, expected, strict=True):
+        checks.assert_within(g, e, checks.tolerance(OP, dtype), f"{backend} {OP} no logits")
+
+
+@pytest.mark.parametrize("shape", [(3, 40, 4), (2, 1500, 2), (2, 2560, 4), (1, 4700, 2)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_cpu_sums_in_the_interpreters_order(shape, dtype):
+    """Without logits (no exp) nothing but the order of the sum of squares could part the CPU
+    kernel from vLLM's NVIDIA kernel on the interpreter: 512-wide tiles, each numpy's pairwise
+    sum, then numpy's sum of the next_pow2(tiles) tile sums. Bit for bit, at widths of 1, 3-4, 5
+    and 9-10 tiles (numpy sums fewer than 8 tile sums in a row, 8 to 128 in eight lanes)."""
+    cpu = next(b for b in BACKENDS if b.name == "cpu")
+    for name, measured in checks.vllm_parity(
+        cpu, OP, dtype, shape, vendor="nvidia", no_logits=True
+    ):
+        assert measured.equal_share == 1.0, f"{name}: {measured}"
+
+
+@pytest.mark.parametrize("op", ["hc_combine_norm", "hc_combine"])
+@pytest.mark.parametrize("dtype", checks.DTYPES, ids=str)
+def test_cpu_streaming_stores_write_what_cached_stores_write(op, dtype):
+    """Outputs larger than the caches take streaming stores (from cpu_gather_stream_bytes(); 0
+    sends every call there): the same bits, into row views whose starts are not 64-byte aligned
+    (the rows' unaligned heads and tails take plain stores)."""
+    cpu = next(b for b in BACKENDS if b.name == "cpu")
+    batch = hc_support.hc_batch(3, 72, 3, dtype, seed=11)
+    args = hc_support.op_args(op, batch)
+    cached = checks.run(cpu, op, *args)
+    wides = [torch.zeros(3, e.shape[1] + 5, dtype=dtype) for e in cached]
+    views = tuple(w[:, 3 : 3 + e.shape[1]] for w, e in zip(wides, cached, strict=True))
+    previous = ops.set_cpu_gather_stream_bytes(0)
+    try:
+        if ops.cpu_gather_stream_bytes() < 0:
+            pytest.skip("this CPU has no streaming stores")
+        checks.run(cpu, op, *args, out=views if len(views) > 1 else views[0])
+    finally:
+        ops.set_cpu_gather_stream_bytes(previous)
+    for v, e, wide in zip(views, cached, wides, strict=True):
+        checks.assert_exact(v, e, f"{op} streamed", bitwise=True)
+        assert (wide[:, :3] == 0).all() and (wide[:, -2:] == 0).all()
