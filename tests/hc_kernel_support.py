@@ -108,3 +108,15 @@ def check_opcheck(backend, op) -> None:
     outs = [torch.empty_like(e) for e in expected]
     kwargs = dict(zip(_names(op, len(outs)), outs, strict=True))
     torch.library.opcheck(getattr(library, f"{op}_out").default, args, kwargs)
+
+
+def check_alignment_independent(backend, op, dtype, shape) -> None:
+    """The same values in strided views (rows not 16-byte aligned: the HIP kernels' element
+    path) and in contiguous tensors (their 128-bit path) give the same bits: which elements a
+    thread sums, and in what order, depends on the width alone."""
+    tokens, width, hc_count = shape
+    strided = hc_batch(tokens, width, hc_count, dtype, seed=width)
+    args = op_args(op, strided)
+    dense = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+    for g, e in zip(run(backend, op, *args), run(backend, op, *dense), strict=True):
+        assert_exact(g, e, f"{backend} {op}: strided against contiguous", bitwise=True)

@@ -3,8 +3,8 @@
 //
 // The work is per row to normalise, as in vLLM's kernels: a (token, stream) of hc_combine_norm, a
 // (row, group) of grouped_gemma_rmsnorm. A group of 2^group_log2 threads takes one, the smallest
-// power of two that holds its row in registers at kSlots chunks a lane (a chunk is 16 bytes, one
-// 128-bit access, where the rows and H allow it, else one element), at most the whole block
+// power of two that holds its row in registers at kSlots chunks a lane (a chunk is 16 bytes: one
+// 128-bit access where the rows and H allow it, else element by element), at most the whole block
 // (H = 2560 in bf16: 256 threads, two chunks a lane). Each lane loads its chunks, computes (and,
 // combining, stores h), and sums the squares; the group sum is block_reduce.h's (wave
 // shuffles, shared memory only where a group spans waves); the norm is then written from the
@@ -35,22 +35,58 @@ QWEN4EXP_HD int group_log2_for(int chunks) {
   return log2;
 }
 
-// VEC elements of a row at p, as fp32 (VEC·sizeof(T) = 16: one aligned 128-bit load; or 1).
-template <typename T, int VEC>
-QWEN4EXP_DEVICE void load_chunk(const T* p, float (&out)[VEC]) {
-  load_floats<T, VEC>(p, out);
+// Chunk c of a row of `width` elements as VEC fp32 values (VEC = 16 bytes of T): kWhole, one
+// aligned 128-bit load (the row, its stride and the width allow it); else element by element,
+// zeros past the width. Either way a lane holds the same elements in the same order, so the sums
+// (and the results) depend on the width alone, not on how the rows are aligned.
+template <typename T, int VEC, bool kWhole>
+QWEN4EXP_DEVICE void load_chunk(const T* row, int c, int width, float (&out)[VEC]) {
+  if constexpr (kWhole) {
+    load_floats<T, VEC>(row + c * VEC, out);
+  } else {
+    // One address, and one test unless the chunk ends past the width (per-element tests and
+    // addresses cost the AMD kernels registers they then spilled, as ple_gate.hip found).
+    const T* src = row + c * VEC;
+    const int n = width - c * VEC;
+    if (n >= VEC) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) out[i] = widen(src[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) out[i] = i < n ? widen(src[i]) : 0.f;
+    }
+  }
 }
 
-// VEC weights as fp32: fp32 weights of 16-bit rows are two 128-bit loads.
-template <typename W, int VEC>
-QWEN4EXP_DEVICE void load_weight_chunk(const W* p, float (&out)[VEC]) {
-  if constexpr (VEC == 1 || VEC * sizeof(W) == 16) {
-    load_floats<W, VEC>(p, out);
+template <typename T, int VEC, bool kWhole>
+QWEN4EXP_DEVICE void store_chunk(T* row, int c, int width, const float (&in)[VEC]) {
+  if constexpr (kWhole) {
+    store_floats<T, VEC>(row + c * VEC, in);
+  } else {
+    T* dst = row + c * VEC;  // as load_chunk: one address, one test unless the chunk ends early
+    const int n = width - c * VEC;
+    if (n >= VEC) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) dst[i] = narrow<T>(in[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        if (i < n) dst[i] = narrow<T>(in[i]);
+      }
+    }
+  }
+}
+
+// The chunk's VEC weights as fp32: fp32 weights of a 16-bit row are two 128-bit loads.
+template <typename W, int VEC, bool kWhole>
+QWEN4EXP_DEVICE void load_weight_chunk(const W* w, int c, int width, float (&out)[VEC]) {
+  if constexpr (!kWhole || VEC * sizeof(W) == 16) {
+    load_chunk<W, VEC, kWhole>(w, c, width, out);
   } else {
     static_assert(sizeof(W) == 4 && VEC == 8, "fp32 weights of a 16-bit row");
     float lo[4], hi[4];
-    load_floats<W, 4>(p, lo);
-    load_floats<W, 4>(p + 4, hi);
+    load_floats<W, 4>(w + c * VEC, lo);
+    load_floats<W, 4>(w + c * VEC + 4, hi);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       out[i] = lo[i];
@@ -71,9 +107,10 @@ struct RowJob {
 };
 
 // One row per group of 2^group_log2 threads: the shared body of both kernels.
-template <typename T, typename W, int VEC, bool kCombine>
+template <typename T, typename W, bool kWhole, bool kCombine>
 QWEN4EXP_DEVICE void norm_row(const RowJob& job, int width, float eps, int live_chunks,
                               int group_log2, float* scratch) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(T));
   const int group_size = 1 << group_log2;
   const int lane = static_cast<int>(threadIdx.x) & (group_size - 1);
   const int tile_chunks = kSlots << group_log2;
@@ -92,14 +129,14 @@ QWEN4EXP_DEVICE void norm_row(const RowJob& job, int width, float eps, int live_
     for (int s = 0; s < kSlots; ++s) {
       const int c = r * tile_chunks + s * group_size + lane;
       if (c >= live_chunks) continue;
-      load_chunk<T, VEC>(src + c * VEC, held[s]);
+      load_chunk<T, VEC, kWhole>(src, c, width, held[s]);
       if constexpr (kCombine) {
         float b[VEC];
-        load_chunk<T, VEC>(block + c * VEC, b);
+        load_chunk<T, VEC, kWhole>(block, c, width, b);
 #pragma unroll
         for (int i = 0; i < VEC; ++i)
           held[s][i] = round_through<T>(held[s][i] + b[i] * job.injection);
-        store_floats<T, VEC>(h + c * VEC, held[s]);
+        store_chunk<T, VEC, kWhole>(h, c, width, held[s]);
       }
 #pragma unroll
       for (int i = 0; i < VEC; ++i) sum[0] += held[s][i] * held[s][i];
@@ -112,20 +149,20 @@ QWEN4EXP_DEVICE void norm_row(const RowJob& job, int width, float eps, int live_
     for (int s = 0; s < kSlots; ++s) {
       const int c = r * tile_chunks + s * group_size + lane;
       if (c >= live_chunks) continue;
-      if (tiles > 1) load_chunk<T, VEC>((kCombine ? h : src) + c * VEC, held[s]);
+      if (tiles > 1) load_chunk<T, VEC, kWhole>(kCombine ? h : src, c, width, held[s]);
       float w[VEC], out[VEC];
-      load_weight_chunk<W, VEC>(weight + c * VEC, w);
+      load_weight_chunk<W, VEC, kWhole>(weight, c, width, w);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         const float v = held[s][i] * rrms;
         out[i] = v + v * w[i];
       }
-      store_floats<T, VEC>(y + c * VEC, out);
+      store_chunk<T, VEC, kWhole>(y, c, width, out);
     }
   }
 }
 
-template <typename T, typename W, int VEC>
+template <typename T, typename W, bool kWhole>
 __global__ void __launch_bounds__(kThreads) QWEN4EXP_AMD_MIN_WAVES(kAmdMinWaves)
     hc_combine_norm_kernel(HcCombineParams p, int group_log2) {
   constexpr int kWaves = kThreads / kWaveSize;
@@ -152,10 +189,11 @@ __global__ void __launch_bounds__(kThreads) QWEN4EXP_AMD_MIN_WAVES(kAmdMinWaves)
     const T* logits = static_cast<const T*>(p.injection_logits) + t * p.logits_row_stride;
     job.injection = 2.0f * sigmoid_f32(widen(logits[s]) / static_cast<float>(p.streams));
   }
-  norm_row<T, W, VEC, true>(job, H, p.eps, live ? (H + VEC - 1) / VEC : 0, group_log2, scratch);
+  constexpr int VEC = 16 / static_cast<int>(sizeof(T));
+  norm_row<T, W, kWhole, true>(job, H, p.eps, live ? (H + VEC - 1) / VEC : 0, group_log2, scratch);
 }
 
-template <typename T, typename W, int VEC>
+template <typename T, typename W, bool kWhole>
 __global__ void __launch_bounds__(kThreads) QWEN4EXP_AMD_MIN_WAVES(kAmdMinWaves)
     hc_rmsnorm_kernel(HcRmsNormParams p, int group_log2) {
   constexpr int kWaves = kThreads / kWaveSize;
@@ -174,7 +212,8 @@ __global__ void __launch_bounds__(kThreads) QWEN4EXP_AMD_MIN_WAVES(kAmdMinWaves)
   job.y = static_cast<T*>(p.y) + row * p.y_row_stride + base;
   job.weight = static_cast<const W*>(p.weight) + (p.weight_shared ? 0 : base);
   job.injection = 0.f;
-  norm_row<T, W, VEC, false>(job, G, p.eps, live ? (G + VEC - 1) / VEC : 0, group_log2, scratch);
+  constexpr int VEC = 16 / static_cast<int>(sizeof(T));
+  norm_row<T, W, kWhole, false>(job, G, p.eps, live ? (G + VEC - 1) / VEC : 0, group_log2, scratch);
 }
 
 bool aligned_ptr(const void* ptr) { return aligned16(reinterpret_cast<uint64_t>(ptr)); }
@@ -197,11 +236,12 @@ hipError_t launch_rows(Kernel kernel, const P& p, int64_t tokens, int64_t per_to
   return hipSuccess;
 }
 
-template <typename T, typename W, int VEC>
+template <typename T, typename W, bool kWhole>
 hipError_t launch_combine_norm(const HcCombineParams& p, hipStream_t stream) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(T));
   const int group_log2 = group_log2_for((p.width + VEC - 1) / VEC);
   return launch_rows(
-      hc_combine_norm_kernel<T, W, VEC>, p, p.num_tokens, p.streams, group_log2, stream,
+      hc_combine_norm_kernel<T, W, kWhole>, p, p.num_tokens, p.streams, group_log2, stream,
       [&](HcCombineParams& part, int64_t t0, int64_t count) {
         part.num_tokens = count;
         part.residual = static_cast<const T*>(p.residual) + t0 * p.residual_row_stride;
@@ -215,10 +255,11 @@ hipError_t launch_combine_norm(const HcCombineParams& p, hipStream_t stream) {
       });
 }
 
-template <typename T, typename W, int VEC>
+template <typename T, typename W, bool kWhole>
 hipError_t launch_rmsnorm(const HcRmsNormParams& p, hipStream_t stream) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(T));
   const int group_log2 = group_log2_for((p.width + VEC - 1) / VEC);
-  return launch_rows(hc_rmsnorm_kernel<T, W, VEC>, p, p.num_rows, p.groups, group_log2, stream,
+  return launch_rows(hc_rmsnorm_kernel<T, W, kWhole>, p, p.num_rows, p.groups, group_log2, stream,
                      [&](HcRmsNormParams& part, int64_t r0, int64_t count) {
                        part.num_rows = count;
                        part.x = static_cast<const T*>(p.x) + r0 * p.x_row_stride;
@@ -251,8 +292,8 @@ hipError_t launch_hc_combine_norm(const HcCombineParams& p, hipStream_t stream) 
         aligned_ptr(p.h) && aligned_ptr(p.xn) && aligned_ptr(p.norm_weight) &&
         aligned16(p.residual_row_stride * sizeof(T)) && aligned16(p.block_row_stride * sizeof(T)) &&
         aligned16(p.h_row_stride * sizeof(T)) && aligned16(p.xn_row_stride * sizeof(T));
-    return whole ? launch_combine_norm<T, W, kVec>(p, stream)
-                 : launch_combine_norm<T, W, 1>(p, stream);
+    return whole ? launch_combine_norm<T, W, true>(p, stream)
+                 : launch_combine_norm<T, W, false>(p, stream);
   });
 }
 
@@ -264,7 +305,7 @@ hipError_t launch_hc_rmsnorm(const HcRmsNormParams& p, hipStream_t stream) {
     const bool whole = p.width % kVec == 0 && aligned_ptr(p.x) && aligned_ptr(p.y) &&
                        aligned_ptr(p.weight) && aligned16(p.x_row_stride * sizeof(T)) &&
                        aligned16(p.y_row_stride * sizeof(T));
-    return whole ? launch_rmsnorm<T, W, kVec>(p, stream) : launch_rmsnorm<T, W, 1>(p, stream);
+    return whole ? launch_rmsnorm<T, W, true>(p, stream) : launch_rmsnorm<T, W, false>(p, stream);
   });
 }
 

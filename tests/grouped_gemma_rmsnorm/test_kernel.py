@@ -66,3 +66,10 @@ def test_cpu_equals_vllm_bit_for_bit(shape, dtype):
     cpu = next(b for b in BACKENDS if b.name == "cpu")
     for name, measured in checks.vllm_parity(cpu, OP, dtype, shape):
         assert measured.equal_share == 1.0, f"{name}: {measured}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(2, 2560, 4), (2, 520, 2)], ids=str)
+def test_results_do_not_depend_on_alignment(backend, dtype, shape):
+    checks.check_alignment_independent(backend, OP, dtype, shape)

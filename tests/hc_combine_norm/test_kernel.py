@@ -113,3 +113,29 @@ def test_cpu_streaming_stores_write_what_cached_stores_write(op, dtype):
     for v, e, wide in zip(views, cached, wides, strict=True):
         checks.assert_exact(v, e, f"{op} streamed", bitwise=True)
         assert (wide[:, :3] == 0).all() and (wide[:, -2:] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("width", [40, 1500, 2560], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_xn_is_the_grouped_norm_of_h(backend, width, dtype):
+    """SPEC §10's delayed combine: hc_combine_norm's h is hc_combine's, its xn
+    grouped_gemma_rmsnorm(h)'s, bit for bit. The HIP kernels share one norm (every width); the CPU
+    kernels follow the interpreter's two orders (512-wide tiles, next_pow2(H)), which agree at
+    these widths (1, 3 and 5 tiles) but not at 4 or 9+ tiles, where vLLM's own kernels on the
+    interpreter differ from each other too."""
+    batch = hc_support.hc_batch(2, width, 4, dtype, seed=width)
+    h, xn = checks.run(backend, OP, *hc_support.op_args(OP, batch))
+    (combined,) = checks.run(backend, "hc_combine", *hc_support.op_args("hc_combine", batch))
+    (normed,) = checks.run(
+        backend, "grouped_gemma_rmsnorm", h, batch.norm_weight, batch.eps, batch.hc_count
+    )
+    checks.assert_exact(h, combined, "h against hc_combine", bitwise=True)
+    checks.assert_exact(xn, normed, "xn against grouped_gemma_rmsnorm(h)", bitwise=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(2, 2560, 4), (2, 520, 2)], ids=str)
+def test_results_do_not_depend_on_alignment(backend, dtype, shape):
+    checks.check_alignment_independent(backend, OP, dtype, shape)
