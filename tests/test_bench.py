@@ -367,6 +367,7 @@ CPU_CASES = {
         f"stage_{p}_bf16_{s}" for p in ("decode_T64", "prefill_T8192") for s in ("warm", "cold")
     ],
     **{op: ["decode_T16", "decode_T64", "prefill_T8192"] for op in HC_OPS},
+    "hc_module": ["decode_T1", "decode_T16", "decode_T64", "prefill_T8192"],
 }
 # Of those, every variant of the headline shapes (formats, id patterns, the fast gate, the
 # dim-first conv state): what tools/check-gpu.sh benches, registry.HEADLINE_CASES.
@@ -388,7 +389,7 @@ HEADLINE_VARIANTS = {
     | {f"staged_{p}_bf16_{s}" for p in ("decode_T64", "prefill_T8192") for s in ("ram", "warm")}
     | {"staged_decode_T64_bf16_cold"},
     "vllm_disk_offload": set(CPU_CASES["vllm_disk_offload"]),
-    **{op: {"decode_T64", "prefill_T8192"} for op in HC_OPS},
+    **{op: {"decode_T64", "prefill_T8192"} for op in (*HC_OPS, "hc_module")},
 }
 # The representative subset: each op's headline case of each phase, in its default format and
 # layout (the first of its cases at that shape).
@@ -399,7 +400,7 @@ HEADLINE = {
     "ple_gate": {"decode_T64", "prefill_T8192"},
     "ple_conv": {"decode_R64", "prefill_T8192_R4"},
     "host_lookup": {"decode_T64_bf16", "prefill_T8192_bf16"},
-    **{op: {"decode_T64", "prefill_T8192"} for op in HC_OPS},
+    **{op: {"decode_T64", "prefill_T8192"} for op in (*HC_OPS, "hc_module")},
 }
 
 
@@ -449,6 +450,7 @@ def test_full_and_explicit_selections_pick_every_case() -> None:
         "ngram_ids": {"decode_T1"},
         "ngram_gather_rows": {"decode_T1"},
         "ple_gate": {"decode_T1"},
+        "hc_module": {"decode_T1"},
     }
     with pytest.raises(SystemExit) as exc, contextlib.redirect_stderr(io.StringIO()):
         bench_args.parse_args(["--full", "--cases", "decode"])

@@ -47,6 +47,8 @@ OP_MODULES: dict[str, str] = {
     "vllm_disk_offload": "qwen4exp_ext.bench.vllm_disk_offload",
     # One module benches the five hyper-connection ops (SPEC §10): its op_cases(op, device).
     **{op: "qwen4exp_ext.bench.hc" for op in HC_OPS},
+    # One whole hyper-connection module step (combine_and_mix, its two GEMMs included).
+    "hc_module": "qwen4exp_ext.bench.hc_module",
 }
 # Ops left out of the representative subset (they run with --full, or named): building their
 # cases costs more than the subset's budget (vllm_disk_offload imports vLLM and writes a
