@@ -486,7 +486,9 @@ print(json.dumps({**probe(), "swapped": plugin.swapped()}))
 
 
 # Every row of the swap table, as swapped() names it: the same on every supported vLLM release
-# (the ops, every table format's lookups, the AMD layer's NVFP4 tables and step-entry lookups).
+# (the ops, every table format's lookups, the AMD layer's NVFP4 tables and step-entry lookups,
+# the AMD model's hyper-connection ops; the NVIDIA module's wait for vLLM's NVIDIA model:
+# tests/test_vllm_hc.py).
 EVERY_ROW = (
     "ple_ngram_ids",
     "ple_gate",
@@ -502,6 +504,11 @@ EVERY_ROW = (
     "qwen4_exp_amd_ple_ngram_embedding_pinned",
     "Qwen4ExpNGramEmbedding.load_weights",
     "amd.model Qwen4ExpModel step-entry PLE lookups",
+    "amd.ops.hc qwen4_exp_hc_combine_norm",
+    "amd.ops.hc qwen4_exp_grouped_gemma_rmsnorm",
+    "amd.ops.hc qwen4_exp_hc_silu",
+    "amd.ops.hc qwen4_exp_hc_gate_mix",
+    "amd.ops.hc qwen4_exp_hc_combine",
 )
 
 
