@@ -27,6 +27,7 @@ from hc_support import HcWeights, hc_batch, need_vllm, run_vllm, vllm_combine_an
 from qwen4exp_ext import ops
 from qwen4exp_ext.bench import vllm_triton
 from qwen4exp_ext.testing import close_mismatch, exact_mismatch, tolerance
+from qwen4exp_ext.vllm import choice
 from qwen4exp_ext.vllm.shims import HC_SWAPS, swaps_for
 from qwen4exp_ext.vllm.shims.hc import HC_OPS
 from vllm_support import (
@@ -292,3 +293,59 @@ def test_every_release_has_the_hc_rows():
     for release in VLLM_VERSIONS:
         rows = [s for s in swaps_for(release) if s in HC_SWAPS]
         assert len(rows) == 10, release
+
+
+@pytest.fixture
+def timed_cpu(monkeypatch):
+    """A fresh process-wide chooser that times CPU kernels too (no cache file); the default one
+    again after the test."""
+    monkeypatch.delenv(choice.ENV, raising=False)
+
+    def make(timer):
+        return choice.reset(
+            timer=timer, cache_path=None, timed_device_types=frozenset({"cpu", "cuda"})
+        )
+
+    yield make
+    choice.reset()
+
+
+@pytest.mark.parametrize("faster", [choice.OURS, choice.VLLM])
+def test_each_op_runs_the_kernel_measured_faster(timed_cpu, faster):
+    """The measured choice decides per class: with vLLM's kernels under the interpreter timed as
+    faster, the replacement runs vLLM's (ours never runs); with the real timer (event_timer's
+    wall clock on the CPU), ours wins against the interpreter and runs."""
+    kernels = need_vllm("amd")
+    timed: list[tuple[str, str]] = []
+
+    def timer(op, label, which, setup, call):
+        timed.append((op, which))
+        if faster == choice.OURS:
+            return choice.event_timer(op, label, which, setup, call, calls=2)
+        return 1.0 if which == choice.VLLM else 2.0
+
+    chooser = timed_cpu(timer)
+    b = hc_batch(T, H, HC, torch.float32, seed=8)
+    calls = {
+        "hc_combine_norm": (b.residual, b.block_output, b.injection_logits, b.norm_weight, EPS, HC),
+        "grouped_gemma_rmsnorm": (b.residual, b.norm_weight, EPS, HC),
+        "hc_silu": (b.lowrank, HC),
+        "hc_gate_mix": (b.xn, b.gate, HC),
+        "hc_combine": (b.residual, b.block_output, b.injection_logits, HC),
+    }
+    for op, args in calls.items():
+        replacement = HC_OPS[op][1](getattr(kernels, f"_{op}"))
+        with vllm_triton.interpreter(), recorded_ops() as names:
+            got = replacement(*args)
+        assert [c.chosen for c in chooser.choices.values() if c.op == op] == [faster], op
+        assert timed[-2:] == [(op, choice.OURS), (op, choice.VLLM)], timed
+        if faster == choice.VLLM:
+            assert f"qwen4exp::{op}" not in names, op
+            expected = run_vllm(op, *args)
+        else:
+            expected = getattr(ops, op)(*args)
+        for g, e in zip(_flat(got), _flat(expected), strict=True):
+            assert exact_mismatch(g, e, bitwise=True) is None, op
+        with vllm_triton.interpreter():
+            replacement(*args)  # the class is known: no second timing
+        assert len(timed) == 2 * len(chooser.choices), timed
