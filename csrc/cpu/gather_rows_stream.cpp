@@ -303,17 +303,6 @@ void gather_rows_streaming(const GatherRowsParams& p, int64_t stream_bytes_from)
   });
 }
 
-void stream_bytes(char* dst, const char* src, int64_t bytes) {
-  static const RowStores stores = best_row_stores();
-  write_row<false>(stores, dst, src, bytes);
-}
-
-void stream_fence() {
-#if QWEN4EXP_X86_AVX512
-  _mm_sfence();
-#endif
-}
-
 }  // namespace cpu
 
 // Outputs of at least this many bytes take the streaming path; -1 where it is not available

@@ -13,11 +13,4 @@ namespace qwen4exp::cpu {
 // path; stream_bytes_from is cpu_gather_stream_bytes() (>= 0: this CPU has streaming stores).
 void gather_rows_streaming(const GatherRowsParams& p, int64_t stream_bytes_from);
 
-// The streaming stores for other kernels whose outputs outgrow the caches (the hyper-connection
-// ops, csrc/cpu/hc_norm.cpp, from cpu_gather_stream_bytes() bytes): `bytes` at dst from src,
-// streamed where this CPU has streaming stores (plain stores where it has none); a thread's
-// stream_fence() then orders its streamed stores before the kernel returns.
-void stream_bytes(char* dst, const char* src, int64_t bytes);
-void stream_fence();
-
 }  // namespace qwen4exp::cpu

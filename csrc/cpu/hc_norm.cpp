@@ -27,9 +27,7 @@
 #include <vector>
 
 #include "../common/dispatch.h"
-#include "../common/gather_rows.h"
 #include "../common/hc_norm.h"
-#include "gather_rows_stream.h"
 #include "numpy_sum.h"
 #include "simd.h"
 #include "threads.h"
@@ -94,11 +92,7 @@ QWEN4EXP_ALWAYS_INLINE X round_and_store(T* p, X x, Step n) {
   return rounded;
 }
 
-// kStream: the outputs are larger than the caches (a prefill). Each stream's h and xn rows are
-// then computed into two L1-resident rows and streamed out (gather_rows_stream.h): a cached store
-// first reads the line it writes from DRAM (read-for-ownership), which for the two [T, HC·H]
-// outputs is 40 of a token's 107 KB of traffic (H = 2560, HC = 4, bf16).
-template <typename T, bool kNorm, bool kStream>
+template <typename T, bool kNorm>
 QWEN4EXP_ALWAYS_INLINE void combine_rows(const HcCombineParams& p, const float* w, int64_t begin,
                                          int64_t end) {
   const int H = p.width;
@@ -111,8 +105,6 @@ QWEN4EXP_ALWAYS_INLINE void combine_rows(const HcCombineParams& p, const float* 
   std::vector<float> buf(num_leaves + padded_tiles, 0.f);
   float* leaves = buf.data();
   float* tile_sums = leaves + num_leaves;
-  std::vector<T> staged(kStream ? 2 * static_cast<size_t>(H) : 0);
-  const int64_t row_bytes = static_cast<int64_t>(H) * sizeof(T);
   for (int64_t t = begin; t < end; ++t) {
     const T* residual = static_cast<const T*>(p.residual) + t * p.residual_row_stride;
     const T* block = static_cast<const T*>(p.block_output) + t * p.block_row_stride;
@@ -126,9 +118,8 @@ QWEN4EXP_ALWAYS_INLINE void combine_rows(const HcCombineParams& p, const float* 
       const f32x8 injection =
           splat(logits != nullptr ? 2.0f * sigmoid_f32(to_float(logits[s]) / hc) : 1.0f);
       const T* r = residual + base;
-      T* out = kStream ? staged.data() : h + base;
-      T* xn = kStream ? staged.data() + H
-                      : (kNorm ? static_cast<T*>(p.xn) + t * p.xn_row_stride + base : nullptr);
+      T* out = h + base;
+      T* xn = kNorm ? static_cast<T*>(p.xn) + t * p.xn_row_stride + base : nullptr;
       if constexpr (!kNorm) {
         simd::for_each_block(0, H, [&](int i, auto n) QWEN4EXP_LAMBDA_INLINE {
           simd::store_n(out + i, load_n(r + i, n) + load_n(block + i, n) * injection, n);
@@ -154,18 +145,8 @@ QWEN4EXP_ALWAYS_INLINE void combine_rows(const HcCombineParams& p, const float* 
         const float rrms = 1.0f / std::sqrt(sum_sq / h_f + p.eps);
         gemma_scale<T>(out, w + (p.weight_shared ? 0 : base), xn, H, rrms);
       }
-      if constexpr (kStream) {
-        cpu::stream_bytes(reinterpret_cast<char*>(h + base), reinterpret_cast<const char*>(out),
-                          row_bytes);
-        if constexpr (kNorm) {
-          T* xn_row = static_cast<T*>(p.xn) + t * p.xn_row_stride + base;
-          cpu::stream_bytes(reinterpret_cast<char*>(xn_row), reinterpret_cast<const char*>(xn),
-                            row_bytes);
-        }
-      }
     }
   }
-  if constexpr (kStream) cpu::stream_fence();
 }
 
 template <typename T>
@@ -196,22 +177,16 @@ QWEN4EXP_ALWAYS_INLINE void rmsnorm_rows(const HcRmsNormParams& p, const float* 
 }
 
 // One non-template entry per dtype and variant, each compiled for three instruction sets.
-#define QWEN4EXP_HC_COMBINE_ENTRY(NAME, T, NORM, STREAM)                                          \
+#define QWEN4EXP_HC_COMBINE_ENTRY(NAME, T, NORM)                                                  \
   QWEN4EXP_CPU_CLONES void NAME(const HcCombineParams& p, const float* w, int64_t b, int64_t e) { \
-    combine_rows<T, NORM, STREAM>(p, w, b, e);                                                    \
+    combine_rows<T, NORM>(p, w, b, e);                                                            \
   }
-QWEN4EXP_HC_COMBINE_ENTRY(combine_f32, float, false, false)
-QWEN4EXP_HC_COMBINE_ENTRY(combine_bf16, bf16_t, false, false)
-QWEN4EXP_HC_COMBINE_ENTRY(combine_f16, f16_t, false, false)
-QWEN4EXP_HC_COMBINE_ENTRY(combine_norm_f32, float, true, false)
-QWEN4EXP_HC_COMBINE_ENTRY(combine_norm_bf16, bf16_t, true, false)
-QWEN4EXP_HC_COMBINE_ENTRY(combine_norm_f16, f16_t, true, false)
-QWEN4EXP_HC_COMBINE_ENTRY(combine_f32_stream, float, false, true)
-QWEN4EXP_HC_COMBINE_ENTRY(combine_bf16_stream, bf16_t, false, true)
-QWEN4EXP_HC_COMBINE_ENTRY(combine_f16_stream, f16_t, false, true)
-QWEN4EXP_HC_COMBINE_ENTRY(combine_norm_f32_stream, float, true, true)
-QWEN4EXP_HC_COMBINE_ENTRY(combine_norm_bf16_stream, bf16_t, true, true)
-QWEN4EXP_HC_COMBINE_ENTRY(combine_norm_f16_stream, f16_t, true, true)
+QWEN4EXP_HC_COMBINE_ENTRY(combine_f32, float, false)
+QWEN4EXP_HC_COMBINE_ENTRY(combine_bf16, bf16_t, false)
+QWEN4EXP_HC_COMBINE_ENTRY(combine_f16, f16_t, false)
+QWEN4EXP_HC_COMBINE_ENTRY(combine_norm_f32, float, true)
+QWEN4EXP_HC_COMBINE_ENTRY(combine_norm_bf16, bf16_t, true)
+QWEN4EXP_HC_COMBINE_ENTRY(combine_norm_f16, f16_t, true)
 #undef QWEN4EXP_HC_COMBINE_ENTRY
 
 #define QWEN4EXP_HC_RMSNORM_ENTRY(NAME, T)                                                        \
@@ -233,12 +208,6 @@ int64_t grain_for(int64_t elements_per_row) {
 void run_hc_combine_cpu(const HcCombineParams& p) {
   if (p.num_tokens == 0) return;
   const bool norm = p.xn != nullptr;
-  // Stream the outputs where they outgrow what the threads can keep in cache (the gather's
-  // threshold, cpu_gather_stream_bytes; -1: this CPU has no streaming stores).
-  const int64_t out_bytes = p.num_tokens * p.width * p.streams * (norm ? 2 : 1) *
-                            static_cast<int64_t>(p.dtype == Dtype::kF32 ? 4 : 2);
-  const int64_t stream_from = cpu_gather_stream_bytes();
-  const bool stream = stream_from >= 0 && out_bytes >= stream_from;
   using Rows = void (*)(const HcCombineParams&, const float*, int64_t, int64_t);
   std::vector<float> w;
   const Rows rows = dispatch_dtype(
@@ -250,15 +219,12 @@ void run_hc_combine_cpu(const HcCombineParams& p) {
                               p.weight_shared ? p.width : int64_t{p.width} * p.streams, p.width);
         }
         if constexpr (std::is_same_v<T, float>) {
-          return stream ? (norm ? combine_norm_f32_stream : combine_f32_stream)
-                        : (norm ? combine_norm_f32 : combine_f32);
+          return norm ? combine_norm_f32 : combine_f32;
         }
         if constexpr (std::is_same_v<T, bf16_t>) {
-          return stream ? (norm ? combine_norm_bf16_stream : combine_bf16_stream)
-                        : (norm ? combine_norm_bf16 : combine_bf16);
+          return norm ? combine_norm_bf16 : combine_bf16;
         }
-        return stream ? (norm ? combine_norm_f16_stream : combine_f16_stream)
-                      : (norm ? combine_norm_f16 : combine_f16);
+        return norm ? combine_norm_f16 : combine_f16;
       },
       []() -> Rows { throw std::invalid_argument("hc_combine: no CPU kernel for this dtype"); });
   cpu::parallel_for(0, p.num_tokens, grain_for(int64_t{p.width} * p.streams),

@@ -14,7 +14,6 @@ import torch
 import hc_kernel_support as checks
 import hc_support
 from conftest import backends
-from qwen4exp_ext import ops
 
 OP = "hc_combine_norm"
 BACKENDS = backends()
@@ -89,30 +88,6 @@ def test_cpu_sums_in_the_interpreters_order(shape, dtype):
         cpu, OP, dtype, shape, vendor="nvidia", no_logits=True
     ):
         assert measured.equal_share == 1.0, f"{name}: {measured}"
-
-
-@pytest.mark.parametrize("op", ["hc_combine_norm", "hc_combine"])
-@pytest.mark.parametrize("dtype", checks.DTYPES, ids=str)
-def test_cpu_streaming_stores_write_what_cached_stores_write(op, dtype):
-    """Outputs larger than the caches take streaming stores (from cpu_gather_stream_bytes(); 0
-    sends every call there): the same bits, into row views whose starts are not 64-byte aligned
-    (the rows' unaligned heads and tails take plain stores)."""
-    cpu = next(b for b in BACKENDS if b.name == "cpu")
-    batch = hc_support.hc_batch(3, 72, 3, dtype, seed=11)
-    args = hc_support.op_args(op, batch)
-    cached = checks.run(cpu, op, *args)
-    wides = [torch.zeros(3, e.shape[1] + 5, dtype=dtype) for e in cached]
-    views = tuple(w[:, 3 : 3 + e.shape[1]] for w, e in zip(wides, cached, strict=True))
-    previous = ops.set_cpu_gather_stream_bytes(0)
-    try:
-        if ops.cpu_gather_stream_bytes() < 0:
-            pytest.skip("this CPU has no streaming stores")
-        checks.run(cpu, op, *args, out=views if len(views) > 1 else views[0])
-    finally:
-        ops.set_cpu_gather_stream_bytes(previous)
-    for v, e, wide in zip(views, cached, wides, strict=True):
-        checks.assert_exact(v, e, f"{op} streamed", bitwise=True)
-        assert (wide[:, :3] == 0).all() and (wide[:, -2:] == 0).all()
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
