@@ -120,6 +120,38 @@ class OracleOps:
         out_conv_input.copy_(conv_input)
         return out_gated, out_conv_input
 
+    # The hyper-connection ops (SPEC §10): out= is one tensor, or (h, xn) for hc_combine_norm.
+    @staticmethod
+    def _into(result, out):
+        if out is None:
+            return result
+        if isinstance(result, tuple):
+            for target, value in zip(out, result, strict=True):
+                target.copy_(value)
+            return tuple(out)
+        return out.copy_(result)
+
+    @staticmethod
+    def hc_combine_norm(*args, out=None):
+        return OracleOps._into(reference.hc_combine_norm(*args), out)
+
+    @staticmethod
+    def grouped_gemma_rmsnorm(*args, out=None):
+        return OracleOps._into(reference.grouped_gemma_rmsnorm(*args), out)
+
+    @staticmethod
+    def hc_silu(*args, out=None):
+        return OracleOps._into(reference.hc_silu(*args), out)
+
+    @staticmethod
+    def hc_gate_mix(*args, out=None):
+        return OracleOps._into(reference.hc_gate_mix(*args), out)
+
+    @staticmethod
+    def hc_combine(residual, block_output, injection_logits, hc_count, *, out=None):
+        result = reference.hc_combine(residual, block_output, injection_logits, hc_count)
+        return OracleOps._into(result, out)
+
 
 ORACLE = Backend("oracle", "cpu", OracleOps(), None)
 

@@ -30,7 +30,7 @@ from qwen4exp_ext.bench import rows as bench_rows
 from qwen4exp_ext.bench.cli import main
 from qwen4exp_ext.bench.registry import HEADLINE_CASES, HEADLINE_PHASES, OP_MODULES
 from qwen4exp_ext.bench.runner import QUICK_REPEAT
-from qwen4exp_ext.testing import exact_mismatch
+from qwen4exp_ext.testing import HC_OPS, exact_mismatch
 from vllm_support import require_vllm, run_python, vllm_version
 
 NGRAM_IDS_CASES = {
@@ -366,6 +366,8 @@ CPU_CASES = {
     "vllm_disk_offload": [
         f"stage_{p}_bf16_{s}" for p in ("decode_T64", "prefill_T8192") for s in ("warm", "cold")
     ],
+    **{op: ["decode_T16", "decode_T64", "prefill_T8192"] for op in HC_OPS},
+    "hc_module": ["decode_T1", "decode_T16", "decode_T64", "prefill_T8192"],
 }
 # Of those, every variant of the headline shapes (formats, id patterns, the fast gate, the
 # dim-first conv state): what tools/check-gpu.sh benches, registry.HEADLINE_CASES.
@@ -387,6 +389,7 @@ HEADLINE_VARIANTS = {
     | {f"staged_{p}_bf16_{s}" for p in ("decode_T64", "prefill_T8192") for s in ("ram", "warm")}
     | {"staged_decode_T64_bf16_cold"},
     "vllm_disk_offload": set(CPU_CASES["vllm_disk_offload"]),
+    **{op: {"decode_T64", "prefill_T8192"} for op in (*HC_OPS, "hc_module")},
 }
 # The representative subset: each op's headline case of each phase, in its default format and
 # layout (the first of its cases at that shape).
@@ -397,6 +400,7 @@ HEADLINE = {
     "ple_gate": {"decode_T64", "prefill_T8192"},
     "ple_conv": {"decode_R64", "prefill_T8192_R4"},
     "host_lookup": {"decode_T64_bf16", "prefill_T8192_bf16"},
+    **{op: {"decode_T64", "prefill_T8192"} for op in (*HC_OPS, "hc_module")},
 }
 
 
@@ -446,6 +450,7 @@ def test_full_and_explicit_selections_pick_every_case() -> None:
         "ngram_ids": {"decode_T1"},
         "ngram_gather_rows": {"decode_T1"},
         "ple_gate": {"decode_T1"},
+        "hc_module": {"decode_T1"},
     }
     with pytest.raises(SystemExit) as exc, contextlib.redirect_stderr(io.StringIO()):
         bench_args.parse_args(["--full", "--cases", "decode"])

@@ -137,6 +137,8 @@ def test_hc_mix_and_combine():
     x = torch.randn(2, 5, 3 * 4, generator=gen)
     block = torch.randn(2, 5, 4, generator=gen)
     torch.testing.assert_close(ref.hc_mix(x, 3), (x[..., :4] + x[..., 4:8] + x[..., 8:]) / 3)
+    assert_exact(ref.hc_average_combine(block, x), x + block.repeat(1, 1, 3))
+    # The name's meaning before SPEC §10's hc_combine, still given by its two-argument call.
     assert_exact(ref.hc_combine(block, x), x + block.repeat(1, 1, 3))
 
 
@@ -173,3 +175,90 @@ def test_gated_residual_shared_norm_weight():
     x = torch.randn(4, 3 * 8, generator=gen).to(torch.bfloat16)
     w = torch.randn(8, generator=gen).to(torch.bfloat16)
     assert_exact(ref.grouped_rms_norm(x, w, 8, 1e-6), ref.grouped_rms_norm(x, w.repeat(3), 8, 1e-6))
+
+
+# --------------------------------------------------------------------------------------------
+# our GatedResidual on the hyper-connection kernels (SPEC §10), mix / combine and the delayed
+# combine_and_mix, against transformers' module and its decoder layer's combine
+# --------------------------------------------------------------------------------------------
+def _hf_chain(cfg, dtype, seed):
+    """Three transformers GatedResidual modules (the last a final mixer, use_combine=False) in
+    ``dtype``, their norm weights drawn around 0."""
+    torch.manual_seed(seed)
+    modules = [Qwen4ExpTextGatedResidual(cfg, use_combine=i < 2) for i in range(3)]
+    for module in modules:
+        with torch.no_grad():
+            module.hc_norm.weight.normal_(0.0, 0.3)
+        module.to(dtype)
+    return modules
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("hc_count,hidden_size,lowrank", [(4, 8, 5), (3, 24, 7)])
+def test_gated_residual_on_the_kernels_matches_transformers(hc_count, hidden_size, lowrank, dtype):
+    """Two blocks between three modules: transformers runs mix, the decoder's combine, mix,
+    combine, final mix; ours the same with mix/combine, and again with vLLM's delayed chain
+    (mix_delayed, combine_and_mix, combine_and_mix into the final mixer): equal within the
+    module tolerance, and the two chains of ours equal to each other."""
+    from qwen4exp_ext.layers import GatedResidual
+    from qwen4exp_ext.testing import assert_within, tolerance
+
+    cfg = tiny_config(hc_count=hc_count, hidden_size=hidden_size, hc_lowrank=lowrank)
+    theirs = _hf_chain(cfg, dtype, seed=30)
+    ours = []
+    for module in theirs:
+        mine = GatedResidual(cfg, dtype=dtype, use_combine=module.block_inject_weight is not None)
+        mine.load_state_dict(module.state_dict())
+        ours.append(mine)
+    gen = torch.Generator().manual_seed(31)
+    x = (torch.randn(2, 7, hc_count * hidden_size, generator=gen) * 2).to(dtype)
+    blocks = [torch.randn(2, 7, hidden_size, generator=gen).to(dtype) for _ in range(2)]
+
+    def block(i, mixed):  # a stand-in block whose output depends on its input
+        return (blocks[i].float() + 0.5 * mixed.float()).to(dtype)
+
+    with torch.no_grad():
+        hf_x, hf_mixed = x, []
+        for i in range(2):
+            mixed, hyper, inj = theirs[i](hf_x)
+            hf_mixed.append(mixed)
+            hf_x = hyper + (block(i, mixed).unsqueeze(-2) * inj.unsqueeze(-1)).flatten(-2)
+        hf_mixed.append(theirs[2](hf_x))
+
+        my_x, my_mixed = x, []
+        for i in range(2):
+            mixed, residuals = ours[i].mix(my_x)
+            my_mixed.append(mixed)
+            my_x = ours[i].combine(block(i, mixed), residuals)
+        my_mixed.append(ours[2](my_x))
+
+        hidden, mixed, logits = ours[0].mix_delayed(x)
+        delayed = [mixed]
+        for i in (1, 2):
+            hidden, mixed, logits = ours[i].combine_and_mix(hidden, block(i - 1, mixed), logits)
+            delayed.append(mixed)
+        assert logits is None  # the final mixer has no injection
+
+    tol = tolerance("hc_module", dtype, against="transformers")
+    for i in range(3):
+        assert_within(my_mixed[i], hf_mixed[i], tol, f"mix {i}")
+        assert_within(delayed[i], my_mixed[i], tolerance("hc_combine_norm", dtype), f"delayed {i}")
+    assert_within(my_x, hf_x, tol, "combined streams")
+    assert_within(hidden, my_x, tolerance("hc_combine", dtype), "delayed combined streams")
+
+
+def test_combine_pending_without_injection_adds_the_block_to_every_stream():
+    """vLLM's NVIDIA module passes no injection logits: unit weight per stream."""
+    from qwen4exp_ext.layers import GatedResidual, HyperConnection
+
+    cfg = tiny_config(hc_count=3, hidden_size=8, hc_lowrank=5)
+    gen = torch.Generator().manual_seed(32)
+    x = torch.randn(5, 24, generator=gen).to(torch.bfloat16)
+    block = torch.randn(5, 8, generator=gen).to(torch.bfloat16)
+    gated = GatedResidual(cfg, dtype=torch.bfloat16)
+    average = HyperConnection(cfg, dtype=torch.bfloat16)
+    assert_exact(gated.combine_pending(x, block, None), average.combine(block, x))
+    with pytest.raises(ValueError, match="block output must have 8 features"):
+        gated.combine_pending(x, block[:, :7], None)
+    with pytest.raises(ValueError, match="hyper-connection features"):
+        gated.combine_and_mix(x[:, :23], block, None)

@@ -44,7 +44,12 @@ def test_ops_live_in_their_own_library(backend):
     torch.ops.qwen4exp (the CPU kernels here) alone."""
     library = backend.ops.namespace
     assert library == f"qwen4exp_simt{backend.name[4:]}"
-    for name in ("ngram_ids", "gather_rows", "ple_gate", "ple_gate_out", "ple_conv"):
+    hc_ops = ("hc_combine_norm", "hc_combine", "grouped_gemma_rmsnorm", "hc_gate_mix", "hc_silu")
+    for name in (
+        ("ngram_ids", "gather_rows", "ple_gate", "ple_gate_out", "ple_conv")
+        + hc_ops
+        + tuple(f"{op}_out" for op in hc_ops)
+    ):
         ours = getattr(torch.ops.qwen4exp, name).default._schema
         emulated = getattr(getattr(torch.ops, library), name).default._schema
         assert str(emulated).split("::", 1)[1] == str(ours).split("::", 1)[1]

@@ -486,7 +486,9 @@ print(json.dumps({**probe(), "swapped": plugin.swapped()}))
 
 
 # Every row of the swap table, as swapped() names it: the same on every supported vLLM release
-# (the ops, every table format's lookups, the AMD layer's NVFP4 tables and step-entry lookups).
+# (the ops, every table format's lookups, the AMD layer's NVFP4 tables and step-entry lookups,
+# the AMD model's hyper-connection ops; the NVIDIA module's wait for vLLM's NVIDIA model:
+# tests/test_vllm_hc.py).
 EVERY_ROW = (
     "ple_ngram_ids",
     "ple_gate",
@@ -507,6 +509,11 @@ EVERY_ROW = (
     "Qwen4ExpPLEDeviceEmbedding.allocate_embedding_weight",
     "amd Qwen4ExpNGramEmbedding.__init__ (PLE table directory)",
     "amd Qwen4ExpForCausalLM.is_unused_checkpoint_weight (PLE table directory)",
+    "amd.ops.hc qwen4_exp_hc_combine_norm",
+    "amd.ops.hc qwen4_exp_grouped_gemma_rmsnorm",
+    "amd.ops.hc qwen4_exp_hc_silu",
+    "amd.ops.hc qwen4_exp_hc_gate_mix",
+    "amd.ops.hc qwen4_exp_hc_combine",
 )
 # From 0.34.0 on (rows with ``since``): the rows that vLLM's config and AMD layer bring (its
 # disk_offload on ROCm; the other disk_offload rows wait for modules the AMD model never imports).

@@ -98,3 +98,31 @@ def recorded_ops():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         yield names
     names.extend(e.name for e in prof.events())
+
+
+def script_with_recorded_ops(script: str) -> str:
+    """``script`` (for :func:`run_python`) with :func:`recorded_ops` defined before it: a fresh
+    interpreter has no tests/ on its path."""
+    import inspect
+
+    return "from contextlib import contextmanager\nimport torch\n" + (
+        inspect.getsource(recorded_ops) + textwrap.dedent(script)
+    )
+
+
+class InterpretedHcKernels:
+    """vLLM's own hyper-connection kernels (``vendor``: its ``amd`` or ``nvidia`` ops/hc.py) on
+    Triton's CPU interpreter, under the doors' names: what tests/hc_support.py's
+    ``vllm_mix``/``vllm_combine_and_mix`` take as ``ops``, so that vLLM's module pipeline runs
+    on vLLM's kernels as the expected side of a plugin test (fp32 and fp16: the interpreter
+    mis-rounds bf16, triton#8322)."""
+
+    def __init__(self, vendor: str = "amd") -> None:
+        self.vendor = vendor
+
+    def __getattr__(self, op: str):
+        from hc_support import OP_ARGS, run_vllm
+
+        if op not in OP_ARGS:
+            raise AttributeError(op)
+        return lambda *args: run_vllm(op, *args, vendor=self.vendor)

@@ -58,7 +58,7 @@ else
   compiler_name=hipcc
 fi
 # Kernels whose reductions run on wave shuffles (csrc/hip/block_reduce.h).
-REDUCING=(ple_gate)
+REDUCING=(hc_norm ple_gate)
 # (v_readlane/v_readfirstlane are not among them: the compiler emits those for uniform values.)
 CROSS_LANE='ds_swizzle|ds_bpermute|ds_permute|_dpp|v_permlane|row_shr|row_bcast|quad_perm'
 cat >"$out/without_wavefront_macros.h" <<'EOF'

@@ -59,8 +59,22 @@ NVIDIA_ARCH = "sm_90"
 # on gfx940; the gather's vector kernel, with its loads issued without branches between them,
 # from 4-5 to 8: 6 for NVFP4 tables into fp16 and bf16). gfx942 (clang-19) holds the same floors.
 FLOORS = {
-    "amd": {"gather_rows": 6, "ngram_ids": 8, "ple_conv": 7, "ple_gate": 4},
-    "nvidia": {"gather_rows": 32, "ngram_ids": 32, "ple_conv": 32, "ple_gate": 32},
+    "amd": {
+        "gather_rows": 6,
+        "hc_mix": 8,
+        "hc_norm": 8,
+        "ngram_ids": 8,
+        "ple_conv": 7,
+        "ple_gate": 4,
+    },
+    "nvidia": {
+        "gather_rows": 32,
+        "hc_mix": 32,
+        "hc_norm": 32,
+        "ngram_ids": 32,
+        "ple_conv": 32,
+        "ple_gate": 32,
+    },
 }
 
 # sm_90 (H100/H200): 64K 32-bit registers, 64 warps, 32 blocks and 228 KiB of shared memory per

@@ -69,30 +69,7 @@ const float* silu_table() {
   return table.data();
 }
 
-// exp on eight fp32 lanes for the fp32 path: Cephes' expf polynomial (~1 ulp), IEEE overflow to
-// inf past ln(FLT_MAX); below -87 it returns exp(-87) (SiLU only adds it to 1, where anything
-// under 2^-24 vanishes). (Its SiLU rounded to bf16 or fp16 would even be exact for all 65536
-// inputs of either type, but the division makes it slower there than the table.)
-QWEN4EXP_ALWAYS_INLINE simd::f32x8 exp_poly(simd::f32x8 x) {
-  using simd::f32x8;
-  const f32x8 lo = simd::splat(-87.0f), hi = simd::splat(88.72283905f);
-  f32x8 c = x < lo ? lo : x;
-  c = c > hi ? hi : c;
-  // n = round(c·log2 e): adding and subtracting 1.5·2^23 rounds to an integer.
-  const f32x8 n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  f32x8 r = c - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  f32x8 poly = simd::splat(1.9875691500e-4f);
-  poly = poly * r + 1.3981999507e-3f;
-  poly = poly * r + 8.3334519073e-3f;
-  poly = poly * r + 4.1665795894e-2f;
-  poly = poly * r + 1.6666665459e-1f;
-  poly = poly * r + 5.0000001201e-1f;
-  poly = poly * (r * r) + r + 1.0f;
-  // 2^n as 2^(n-1)·2, so that n = 128 (just below ln(FLT_MAX)) overflows the way IEEE does.
-  const simd::i32x8 exponent = __builtin_convertvector(n, simd::i32x8) + 126;
-  return (poly * (f32x8)(exponent << 23)) * 2.0f;
-}
+using simd::exp_poly;
 
 QWEN4EXP_ALWAYS_INLINE simd::f32x8 silu(simd::f32x8 x) {
   return x * (1.0f / (1.0f + exp_poly(-x)));

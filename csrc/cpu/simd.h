@@ -301,6 +301,31 @@ QWEN4EXP_ALWAYS_INLINE void for_each_block(int begin, int end, const Body& body)
   for (; i < end; i += kLanes) body(i, end - i < kLanes ? end - i : kLanes);
 }
 
+// exp on eight fp32 lanes (ple_conv's fp32 SiLU, the hyper-connection sigmoids): Cephes' expf
+// polynomial (~1 ulp), IEEE overflow to inf past ln(FLT_MAX); below -87 it returns exp(-87) (a
+// sigmoid or SiLU only adds it to 1, where anything under 2^-24 vanishes). (Its SiLU rounded to
+// bf16 or fp16 would even be exact for all 65536 inputs of either type, but the division makes it
+// slower there than ple_conv's table.)
+QWEN4EXP_ALWAYS_INLINE f32x8 exp_poly(f32x8 x) {
+  const f32x8 lo = splat(-87.0f), hi = splat(88.72283905f);
+  f32x8 c = x < lo ? lo : x;
+  c = c > hi ? hi : c;
+  // n = round(c·log2 e): adding and subtracting 1.5·2^23 rounds to an integer.
+  const f32x8 n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  f32x8 r = c - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  f32x8 poly = splat(1.9875691500e-4f);
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  poly = poly * (r * r) + r + 1.0f;
+  // 2^n as 2^(n-1)·2, so that n = 128 (just below ln(FLT_MAX)) overflows the way IEEE does.
+  const i32x8 exponent = __builtin_convertvector(n, i32x8) + 126;
+  return (poly * (f32x8)(exponent << 23)) * 2.0f;
+}
+
 #if QWEN4EXP_X86_AVX512
 inline bool cpu_has_avx() {
   static const bool has = __builtin_cpu_supports("avx");

@@ -25,6 +25,7 @@
 #include "args/ple_conv_args.h"
 #include "args/ple_gate_args.h"
 #include "args/read_file_rows_args.h"
+#include "hc_entries.h"
 
 namespace qwen4exp {
 
@@ -169,10 +170,26 @@ void read_file_rows_cpu(int64_t fd, const at::Tensor& ids, int64_t data_offset, 
   TORCH_CHECK(status.ok(), status.error);
 }
 
+// The hyper-connection ops' entries (hc_entries.h) on the CPU kernels.
+struct HcCpu {
+  static void check_device(const char* op, const at::Tensor& t) { check_on_cpu(op, t); }
+  static void run(const char*, const HcCombineParams& p, const at::Tensor&) {
+    run_hc_combine_cpu(p);
+  }
+  static void run(const char*, const HcRmsNormParams& p, const at::Tensor&) {
+    run_hc_rmsnorm_cpu(p);
+  }
+  static void run(const char*, const HcGateMixParams& p, const at::Tensor&) {
+    run_hc_gate_mix_cpu(p);
+  }
+  static void run(const char*, const HcSiluParams& p, const at::Tensor&) { run_hc_silu_cpu(p); }
+};
+
 }  // namespace
 }  // namespace qwen4exp
 
 TORCH_LIBRARY_IMPL(qwen4exp, CPU, m) {
+  qwen4exp::HcEntries<qwen4exp::HcCpu>::register_impls(m);
   m.impl("ngram_ids", &qwen4exp::ngram_ids_cpu);
   m.impl("ngram_head_divmod", &qwen4exp::ngram_head_divmod_cpu);
   m.impl("gather_rows", &qwen4exp::gather_rows_cpu);

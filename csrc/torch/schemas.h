@@ -58,6 +58,31 @@ inline void define_kernel_ops(torch::Library& m) {
       "Tensor state_indices, Tensor? outer_residual, *, str conv_mode, int dilation, "
       "Tensor? query_start_loc=None, Tensor? num_accepted_tokens=None, "
       "Tensor? has_initial_states=None, int spec_query_len=1, Tensor? token_indices=None) -> ()");
+  // Issue #50, the hyper-connection ops, with vLLM 0.33.0's arguments (its qwen4_exp_* Triton
+  // ops) and precision (csrc/common/hc_norm.h, hc_mix.h). Each has an _out form writing into
+  // preallocated row-major views (the door's out=). hc_combine_norm returns (h, xn), [T, HC·H].
+  // injection_logits None (vLLM's NVIDIA module) adds the block output to every stream as it is.
+  m.def(
+      "hc_combine_norm(Tensor residual, Tensor block_output, Tensor? injection_logits, "
+      "Tensor norm_weight, float eps, int hc_count) -> (Tensor, Tensor)");
+  m.def(
+      "hc_combine_norm_out(Tensor residual, Tensor block_output, Tensor? injection_logits, "
+      "Tensor norm_weight, float eps, int hc_count, *, Tensor(a!) h, Tensor(b!) xn) -> ()");
+  m.def(
+      "hc_combine(Tensor residual, Tensor block_output, Tensor? injection_logits, int hc_count) "
+      "-> Tensor");
+  m.def(
+      "hc_combine_out(Tensor residual, Tensor block_output, Tensor? injection_logits, "
+      "int hc_count, *, Tensor(a!) out) -> ()");
+  m.def("grouped_gemma_rmsnorm(Tensor x, Tensor weight, float eps, int num_groups) -> Tensor");
+  m.def(
+      "grouped_gemma_rmsnorm_out(Tensor x, Tensor weight, float eps, int num_groups, *, "
+      "Tensor(a!) out) -> ()");
+  // Returns mean over the HC streams of sigmoid(gate)·x, [T, H].
+  m.def("hc_gate_mix(Tensor x, Tensor gate, int hc_count) -> Tensor");
+  m.def("hc_gate_mix_out(Tensor x, Tensor gate, int hc_count, *, Tensor(a!) out) -> ()");
+  m.def("hc_silu(Tensor x, int hc_count) -> Tensor");
+  m.def("hc_silu_out(Tensor x, int hc_count, *, Tensor(a!) out) -> ()");
 }
 
 // Host ops: torch.ops.qwen4exp only (csrc/torch/bindings.cpp), CPU only (csrc/torch/cpu_ops.cpp);

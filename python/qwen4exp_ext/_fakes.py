@@ -335,6 +335,122 @@ def _ple_conv_fake(
     return None
 
 
+# ---- hyper-connections (issue #50): the shape rules of csrc/torch/args/hc_*_args.h -------------
+
+
+def _hc_rows(op: str, first: str, x: torch.Tensor, **others: torch.Tensor) -> None:
+    _check_same_device(op, **{first: x}, **others)
+    torch._check(x.dim() == 2, lambda: f"{op}: {first} must be 2-D")
+    torch._check(x.dtype in _PLE_DTYPES, lambda: f"{op}: unsupported dtype {x.dtype}")
+    for name, t in others.items():
+        torch._check(t.dim() == 2, lambda name=name: f"{op}: {name} must be 2-D")
+        torch._check(
+            t.dtype == x.dtype, lambda name=name: f"{op}: {name} must have {first}'s dtype"
+        )
+
+
+def _hc_width(op: str, columns: int, count: int, count_name: str) -> int:
+    torch._check(count >= 1, lambda: f"{op}: {count_name} must be >= 1")
+    torch._check(
+        columns > 0 and columns % count == 0,
+        lambda: f"{op}: the last dim must be a positive multiple of {count_name}",
+    )
+    return columns // count
+
+
+def _hc_combine_shapes(op, residual, block_output, injection_logits, hc_count) -> int:
+    logits = {} if injection_logits is None else {"injection_logits": injection_logits}
+    _hc_rows(op, "residual", residual, block_output=block_output, **logits)
+    width = _hc_width(op, residual.shape[1], hc_count, "hc_count")
+    torch._check(
+        block_output.shape == (residual.shape[0], width),
+        lambda: f"{op}: block_output must be [T, H]",
+    )
+    torch._check(
+        injection_logits is None or injection_logits.shape == (residual.shape[0], hc_count),
+        lambda: f"{op}: injection_logits must be [T, hc_count]",
+    )
+    return width
+
+
+def _hc_out(op: str, name: str, out: torch.Tensor, shape, like: torch.Tensor, like_name: str):
+    _check_same_device(op, **{like_name: like, name: out})
+    torch._check(
+        tuple(out.shape) == tuple(shape) and out.dtype == like.dtype,
+        lambda: f"{op}: {name} must be {list(shape)} in the inputs' dtype",
+    )
+
+
+def _hc_combine_norm_fake(residual, block_output, injection_logits, norm_weight, eps, hc_count):
+    width = _hc_combine_shapes(
+        "hc_combine_norm", residual, block_output, injection_logits, hc_count
+    )
+    _check_same_device("hc_combine_norm", residual=residual, norm_weight=norm_weight)
+    torch._check(
+        norm_weight.dim() == 1 and norm_weight.shape[0] in (width, width * hc_count),
+        lambda: "hc_combine_norm: norm_weight must be [H] or [HC·H]",
+    )
+    return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
+
+
+def _hc_combine_norm_out_fake(
+    residual, block_output, injection_logits, norm_weight, eps, hc_count, *, h, xn
+):
+    _hc_combine_norm_fake(residual, block_output, injection_logits, norm_weight, eps, hc_count)
+    _hc_out("hc_combine_norm", "h", h, residual.shape, residual, "residual")
+    _hc_out("hc_combine_norm", "xn", xn, residual.shape, residual, "residual")
+
+
+def _hc_combine_fake(residual, block_output, injection_logits, hc_count):
+    _hc_combine_shapes("hc_combine", residual, block_output, injection_logits, hc_count)
+    return residual.new_empty(residual.shape)
+
+
+def _hc_combine_out_fake(residual, block_output, injection_logits, hc_count, *, out):
+    _hc_combine_fake(residual, block_output, injection_logits, hc_count)
+    _hc_out("hc_combine", "out", out, residual.shape, residual, "residual")
+
+
+def _grouped_gemma_rmsnorm_fake(x, weight, eps, num_groups):
+    op = "grouped_gemma_rmsnorm"
+    _hc_rows(op, "x", x)
+    _check_same_device(op, x=x, weight=weight)
+    width = _hc_width(op, x.shape[1], num_groups, "num_groups")
+    torch._check(
+        weight.dim() == 1 and weight.shape[0] in (width, width * num_groups),
+        lambda: f"{op}: weight must be [D / num_groups] or [D]",
+    )
+    return x.new_empty(x.shape)
+
+
+def _grouped_gemma_rmsnorm_out_fake(x, weight, eps, num_groups, *, out):
+    _grouped_gemma_rmsnorm_fake(x, weight, eps, num_groups)
+    _hc_out("grouped_gemma_rmsnorm", "out", out, x.shape, x, "x")
+
+
+def _hc_gate_mix_fake(x, gate, hc_count):
+    _hc_rows("hc_gate_mix", "x", x, gate=gate)
+    torch._check(gate.shape == x.shape, lambda: "hc_gate_mix: gate must have x's shape")
+    width = _hc_width("hc_gate_mix", x.shape[1], hc_count, "hc_count")
+    return x.new_empty((x.shape[0], width))
+
+
+def _hc_gate_mix_out_fake(x, gate, hc_count, *, out):
+    width = _hc_gate_mix_fake(x, gate, hc_count).shape[1]
+    _hc_out("hc_gate_mix", "out", out, (x.shape[0], width), x, "x")
+
+
+def _hc_silu_fake(x, hc_count):
+    _hc_rows("hc_silu", "x", x)
+    torch._check(hc_count >= 1, lambda: "hc_silu: hc_count must be >= 1")
+    return x.new_empty(x.shape)
+
+
+def _hc_silu_out_fake(x, hc_count, *, out):
+    _hc_silu_fake(x, hc_count)
+    _hc_out("hc_silu", "out", out, x.shape, x, "x")
+
+
 _KERNEL_FAKES = {
     "ngram_ids": _ngram_ids_fake,
     "gather_rows": _gather_rows_fake,
@@ -342,6 +458,16 @@ _KERNEL_FAKES = {
     "ple_gate": _ple_gate_fake,
     "ple_gate_out": _ple_gate_out_fake,
     "ple_conv": _ple_conv_fake,
+    "hc_combine_norm": _hc_combine_norm_fake,
+    "hc_combine_norm_out": _hc_combine_norm_out_fake,
+    "hc_combine": _hc_combine_fake,
+    "hc_combine_out": _hc_combine_out_fake,
+    "grouped_gemma_rmsnorm": _grouped_gemma_rmsnorm_fake,
+    "grouped_gemma_rmsnorm_out": _grouped_gemma_rmsnorm_out_fake,
+    "hc_gate_mix": _hc_gate_mix_fake,
+    "hc_gate_mix_out": _hc_gate_mix_out_fake,
+    "hc_silu": _hc_silu_fake,
+    "hc_silu_out": _hc_silu_out_fake,
 }
 _faked: set[str] = set()
 

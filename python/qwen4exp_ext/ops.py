@@ -48,6 +48,11 @@ __all__ = [
     "cpu_gather_timing",
     "cpu_ngram_hash_isa",
     "gather_rows",
+    "grouped_gemma_rmsnorm",
+    "hc_combine",
+    "hc_combine_norm",
+    "hc_gate_mix",
+    "hc_silu",
     "ngram_head_divmod",
     "ngram_ids",
     "ple_conv",
@@ -75,6 +80,10 @@ def _dispatcher_handle(op: torch._ops.OpOverload):
     return getattr(op, "_cpp_dispatch_handle", op._op)
 
 
+# The hyper-connection ops (issue #50), each with its _out form.
+_HC_OPS = ("hc_combine_norm", "hc_combine", "grouped_gemma_rmsnorm", "hc_gate_mix", "hc_silu")
+
+
 class KernelOps:
     """The typed doors to one library of the kernel ops (the schemas of csrc/torch/schemas.h).
 
@@ -94,6 +103,10 @@ class KernelOps:
         self._ple_gate_op = library.ple_gate.default
         self._ple_gate_out_op = library.ple_gate_out.default
         self._ple_conv_op = library.ple_conv.default
+        self._hc = {
+            name: (getattr(library, name).default, getattr(library, f"{name}_out").default)
+            for name in _HC_OPS
+        }
         _fakes.register_kernel_fakes(namespace)
         _switches.attach(namespace)
 
@@ -442,6 +455,93 @@ class KernelOps:
             token_indices=token_indices,
         )
 
+    # ---- hyper-connections (issue #50): vLLM 0.33.0's qwen4_exp_* ops, same arguments ----------
+    # Precision as vLLM's Triton kernels (csrc/common/hc_norm.h, hc_mix.h): fp32 arithmetic in
+    # vLLM's order, every output rounded to its dtype. Inputs are row-major views (unit stride
+    # along the row, any row stride: the injection logits are usually a column slice of the
+    # down-GEMM's output); fp32, bf16 or fp16, one dtype per call. ``out=`` writes into
+    # preallocated row-major views of the result's shape and dtype (and returns them).
+
+    def hc_combine_norm(
+        self,
+        residual: torch.Tensor,
+        block_output: torch.Tensor,
+        injection_logits: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        hc_count: int,
+        *,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The combine and the next module's per-stream Gemma RMSNorm in one pass (vLLM's
+        ``qwen4_exp_hc_combine_norm``): residual [T, HC·H], block_output [T, H], injection_logits
+        [T, HC], norm_weight [H] (shared by the streams) or [HC·H] (fp32 or the activations'
+        dtype, contiguous). Returns (h, xn), [T, HC·H]: h = round(residual + block · 2·sigmoid(
+        logits / HC)) per stream, xn the Gemma RMSNorm of each H-wide stream of h (its squares
+        summed after the rounding). ``injection_logits=None`` (vLLM's NVIDIA module) adds the
+        block output to every stream as it is. ``out=(h, xn)``."""
+        op, op_out = self._hc["hc_combine_norm"]
+        args = (residual, block_output, injection_logits, norm_weight, float(eps), int(hc_count))
+        if out is None:
+            return op(*args)
+        h, xn = out
+        op_out(*args, h=h, xn=xn)
+        return h, xn
+
+    def hc_combine(
+        self,
+        residual: torch.Tensor,
+        block_output: torch.Tensor,
+        injection_logits: torch.Tensor | None,
+        hc_count: int,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The combine alone (vLLM's ``qwen4_exp_hc_combine``): h of :meth:`hc_combine_norm`,
+        [T, HC·H]."""
+        return self._hc_call(
+            "hc_combine", out, residual, block_output, injection_logits, int(hc_count)
+        )
+
+    def grouped_gemma_rmsnorm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        num_groups: int,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Gemma RMSNorm of each of the num_groups equal parts of every row of x [N, D] (vLLM's
+        ``qwen4_exp_grouped_gemma_rmsnorm``), weight [D / num_groups] (shared) or [D] (fp32 or
+        x's dtype, contiguous): y = x·rrms; y += y·w. Returns [N, D]."""
+        return self._hc_call("grouped_gemma_rmsnorm", out, x, weight, float(eps), int(num_groups))
+
+    def hc_gate_mix(
+        self,
+        x: torch.Tensor,
+        gate: torch.Tensor,
+        hc_count: int,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The block input (vLLM's ``qwen4_exp_hc_gate_mix``): x and gate [T, HC·H] ->
+        (Σ over the streams, in order, of sigmoid(gate)·x) / HC, [T, H]."""
+        return self._hc_call("hc_gate_mix", out, x, gate, int(hc_count))
+
+    def hc_silu(
+        self, x: torch.Tensor, hc_count: int, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """silu(x / HC) of the low-rank projection (vLLM's ``qwen4_exp_hc_silu``), x [T, D]."""
+        return self._hc_call("hc_silu", out, x, int(hc_count))
+
+    def _hc_call(self, name: str, out: torch.Tensor | None, *args) -> torch.Tensor:
+        op, op_out = self._hc[name]
+        if out is None:
+            return op(*args)
+        op_out(*args, out=out)
+        return out
+
 
 _kernels = KernelOps("qwen4exp")
 ngram_ids = _kernels.ngram_ids
@@ -449,6 +549,11 @@ gather_rows = _kernels.gather_rows
 ngram_gather_rows = _kernels.ngram_gather_rows
 ple_gate = _kernels.ple_gate
 ple_conv = _kernels.ple_conv
+hc_combine_norm = _kernels.hc_combine_norm
+hc_combine = _kernels.hc_combine
+grouped_gemma_rmsnorm = _kernels.grouped_gemma_rmsnorm
+hc_gate_mix = _kernels.hc_gate_mix
+hc_silu = _kernels.hc_silu
 
 # The largest int64: read_file_rows' vocab_end when the reader owns every id from vocab_start on.
 _INT64_MAX = 2**63 - 1

@@ -28,9 +28,14 @@ __all__ = [
     "gather_rows",
     "gated_residual_combine",
     "gated_residual_mix",
+    "grouped_gemma_rmsnorm",
     "grouped_rms_norm",
+    "hc_average_combine",
     "hc_combine",
+    "hc_combine_norm",
+    "hc_gate_mix",
     "hc_mix",
+    "hc_silu",
     "ngram_ids",
     "nvfp4_decode",
     "ple_conv",
@@ -718,16 +723,6 @@ def hc_mix(hyper_input: torch.Tensor, hc_count: int) -> torch.Tensor:
     return hyper_input.unflatten(-1, (hc_count, -1)).mean(dim=-2)
 
 
-def hc_combine(block_output: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """HyperConnectionBase combine — SPEC §8: residual [..., M·H] plus block_output [..., H]
-    added to every stream."""
-    width = block_output.shape[-1]
-    if residual.shape[-1] % width:
-        raise ValueError(f"residual width {residual.shape[-1]} is not a multiple of {width}")
-    streams = residual.unflatten(-1, (residual.shape[-1] // width, width))
-    return (streams + block_output.unsqueeze(-2)).flatten(-2)
-
-
 def grouped_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float
 ) -> torch.Tensor:
@@ -788,3 +783,15 @@ def gated_residual_combine(
     streams = hyper_input.unflatten(-1, (hc_count, width))
     out = streams + block_output.unsqueeze(-2) * injection.unsqueeze(-1)
     return out.flatten(-2).to(hyper_input.dtype)
+
+
+# §8's HyperConnectionBase combine and §10's five hyper-connection ops live in reference_hc
+# (this module's length), and are the oracle under these names.
+from .reference_hc import (  # noqa: E402
+    grouped_gemma_rmsnorm,
+    hc_average_combine,
+    hc_combine,
+    hc_combine_norm,
+    hc_gate_mix,
+    hc_silu,
+)

@@ -3,12 +3,13 @@
 // library torch.ops.qwen4exp_simt<wave size> with the kernel ops' own schemas, implemented for
 // CPU tensors by the GPU build's own host glue, which launches the HIP kernels on the emulator.
 //
-// The glue files are compiled here in one translation unit rather than four: each includes
+// The glue files are compiled here in one translation unit rather than one each: each includes
 // torch, which is most of a file's compile time. They share no names (each keeps its helpers in
 // an anonymous namespace under a distinct name).
 #include <Python.h>
 
 #include "../gpu/gather_rows_gpu.cpp"
+#include "../gpu/hc_gpu.cpp"
 #include "../gpu/ngram_gather_rows_gpu.cpp"
 #include "../gpu/ngram_ids_gpu.cpp"
 #include "../gpu/ple_conv_gpu.cpp"

@@ -1,7 +1,8 @@
 """The ops the benchmark knows, the shape of one benchmark case, and of an untimed section.
 
 An op joins by writing a module with ``cases(device) -> list[Case]`` and adding one line to
-``OP_MODULES`` (keyed by the op's name, as ``torch.ops.qwen4exp`` spells it); it may also define
+``OP_MODULES`` (keyed by the op's name, as ``torch.ops.qwen4exp`` spells it; a module that benches
+several ops, named for each, defines ``op_cases(op, device)`` instead); it may also define
 ``sections(device) -> list[Section]``: figures that belong in its report but are no race between
 contenders (arithmetic, memory measurements). A module is imported only when its op runs, so
 benchmarking one op never depends on another op's module (or its kernel) importing cleanly.
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qwen4exp_ext import _switches
+from qwen4exp_ext.reference_hc import HC_OPS
 
 if TYPE_CHECKING:
     from qwen4exp_ext.bench.timing import Quantiles
@@ -43,6 +45,10 @@ OP_MODULES: dict[str, str] = {
     "ple_conv": "qwen4exp_ext.bench.ple_conv",
     "host_lookup": "qwen4exp_ext.bench.host_lookup",
     "vllm_disk_offload": "qwen4exp_ext.bench.vllm_disk_offload",
+    # One module benches the five hyper-connection ops (SPEC §10): its op_cases(op, device).
+    **{op: "qwen4exp_ext.bench.hc" for op in HC_OPS},
+    # One whole hyper-connection module step (combine_and_mix, its two GEMMs included).
+    "hc_module": "qwen4exp_ext.bench.hc_module",
 }
 # Ops left out of the representative subset (they run with --full, or named): building their
 # cases costs more than the subset's budget (vllm_disk_offload imports vLLM and writes a
@@ -139,7 +145,9 @@ class Case:
 def load_cases(op: str, device: torch.device) -> list[Case]:
     """Build every case of ``op`` on ``device`` (inputs are made once here, not per call)."""
     module = importlib.import_module(OP_MODULES[op])
-    return module.cases(device)
+    # A module that benches several ops builds one op's cases with op_cases(op, device).
+    per_op = getattr(module, "op_cases", None)
+    return module.cases(device) if per_op is None else per_op(op, device)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,9 @@ VLLM_VERSIONS = SUPPORTED_VLLM
 SOURCE_ENV = "QWEN4EXP_VLLM_SOURCE"
 VERSION_FILE = "VLLM_VERSION"
 PLE_PATH = ("models", "qwen4_exp", "common", "ops", "ple.py")
+# The hyper-connection kernels (SPEC §10): the AMD file registers them as torch.ops.vllm ops.
+HC_PATHS = {vendor: ("models", "qwen4_exp", vendor, "ops", "hc.py") for vendor in ("amd", "nvidia")}
+_REGISTER_IMPORT = "from vllm.utils.torch_utils import direct_register_custom_op\n"
 # The NVFP4 PLE lookup and the two decoders it calls.
 NVFP4_KERNELS = (
     (
@@ -169,8 +172,39 @@ def load(interpret: bool = True) -> types.ModuleType | None:
     path = ple_source_path()
     if path is None or importlib.util.find_spec("triton") is None:
         return None
+    return _exec_source(path, _REPLACED_IMPORTS, "ple", interpret)
+
+
+def hc_source_path(vendor: str = "amd") -> Path | None:
+    """Path of vLLM's hyper-connection kernels ``models/qwen4_exp/<vendor>/ops/hc.py``
+    (``vendor`` "amd" or "nvidia"), or None."""
+    if vendor not in HC_PATHS:
+        raise ValueError(f"vendor must be one of {sorted(HC_PATHS)}, got {vendor!r}")
+    return vllm_source_path(HC_PATHS[vendor])
+
+
+@cache
+def load_hc(interpret: bool = True, vendor: str = "amd") -> types.ModuleType | None:
+    """vLLM's five hyper-connection Triton kernels and their launchers (SPEC §10), defined for
+    the CPU interpreter or the GPU; or None. The AMD file's launchers are ``_hc_combine_norm``,
+    ``_grouped_gemma_rmsnorm``, ``_hc_silu``, ``_hc_gate_mix`` and ``_hc_combine`` (it registers
+    them as ``torch.ops.vllm.qwen4_exp_*``: that registration is left out here); the NVIDIA
+    file's are the same names without the underscore, and accept ``injection_logits=None``."""
+    path = hc_source_path(vendor)
+    if path is None or importlib.util.find_spec("triton") is None:
+        return None
+    replaced = {k: v for k, v in _REPLACED_IMPORTS.items() if "NULL_BLOCK_ID" not in k}
+    if vendor == "amd":
+        replaced[_REGISTER_IMPORT] = "def direct_register_custom_op(**_): pass\n"
+    return _exec_source(path, replaced, f"hc_{vendor}", interpret)
+
+
+def _exec_source(
+    path: Path, replaced: dict[str, str], name: str, interpret: bool
+) -> types.ModuleType:
+    """Executes vLLM's source file ``path`` as a private module, its vLLM imports replaced."""
     source = path.read_text()
-    for original, replacement in _REPLACED_IMPORTS.items():
+    for original, replacement in replaced.items():
         if original not in source:
             raise RuntimeError(
                 f"{path}: expected import line {original.strip()!r} not found; this loader is "
@@ -178,7 +212,8 @@ def load(interpret: bool = True) -> types.ModuleType | None:
                 f"{vllm_source_version()}"
             )
         source = source.replace(original, replacement)
-    module = types.ModuleType(f"qwen4exp_vllm_ple_{'interpreted' if interpret else 'gpu'}")
+    kind = "interpreted" if interpret else "gpu"
+    module = types.ModuleType(f"qwen4exp_vllm_{name}_{kind}")
     module.__file__ = str(path)
     module._Platform = _InterpreterPlatform if interpret else _GpuPlatform
     # Triton's @jit reads the source of each kernel through linecache/inspect: register the
@@ -198,7 +233,7 @@ def extract(dest: Path) -> list[Path]:
     if root is None:
         raise RuntimeError("vllm is not installed here: nothing to extract")
     written = []
-    for parts in (PLE_PATH, *(parts for parts, _ in NVFP4_KERNELS)):
+    for parts in (PLE_PATH, *HC_PATHS.values(), *(parts for parts, _ in NVFP4_KERNELS)):
         target = dest.joinpath("vllm", *parts)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(root.joinpath(*parts), target)

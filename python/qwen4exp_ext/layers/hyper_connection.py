@@ -1,5 +1,6 @@
 """Hyper-connections of Qwen4Exp (SPEC §8; vLLM qwen4_exp's ``HyperConnectionBase`` and
-``GatedResidual``), plain PyTorch.
+``GatedResidual``): the gated module's element-wise steps on the hyper-connection kernels
+(SPEC §10), its projections on torch's GEMM; the average one in plain PyTorch.
 
 A decoder block reads one [.., H] input mixed from the M residual streams ([.., M·H], stream m in
 columns m·H .. m·H+H-1) and writes its output back into every stream:
@@ -19,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from qwen4exp_ext import ops
 
 from .state import _text_config
 
@@ -97,7 +100,19 @@ class GatedResidual(HyperConnection):
     """Gated hyper-connection: n = grouped Gemma RMSNorm(x); mix = mean_m(sigmoid(W_up·SiLU(
     W_down·n / M))_m ⊙ n_m); combine = x_m + block_out · 2·sigmoid(W_inj·n / M)_m, reusing the
     mix's n. ``forward(x)`` returns what transformers' module returns: (mixed, x, injection
-    weights [.., M]) — or just mixed when built with ``use_combine=False``."""
+    weights [.., M]) — or just mixed when built with ``use_combine=False``.
+
+    The element-wise steps run on the hyper-connection kernels (SPEC §10: ``ops.
+    grouped_gemma_rmsnorm``, ``hc_silu``, ``hc_gate_mix``, ``hc_combine``, ``hc_combine_norm``)
+    with vLLM's rounding points, the two projections on torch's GEMM. Besides ``mix`` and
+    ``combine``, vLLM's delayed combine:
+
+        hidden, block_in, logits = hc.mix_delayed(x)
+        hidden, block_in, logits = next_hc.combine_and_mix(hidden, block(block_in), logits)
+        ...
+        x = last_hc.combine_pending(hidden, block(block_in), logits)
+
+    where each combine is fused with the next module's norm (one pass over the residual)."""
 
     def __init__(
         self,
@@ -126,12 +141,28 @@ class GatedResidual(HyperConnection):
             nn.Linear(self.hyper_hidden_size, self.hc_count, **factory) if use_combine else None
         )
 
+    # The kernels take [T, width] rows: leading dims are flattened here and restored after.
+    @staticmethod
+    def _rows(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, x.shape[-1])
+
     def normalize(self, hyper_input: torch.Tensor) -> torch.Tensor:
-        """Grouped Gemma RMSNorm: each H-wide stream in fp32, scaled by (1 + w), input dtype."""
-        x = hyper_input.to(torch.float32).unflatten(-1, (self.hc_count, self.hidden_size))
-        w = self.hc_norm.weight.to(torch.float32).reshape(-1, self.hidden_size)
-        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * (1.0 + w)
-        return x.flatten(-2).to(hyper_input.dtype)
+        """Grouped Gemma RMSNorm of each H-wide stream (fp32 inside, y = x·rrms; y += y·w),
+        in the input dtype."""
+        rows = ops.grouped_gemma_rmsnorm(
+            self._rows(hyper_input), self.hc_norm.weight, self.eps, self.hc_count
+        )
+        return rows.reshape(hyper_input.shape)
+
+    def _block_input(self, normed: torch.Tensor) -> torch.Tensor:
+        """The mix from n on: SiLU(W_down·n / M), its up projection's gates, the gated mean."""
+        if self.input_mix_weight_down is None or self.input_mix_weight_up is None:
+            raise RuntimeError("mix was disabled for this hyper-connection")
+        rows = self._rows(normed)
+        lowrank = ops.hc_silu(F.linear(rows, self.input_mix_weight_down.weight), self.hc_count)
+        gate = F.linear(lowrank, self.input_mix_weight_up.weight)
+        mixed = ops.hc_gate_mix(rows, gate, self.hc_count)
+        return mixed.reshape(*normed.shape[:-1], self.hidden_size)
 
     def mix(
         self, hyper_input: torch.Tensor
@@ -140,31 +171,79 @@ class GatedResidual(HyperConnection):
         if self.input_mix_weight_down is None or self.input_mix_weight_up is None:
             raise RuntimeError("mix was disabled for this hyper-connection")
         normed = self.normalize(hyper_input)
-        gate = F.silu(F.linear(normed, self.input_mix_weight_down.weight) / self.hc_count)
-        gate = torch.sigmoid(F.linear(gate, self.input_mix_weight_up.weight))
-        gate = gate.unflatten(-1, (self.hc_count, self.hidden_size))
-        mixed = (gate * normed.unflatten(-1, (self.hc_count, self.hidden_size))).mean(dim=-2)
-        return mixed.to(hyper_input.dtype), (hyper_input, normed)
+        return self._block_input(normed), (hyper_input, normed)
+
+    def injection_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """W_inj·n: [.., M] (the combine's injection weights are 2·sigmoid(logits / M))."""
+        if self.block_inject_weight is None:
+            raise RuntimeError("combine was disabled for this hyper-connection")
+        return F.linear(normed, self.block_inject_weight.weight)
 
     def injection_weights(self, normed: torch.Tensor) -> torch.Tensor:
         """2·sigmoid(W_inj·n / M): [.., M]."""
-        if self.block_inject_weight is None:
-            raise RuntimeError("combine was disabled for this hyper-connection")
-        return 2.0 * torch.sigmoid(
-            F.linear(normed, self.block_inject_weight.weight) / self.hc_count
-        )
+        return 2.0 * torch.sigmoid(self.injection_logits(normed) / self.hc_count)
 
     def combine(
         self, block_output: torch.Tensor, residuals: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         hyper_input, normed = residuals
         self._check(hyper_input)
+        return self.combine_pending(hyper_input, block_output, self.injection_logits(normed))
+
+    def combine_pending(
+        self,
+        hyper_input: torch.Tensor,
+        block_output: torch.Tensor,
+        injection_logits: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """vLLM's ``combine(hidden, block_output, injection)``: x_m + block_out ·
+        2·sigmoid(logits_m / M) (unit weights where ``injection_logits`` is None), for a combine
+        that no next module takes over (the last, or before a PLE layer)."""
+        self._check(hyper_input)
         if block_output.shape[-1] != self.hidden_size:
             raise ValueError(f"block output must have {self.hidden_size} features")
-        streams = hyper_input.unflatten(-1, (self.hc_count, self.hidden_size))
-        injection = self.injection_weights(normed)
-        out = streams + block_output.unsqueeze(-2) * injection.unsqueeze(-1)
-        return out.flatten(-2).to(hyper_input.dtype)
+        logits = None if injection_logits is None else self._rows(injection_logits)
+        out = ops.hc_combine(
+            self._rows(hyper_input), self._rows(block_output), logits, self.hc_count
+        )
+        return out.reshape(hyper_input.shape)
+
+    def mix_delayed(
+        self, hyper_input: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """vLLM's ``mix``: (hyper_input, block input, injection logits [.., M] or None without
+        W_inj), the combine left pending for the next module's :meth:`combine_and_mix` or
+        :meth:`combine_pending`."""
+        mixed, (_, normed) = self.mix(hyper_input)
+        logits = None if self.block_inject_weight is None else self.injection_logits(normed)
+        return hyper_input, mixed, logits
+
+    def combine_and_mix(
+        self,
+        hyper_input: torch.Tensor,
+        prev_block_output: torch.Tensor,
+        prev_injection_logits: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """vLLM's ``combine_and_mix``: the previous module's pending combine of
+        ``prev_block_output`` into ``hyper_input`` (its injection logits, None for unit
+        weights), fused with this module's norm (``ops.hc_combine_norm``), then this module's
+        mix. Returns (the combined streams, block input, this module's injection logits)."""
+        self._check(hyper_input)
+        if prev_block_output.shape[-1] != self.hidden_size:
+            raise ValueError(f"block output must have {self.hidden_size} features")
+        logits = None if prev_injection_logits is None else self._rows(prev_injection_logits)
+        hidden, normed = ops.hc_combine_norm(
+            self._rows(hyper_input),
+            self._rows(prev_block_output),
+            logits,
+            self.hc_norm.weight,
+            self.eps,
+            self.hc_count,
+        )
+        hidden, normed = hidden.reshape(hyper_input.shape), normed.reshape(hyper_input.shape)
+        mixed = self._block_input(normed)
+        logits = None if self.block_inject_weight is None else self.injection_logits(normed)
+        return hidden, mixed, logits
 
     def forward(
         self, hyper_input: torch.Tensor

@@ -1,12 +1,13 @@
 """Which kernel serves each swapped vLLM op, per shape class: ours or vLLM's own, measured.
 
-The plugin swaps vLLM's PLE kernels for ours in every process. Ours are not faster everywhere
-(op, shape, GPU), so on the first eager call of each *shape class* of an op the replacement in
-:mod:`.shims` asks :func:`choose`; when no choice is known yet it calls :func:`decide`, which
-times our kernel and vLLM's original on copies of the live arguments (every tensor the op
-writes is copied, so the live state is never touched twice), a few calls each with device
-events after one warm-up call, and keeps the faster; a tie goes to vLLM's. The live call is
-then made once, by the chosen kernel. After that the class costs one dict lookup.
+The plugin swaps vLLM's PLE and hyper-connection kernels for ours in every process. Ours are
+not faster everywhere (op, shape, GPU), so on the first eager call of each *shape class* of an
+op the replacement in :mod:`.shims` asks :func:`choose`; when no choice is known yet it calls
+:func:`decide`, which times our kernel and vLLM's original on copies of the live arguments
+(every tensor the op writes is copied, so the live state is never touched twice), a few calls
+each with device events after one warm-up call, and keeps the faster; a tie goes to vLLM's.
+The live call is then made once, by the chosen kernel. After that the class costs one dict
+lookup.
 
 Shape classes (:func:`token_bucket`): the token count T falls in a power-of-two bucket
 (T <= 1, 2, 4, ..., 8192, then one bucket above); with vLLM's CUDA graph sizes (1, 2, 4, 8, 16,
@@ -14,7 +15,9 @@ Shape classes (:func:`token_bucket`): the token count T falls in a power-of-two 
 from prefill-sized batches and bounds the timing to about 15 classes per op and format, while a
 kernel's relative speed, which follows occupancy, changes within a bucket by at most a factor
 of two in T. Each op adds what changes the kernel: dtype, row width, table format (unquantized,
-FP8, NVFP4; device or pinned), the conv mode, state layout, dilation and fused residual.
+FP8, NVFP4; device or pinned), the conv mode, state layout, dilation and fused residual; for the
+hyper-connection ops the stream count, the norm weight's dtype and layout (shared or per branch)
+and whether there are injection logits.
 One choice is not between kernels: ``disk_offload_rows`` (vLLM 0.34's disk-offloaded FP8/NVFP4
 tables, :mod:`.shims.disk_offload_step`) is our CPU gather decoding the step's rows on the host
 and its copy of activation rows, against vLLM's copy of the raw rows and its device decode, timed
@@ -352,16 +355,14 @@ class Chooser:
             if choice.source == "timed":
                 self._save(device)
             if self.logged:
-                logger.info(
-                    "qwen4exp_ext vLLM plugin: PLE kernel choice added: %s", _row_text(choice)
-                )
+                logger.info("qwen4exp_ext vLLM plugin: kernel choice added: %s", _row_text(choice))
             return choice.chosen
 
     # ---- the log ----
 
     def table(self) -> str:
         rows = [_row_text(c) for c in self.choices.values()]
-        head = f"  {'op':<20} {'class':<34} {'ours µs':>9} {'vLLM µs':>9}  chosen"
+        head = f"  {'op':<22} {'class':<34} {'ours µs':>9} {'vLLM µs':>9}  chosen"
         return "\n".join([head, *rows])
 
     def log_table(self) -> None:
@@ -371,7 +372,7 @@ class Chooser:
             self.logged = True
             where = f" (persisted in {self.cache_path})" if self.cache_path is not None else ""
             logger.info(
-                "qwen4exp_ext vLLM plugin: PLE kernel choices, µs per call, ties to vLLM%s:\n%s",
+                "qwen4exp_ext vLLM plugin: kernel choices, µs per call, ties to vLLM%s:\n%s",
                 where,
                 self.table(),
             )
@@ -547,7 +548,7 @@ def _us(value: float) -> str:
 
 def _row_text(c: Choice) -> str:
     chosen = c.chosen + (" (cached)" if c.source == "cached" else "")
-    return f"  {c.op:<20} {c.label:<34} {_us(c.ours_us):>9} {_us(c.vllm_us):>9}  {chosen}"
+    return f"  {c.op:<22} {c.label:<34} {_us(c.ours_us):>9} {_us(c.vllm_us):>9}  {chosen}"
 
 
 _CHOOSER = Chooser()

@@ -1,7 +1,8 @@
 """What the vLLM plugin swaps: one row per vLLM function or method (:data:`SWAPS`); the
 replacements live by op family in :mod:`.ple` (``ple_ngram_ids``, ``ple_gate``, ``ple_conv``),
 :mod:`.lookup` (the table lookups of every format, the pinned table's allocation) and
-:mod:`.amd` (vLLM's AMD code: its NVFP4 refusal and loader, the step-entry lookups) and
+:mod:`.amd` (vLLM's AMD code: its NVFP4 refusal and loader, the step-entry lookups),
+:mod:`.hc` (the five hyper-connection ops of vLLM's AMD and NVIDIA modules: :data:`HC_SWAPS`),
 :mod:`.disk_offload` (vLLM 0.34.0's ``disk_offload`` staging, read by ``read_file_rows``) and
 :mod:`.disk_offload_step` (its steps started early, FP8/NVFP4 decoded on the host, and, with
 :mod:`.amd`, on ROCm), over :mod:`.base` (what they share).
@@ -68,6 +69,7 @@ from .base import (
 )
 from .disk_offload import _make_stage_rows
 from .disk_offload_step import _make_stage_checkpoint_rows, _make_staged_rows
+from .hc import AMD_HC_MODULE, HC_OPS, NVIDIA_HC_MODULE
 from .lookup import (
     _make_allocate_pinned,
     _make_embedding,
@@ -80,13 +82,16 @@ from .lookup import (
 from .ple import _make_ple_conv, _make_ple_gate, _make_ple_ngram_ids, head_divmod_for
 
 __all__ = [
+    "AMD_HC_MODULE",
     "AMD_LAYER_MODULE",
     "AMD_MODEL_MODULE",
     "CONSUMER_PREFIX",
     "DEVICE_TYPES",
     "EMBEDDING_MODULE",
+    "HC_SWAPS",
     "MARK",
     "NVIDIA_EMBEDDING_MODULE",
+    "NVIDIA_HC_MODULE",
     "PLE_OPS_MODULE",
     "SWAPS",
     "Change",
@@ -185,6 +190,39 @@ def swaps_for(release: str) -> tuple[Swap, ...]:
         if swap.since is None or _release_order(swap.since) <= order
     )
 
+
+# The hyper-connection ops (shims/hc.py), two rows each, the same in 0.33.0 and 0.34.0 (which
+# only widened the kernels' program ids to int64). AMD: the launcher ``_<op>`` that vLLM
+# registered as ``torch.ops.vllm.qwen4_exp_<op>`` (its AMD GatedResidual calls the op; nothing
+# imports the launcher). NVIDIA: the function ``<op>``, imported by its GatedResidual (rebound
+# there). Each group waits for its own module, so an NVIDIA process never imports the AMD one.
+HC_SWAPS: tuple[Swap, ...] = tuple(
+    row
+    for op, (signature, make) in HC_OPS.items()
+    for row in (
+        Swap(
+            AMD_HC_MODULE,
+            f"_{op}",
+            op,
+            signature,
+            make,
+            torch_op=f"qwen4_exp_{op}",
+            torch_op_module=AMD_HC_MODULE,
+            rebind_consumers=False,
+            what=f"amd.ops.hc qwen4_exp_{op}",
+            trigger=AMD_HC_MODULE,
+        ),
+        Swap(
+            NVIDIA_HC_MODULE,
+            op,
+            op,
+            signature,
+            make,
+            what=f"nvidia.ops.hc {op}",
+            trigger=NVIDIA_HC_MODULE,
+        ),
+    )
+)
 
 SWAPS: tuple[Swap, ...] = (
     Swap(
@@ -435,4 +473,5 @@ SWAPS: tuple[Swap, ...] = (
         trigger=AMD_MODEL_STATE_MODULE,
         since="0.34.0",
     ),
+    *HC_SWAPS,
 )
