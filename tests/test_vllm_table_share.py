@@ -7,11 +7,19 @@ the mapping that holds vLLM's ``weight``: one copy in RAM, the page cache's.
 The table directory is on a disk here (the test skips where ``tmp_path`` is a tmpfs): its
 written-back pages count as ``Shared_Clean``. (A tmpfs file's pages count as ``Shared_Dirty``:
 see tests/test_shared_table.py.)
+
+And the join of vLLM's pinned table with ``tables/shared.py`` (``table_dir.node_shared_table``):
+on the CPU, which mapping a rank takes (the node's staged copy, one staging for two ranks) and
+the fallback of a table larger than memory (a private mapping of the rank's rows, or an error
+naming the file); on a GPU (skipped here), the registered shared mapping's lookup of a rank's
+rows against the private pinned table's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -21,14 +29,16 @@ import pytest
 import torch
 
 import model_checkpoint as mc
-from test_shared_table import WAIT, read_line, smaps_of
+import test_shared_table
+from leak_support import nothing_left_behind
+from qwen4exp_ext.tables import pack_model
+from qwen4exp_ext.tables.file_format import read_header, table_path, write_header
+from qwen4exp_ext.tables.shared import SharedTable, on_tmpfs, staged_copy_path
+from qwen4exp_ext.vllm import table_dir
+from test_shared_table import WAIT, _gpu, file_rows, read_line, smaps_of, table_file
 from vllm_support import require_vllm
 
-pytestmark = require_vllm()
-
-from qwen4exp_ext.tables import pack_model  # noqa: E402
-from qwen4exp_ext.tables.file_format import table_path  # noqa: E402
-from qwen4exp_ext.tables.shared import on_tmpfs  # noqa: E402
+shm_dir = test_shared_table.shm_dir  # the fixture: a fresh directory in /dev/shm (tmpfs)
 
 SCRIPT = Path(__file__).with_name("vllm_table_dir_script.py")
 LAYER = 1
@@ -66,6 +76,7 @@ def _stop(process: subprocess.Popen) -> None:
         process.stdout.close()
 
 
+@require_vllm()
 def test_two_vllm_processes_share_the_table_files_pages(tmp_path):
     if on_tmpfs(tmp_path):
         pytest.skip(f"{tmp_path} is a tmpfs: its pages would count as Shared_Dirty")
@@ -104,3 +115,91 @@ def test_two_vllm_processes_share_the_table_files_pages(tmp_path):
             _stop(process)
     first, second = (torch.load(tmp_path / f"{n}.pt") for n in ("first", "second"))
     assert first.abs().sum() > 0 and torch.equal(first.view(torch.uint8), second.view(torch.uint8))
+
+
+def _halves(path) -> list[tuple[int, int]]:
+    """Two ranks' vocabulary shards (ETP = 2) of the table file: (start, count)."""
+    rows = read_header(path).num_rows
+    return [(0, rows // 2), (rows // 2, rows - rows // 2)]
+
+
+def test_a_pinned_tables_ranks_map_the_nodes_one_staged_copy(tmp_path, shm_dir):
+    source = table_file(tmp_path)
+    expected = read_header(source)
+    with nothing_left_behind(tmp_path, shm_dir):
+        ranks = [
+            table_dir.node_shared_table(source, expected, start, count, shm_dir=shm_dir)
+            for start, count in _halves(source)
+        ]
+        try:
+            assert all(isinstance(t, SharedTable) and t.how == "stage" for t in ranks)
+            assert ranks[0].staged and not ranks[1].staged  # staged once for the node
+            assert ranks[0].path == ranks[1].path == staged_copy_path(source, shm_dir)
+            want = file_rows(source)
+            for table, (start, count) in zip(ranks, _halves(source), strict=True):
+                assert torch.equal(table.rows[start : start + count], want[start : start + count])
+        finally:
+            for table in ranks:
+                table.close()
+        assert os.listdir(shm_dir) == []  # the last rank removed the copy
+
+
+def _huge_table(directory) -> str:
+    """A real table file larger than this machine's memory (sparse), as test_shared_table's."""
+    small = read_header(table_file(directory, name="small.q4xt"))
+    rows = 2 * (os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")) // small.row_bytes
+    huge = dataclasses.replace(small, num_rows=rows)
+    path = os.path.join(directory, "huge.q4xt")
+    with open(path, "wb") as f:
+        write_header(f, huge)
+        f.truncate(huge.file_bytes)
+    return path
+
+
+def test_a_pinned_table_larger_than_memory_falls_back_to_the_ranks_own_rows(
+    tmp_path, shm_dir, caplog
+):
+    path = _huge_table(tmp_path)
+    header = read_header(path)
+    with nothing_left_behind(tmp_path, shm_dir):
+        with caplog.at_level(logging.WARNING, logger=table_dir.logger.name):
+            assert table_dir.node_shared_table(path, header, 64, 1024, shm_dir=shm_dir) is None
+        assert f"{path} is larger than the memory available" in caplog.text
+        assert "rows [64, 1088)" in caplog.text and "private copy" in caplog.text
+        # A rank whose own rows do not fit either: refused, naming the file and why.
+        with pytest.raises(table_dir.TableFileError) as refused:
+            table_dir.node_shared_table(path, header, 0, header.num_rows, shm_dir=shm_dir)
+        message = str(refused.value)
+        assert message.startswith(f"{path}: ") and "no CPU-staged lookup" in message
+        assert os.listdir(shm_dir) == []  # nothing staged
+
+
+@pytest.mark.skipif(not _gpu(), reason="needs a GPU (CUDA/ROCm device and a GPU build)")
+def test_on_a_gpu_a_ranks_rows_of_the_registered_shared_mapping_read_as_the_pinned_table(
+    tmp_path, shm_dir
+):
+    """What a pinned vLLM table's ``weight`` is on a GPU (LayerTable._register_shared): rank
+    1's rows of the node's registered mapping, looked up zero-copy, equal the same rows of a
+    private pinned table."""
+    from qwen4exp_ext import ops
+    from qwen4exp_ext.tables.host_memory import device_view, pinned_host_table
+
+    source = table_file(tmp_path)
+    header = read_header(source)
+    start, count = _halves(source)[1]
+    want_rows = header.value_view(file_rows(source))[start : start + count]
+    pinned = pinned_host_table(count, want_rows.shape[1], want_rows.dtype)
+    pinned.copy_(want_rows)
+    ids = torch.randint(0, count, (64, 4), device="cuda")
+    want = ops.gather_rows(device_view(pinned), ids)
+    table = table_dir.node_shared_table(source, header, start, count, shm_dir=shm_dir)
+    try:
+        weight = table.registered_rows()[start : start + count]
+        assert weight.device.type == "cpu" and weight.is_pinned()
+        got = ops.gather_rows(header.value_view(device_view(weight)), ids)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+        del weight
+    finally:
+        table.close()
+    assert os.listdir(shm_dir) == []
