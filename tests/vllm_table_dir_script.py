@@ -12,6 +12,10 @@ through vLLM's own safetensors iterator, and looks up every row of the table. Mo
 - ``etp``: ``world`` gloo ranks (torch.multiprocessing), tensor (= ETP) parallel; each rank maps
   its shard of the table file and writes its all-reduced rows and its mapping.
 - ``bad``: each bad case built inside ``leak_support.nothing_left_behind``; writes the messages.
+- ``share``: one process of a node: builds and loads the table-directory embedding, looks every
+  row up (every page of its rows mapped here), prints ``ready <weight address> <bytes> <the
+  file mapped there>`` and waits for a line on stdin (the test reads this process's smaps
+  meanwhile), then prints ``closed``.
 """
 
 from __future__ import annotations
@@ -235,10 +239,26 @@ def run_bad(case: dict, out: str) -> None:
     torch.save(messages, out)
 
 
+def run_share(case: dict, out: str) -> None:
+    init_dist(case["store"])
+    embedding = build(case, case["cls"], case["table_dir"])
+    embedding.load_weights(checkpoint(case, case["files"]))
+    rows = lookup(embedding, case)
+    torch.save(rows, out)
+    weight = embedding.ngram_embedding.weight
+    nbytes = weight.numel() * weight.element_size()
+    where = mapping_of(weight.data_ptr())["path"]
+    print(f"ready {weight.data_ptr()} {nbytes} {where}", flush=True)
+    sys.stdin.readline()  # until the test has read this process's smaps (or closes stdin)
+    del embedding, weight
+    print("closed", flush=True)
+
+
 if __name__ == "__main__":
     case = json.loads(open(sys.argv[1]).read())
+    modes = {"lookup": run_lookup, "etp": run_etp, "bad": run_bad, "share": run_share}
     try:
-        {"lookup": run_lookup, "etp": run_etp, "bad": run_bad}[case["mode"]](case, sys.argv[2])
+        modes[case["mode"]](case, sys.argv[2])
     except BaseException:
         traceback.print_exc()
         raise

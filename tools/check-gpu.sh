@@ -5,8 +5,8 @@
 # the GPU, and the benchmark on the GPU, writing everything into OUTDIR.
 #   usage: tools/check-gpu.sh OUTDIR
 # Files: nvidia-smi.txt, build.log, build_info.json, pytest.log, pytest.xml, memcheck.log,
-#        cmake.log, bench-<op>.log, bench-<date>-<device>-<op>.json, summary.txt (each stage's
-#        exit, and per bench op a line of every case's speedup_vs_vllm)
+#        shared.log, cmake.log, bench-<op>.log, bench-<date>-<device>-<op>.json, summary.txt
+#        (each stage's exit, and per bench op a line of every case's speedup_vs_vllm)
 #
 # Every stage has a time limit, so that a lent GPU's minutes go where they were planned and a
 # hang in one stage still leaves the others' results (a stage cut short exits 124). The defaults
@@ -19,6 +19,8 @@
 #                  our host decode of disk_offload's FP8/NVFP4 rows against vLLM's decode_rows
 #                  (tests/test_vllm_disk_offload_step.py, ..._on_the_gpu)
 #   TEST_WORKERS   pytest-xdist workers (default 8), TESTS_SECONDS (default 150)
+#   SHARED_SECONDS tools/shared_gpu_check.py's limit (default 60; 0 skips): the shared table file's
+#                  registered mapping (whole, and a vLLM rank's rows) against a pinned table
 #   MEMCHECK_TESTS (default: the GPU kernel tests that cover every kernel and layout),
 #   MEMCHECK_SECONDS (default 150; 0 skips), CMAKE_SECONDS (default 200, beside the tests; 0 skips)
 #   BENCH_OPS      ops to bench (default all, BENCH_FIRST's first), BENCH_CASES (--cases regex; default the headline
@@ -98,6 +100,16 @@ timeout "${TESTS_SECONDS:-150}" "$PY" -m pytest tests -q -rs -p no:cacheprovider
 tests_status=$?
 tail -n 15 "$out/pytest.log"
 stage "tests ($((SECONDS - t0)) s)" $tests_status
+
+echo "== shared table file on the GPU (tools/shared_gpu_check.py: % of the H2D copy)"
+shared_seconds="${SHARED_SECONDS:-60}"
+if [ "$shared_seconds" != 0 ]; then
+  t0=$SECONDS
+  timeout "$shared_seconds" "$PY" tools/shared_gpu_check.py >"$out/shared.log" 2>&1
+  shared_status=$?
+  tail -n 12 "$out/shared.log"
+  stage "shared table file ($((SECONDS - t0)) s)" $shared_status
+fi
 
 echo "== compute-sanitizer memcheck"
 # No caching allocator: memcheck then sees each tensor's own bounds rather than a pooled block's.

@@ -27,6 +27,7 @@ from qwen4exp_ext import ops  # noqa: E402
 from qwen4exp_ext.layers import NGramEmbedding  # noqa: E402
 from qwen4exp_ext.tables.host_memory import device_view, pinned_host_table  # noqa: E402
 from qwen4exp_ext.tables.shared import SHM_DIR, open_shared_table  # noqa: E402
+from qwen4exp_ext.vllm.table_dir import node_shared_table  # noqa: E402
 
 
 def timed_us(fn, repeat: int) -> float:
@@ -90,6 +91,23 @@ def main(argv: list[str] | None = None) -> None:
             )
             for tokens in args.tokens:
                 print(one_batch(shared, private, tokens, heads, args.repeat))
+            # vLLM's pinned weight on rank 1 of 2: its rows of the node's registered mapping
+            # (the copy staged above: a second user of it, as another rank of the node).
+            vllm_rank_lines(table.header, path, private, heads, args)
+
+
+def vllm_rank_lines(header, path: Path, private, heads: int, args) -> None:
+    start = header.num_rows // 2
+    rank = node_shared_table(path, header, start, header.num_rows - start, shm_dir=args.shm_dir)
+    try:
+        registered = rank.registered_rows()[start:]
+        weight = device_view(header.value_view(registered))
+        print(f"vLLM rank 1 of 2: rows [{start}, {header.num_rows}) of {rank!r}")
+        for tokens in args.tokens:
+            print(one_batch(weight, private[start:], tokens, heads, args.repeat))
+        del registered, weight
+    finally:
+        rank.close()
 
 
 if __name__ == "__main__":

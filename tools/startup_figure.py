@@ -11,14 +11,19 @@ same as a JSON object (e.g. under results/).
 
     python tools/startup_figure.py --rows-base 2000000 --dir /var/tmp/startup
 
-The layers timed are builders in LAYERS ("ours": qwen4exp_ext's NGramEmbedding). A vLLM
-layer reading the table directory (issue #49 item 1) plugs in as another builder: a function
-(source, config, paths) -> a callable doing one lookup.
+The layers timed are builders in LAYERS, each with its sources: ``ours`` (qwen4exp_ext's
+NGramEmbedding: from safetensors, the file mapped, shared through /dev/shm) and ``vllm``
+(``--layer vllm``: vLLM's own Qwen4Exp n-gram embedding, NVIDIA class, on the CPU, with the
+plugin, built and loaded through vLLM's safetensors iterator: from safetensors, or with the
+packed file's directory as its table directory, issue #49 item 1, where it maps the file and
+skips the checkpoint's row shards). The vLLM layer sets up vLLM's one-process gloo group and
+loads the plugin in this process: run it in a process of its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -107,7 +112,68 @@ def ours(source: str, cfg, paths: dict[str, Path], dtype: str, shm_dir: str) -> 
     return close
 
 
-LAYERS: dict[str, Callable] = {"ours": ours}
+VLLM_SOURCES = ("safetensors", "table_dir")
+_VLLM_DTYPES = {"bfloat16": None, "float8_e4m3fn": "float8_e4m3fn"}  # ple_embedding_dtype
+
+
+@functools.cache
+def _vllm_process(store: str) -> None:
+    """vLLM as a worker process has it: the plugin loaded, a one-rank gloo group (``store``:
+    its rendezvous file, beside the table, removed with it)."""
+    os.environ["VLLM_PLUGINS"] = "qwen4exp"
+    import vllm.plugins
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    vllm.plugins.load_general_plugins()
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):
+        init_distributed_environment(1, 0, "file://" + store, 0, "gloo")
+        initialize_model_parallel(1, 1)
+
+
+def vllm_layer(source: str, cfg, paths: dict[str, Path], dtype: str, shm_dir: str) -> Callable:
+    """vLLM's Qwen4Exp n-gram embedding ready from ``source`` (built, loaded from the
+    checkpoint through vLLM's safetensors iterator, one lookup done)."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+    from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
+
+    from qwen4exp_ext.vllm.table_dir import ADDITIONAL_CONFIG_KEY, layer_table
+
+    if dtype not in _VLLM_DTYPES:
+        raise ValueError(
+            f"--layer vllm: --dtype must be one of {sorted(_VLLM_DTYPES)}, got {dtype!r}"
+        )
+    _vllm_process(str(paths["file"].parent / "vllm-store"))
+    additional = {}
+    if source == "table_dir":
+        additional = {ADDITIONAL_CONFIG_KEY: str(paths["file"].parent)}
+    current = VllmConfig(device_config=DeviceConfig("cpu"), additional_config=additional)
+    text = SimpleNamespace(**vars(cfg), ple_embedding_dtype=_VLLM_DTYPES[dtype])
+    with set_current_vllm_config(current), torch.device("cpu"):
+        embedding = Qwen4ExpNGramEmbedding(
+            text,
+            cfg.ple_embed_dim,
+            LAYER_INDEX,
+            64,
+            data_parallel_rank=0,
+            prefix="ple",
+            params_dtype=torch.bfloat16,
+        )
+    embedding.load_weights(safetensors_weights_iterator([str(paths["safetensors"])], False))
+    if (layer_table(embedding) is None) != (source == "safetensors"):
+        raise RuntimeError(f"vLLM's embedding from {source}: the plugin did not do what was asked")
+    rows = embedding.ngram_embedding.weight.shape[0]
+    ids = torch.randint(0, rows, (64, embedding.ngram_heads), generator=torch.Generator())
+    with torch.no_grad():
+        embedding.ngram_embedding(ids)
+    return lambda: None  # the table (or its mapping) goes with the module
+
+
+LAYERS: dict[str, tuple[Callable, tuple[str, ...]]] = {
+    "ours": (ours, SOURCES),
+    "vllm": (vllm_layer, VLLM_SOURCES),
+}
 
 
 def _drop_cache(paths) -> None:
@@ -123,12 +189,12 @@ def time_sources(
     cfg, paths, dtype: str, shm_dir: str, layer: str = "ours", repeat: int = 3
 ) -> dict:
     """Seconds to a ready layer from each source, cold and warm (the median of ``repeat``)."""
-    build = LAYERS[layer]
+    build, sources = LAYERS[layer]
     times: dict[str, dict[str, float]] = {}
-    for source in SOURCES:  # untimed: imports and first calls are not the table's start-up
+    for source in sources:  # untimed: imports and first calls are not the table's start-up
         build(source, cfg, paths, dtype, shm_dir)()
     for state in ("cold", "warm"):
-        for source in SOURCES:
+        for source in sources:
             runs = []
             for _ in range(repeat):
                 if state == "cold":

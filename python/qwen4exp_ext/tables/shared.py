@@ -269,11 +269,21 @@ class SharedTable:
 
         host_memory._check_gpu("SharedTable.device_rows")
         device = host_memory._cuda_device("SharedTable.device_rows", device)
+        return host_memory.device_view(self.registered_rows(device), device)
+
+    def registered_rows(self, device: torch.device | str | int | None = None) -> torch.Tensor:
+        """The rows, uint8 [num_rows, row_bytes], as a CPU tensor over the mapping registered
+        for ``device``'s zero-copy lookup (registered on the first call, as
+        :meth:`device_rows`): for a caller that takes its own device view of a slice of it
+        (vLLM's pinned embedding takes the UVA view of its ``weight``, a rank's rows)."""
+        from qwen4exp_ext.tables import host_memory
+
+        host_memory._check_gpu("SharedTable.registered_rows")
+        device = host_memory._cuda_device("SharedTable.registered_rows", device)
         if self._registration is None:
             self._registration = _registered_mapping(self.path, self.header, device)
         h = self.header
-        rows = self._registration[h.data_offset : h.file_bytes].view(h.num_rows, h.row_bytes)
-        return host_memory.device_view(rows, device)
+        return self._registration[h.data_offset : h.file_bytes].view(h.num_rows, h.row_bytes)
 
     def close(self) -> None:
         """Drops this process's use of the table: closes the file (its mapping goes when no

@@ -16,9 +16,12 @@ instead of allocating it and filling it from the checkpoint:
   NVFP4's ``weight`` and ``weight_scale`` are the two column ranges of the same mapped rows.
 - **placement**: on the CPU the mapping *is* the table (read-only, ``MAP_SHARED``: the page
   cache's pages, shared by every process that maps the file). A device table on a GPU is copied
-  from the mapping to the device (no zero fill, no checkpoint read). A pinned table is a private
-  copy-on-write mapping registered for the GPU's zero-copy lookup (one copy per process; one
-  shared copy per node is item 2's ``tables/shared.py``).
+  from the mapping to the device (no zero fill, no checkpoint read). A pinned table on a GPU is
+  the node's one copy (:func:`node_shared_table`, item 2's ``tables/shared.py``: the file on
+  tmpfs mapped where it is, or staged into ``/dev/shm`` once per node under a lock), registered
+  for the GPU's zero-copy lookup, and vLLM's ``weight`` is this rank's rows of that registered
+  mapping. A table larger than the memory available falls back to a private mapping of the
+  rank's own rows (vLLM has no CPU-staged lookup; a shard that does not fit either raises).
 - **loading** (``load_weights``): the checkpoint's row shards (``ngram_embedding.shard_<i>.weight``,
   NVFP4's ``shard_<i>.weight_scale``, or an unsharded ``ngram_embedding.weight``) are dropped
   before vLLM's loader touches them. vLLM's safetensors iterator hands out tensors over a lazy
@@ -59,12 +62,14 @@ from ..tables.file_format import (
     table_path,
 )
 from ..tables.readers import map_row_range
+from ..tables.shared import SHM_DIR, SharedTable, memory_available, open_shared_table
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
     "LayerTable",
     "configured_table_dir",
     "layer_table",
+    "node_shared_table",
 ]
 
 # vLLM's --additional-config key (VllmConfig.additional_config, a dict).
@@ -119,6 +124,7 @@ class LayerTable:
         self.count = 0
         self.copied = False  # a device table on a GPU: the rows were copied from the mapping
         self.device_view: torch.Tensor | None = None  # a pinned table's registration
+        self.shared: SharedTable | None = None  # a pinned table's node copy (tables/shared.py)
         self.skipped: list[str] = []
 
     def __repr__(self) -> str:
@@ -136,12 +142,18 @@ class LayerTable:
             fmt = NVFP4 if nvfp4 else format_name(dtype)
             expected = expected_header(self.config, self.layer_index, fmt)
             start = int(layer.shard_indices.org_vocab_start_index)
-            self.header, self.rows = map_row_range(
-                self.path, expected, start, num_embeddings, private=pinned
-            )
             self.start, self.count = start, num_embeddings
-            if pinned:
-                self._register()
+            if pinned and torch.cuda.is_available():  # the node's one registered copy
+                self.shared = node_shared_table(self.path, expected, start, num_embeddings)
+            if self.shared is not None:
+                self.header = self.shared.header
+                self._register_shared()
+            else:
+                self.header, self.rows = map_row_range(
+                    self.path, expected, start, num_embeddings, private=pinned
+                )
+                if pinned:
+                    self._register()
         header = self.header
         assert header is not None
         if nvfp4 and dtype == torch.float8_e4m3fn:
@@ -158,6 +170,26 @@ class LayerTable:
             self.copied = True
             return view.to(device)
         return view
+
+    def _register_shared(self) -> None:
+        """A pinned table's rows: this rank's slice of the node's shared mapping, registered
+        once for the zero-copy lookup (``SharedTable.registered_rows``). vLLM takes the UVA view
+        of ``weight`` in its ``__init__``, so the weight must be this CPU view of the registered
+        mapping from the start (a later swap would leave vLLM's view on other memory)."""
+        from ..tables import host_memory
+
+        try:
+            every_row = self.shared.registered_rows()
+            self.rows = every_row[self.start : self.start + self.count]
+            self.device_view = host_memory.device_view(self.rows)
+        except Exception as error:
+            self.rows = self.device_view = None
+            self.shared.close()  # this rank's use of the node copy: the last one removes it
+            self.shared = None
+            raise TableFileError(
+                f"{self.path}: cannot register the node's shared copy of the table "
+                f"for the GPU's zero-copy lookup ({type(error).__name__}: {error})"
+            ) from None
 
     def _register(self) -> None:
         """Registers the (private) mapping for the GPU's zero-copy lookup, as vLLM's pinned
@@ -257,6 +289,49 @@ class LayerTable:
                 f"{self.path}: the checkpoint's {name} is {value.flatten().tolist()}, the table "
                 f"file's scale is {self.header.scale}: the file was packed from another checkpoint"
             )
+
+
+def node_shared_table(
+    path: Path,
+    expected: TableFileHeader,
+    start: int,
+    count: int,
+    *,
+    shm_dir: str | os.PathLike = SHM_DIR,
+) -> SharedTable | None:
+    """Where a pinned vLLM table on a GPU maps its rows from: the node's one copy of the whole
+    file (:func:`~qwen4exp_ext.tables.shared.open_shared_table`: mapped where it is on tmpfs,
+    staged into ``shm_dir`` once per node under a lock, or through the page cache), shared by
+    every rank of the node, each registering it and taking its rows ``[start, start + count)``.
+
+    Where ``shared.py`` decides the table is larger than the memory available
+    (``"staged_lookup"``), None: vLLM's pinned embedding has no CPU-staged lookup (it reads its
+    rows zero-copy, from registered host memory, and nothing else), so this rank falls back to
+    a private mapping of its own rows (one copy per process, of its shard only), logged; a
+    shard larger than the memory available raises, naming the file."""
+    table = open_shared_table(path, expected, shm_dir=shm_dir)
+    if isinstance(table, SharedTable):
+        return table
+    table.close()  # the "direct" FileTable of the CPU-staged lookups: not for vLLM
+    shard_bytes = count * expected.row_bytes
+    available = memory_available()
+    if shard_bytes > available:
+        raise TableFileError(
+            f"{path}: the table file is larger than this node's memory available and this "
+            f"rank's rows [{start}, {start + count}) ({shard_bytes} bytes) are larger than the "
+            f"{available} bytes available too; vLLM's pinned PLE embedding reads registered host "
+            "memory only (no CPU-staged lookup): use more ranks (a smaller shard each), more "
+            "memory, or qwen4exp_ext's NGramEmbedding(placement='file', table_reader='direct')"
+        )
+    logger.warning(
+        "qwen4exp_ext vLLM plugin: %s is larger than the memory available, so it is not "
+        "shared; this rank maps and registers its own rows [%d, %d) (%d bytes, a private copy)",
+        path,
+        start,
+        start + count,
+        shard_bytes,
+    )
+    return None
 
 
 def layer_table(module: Any) -> LayerTable | None:
