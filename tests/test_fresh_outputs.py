@@ -194,3 +194,13 @@ def test_the_settings_are_checked_and_restored():
         cpu_tuning.set_cpu_fresh_output_mode("hugepages")
     with pytest.raises(ValueError, match="empty_cpu_output: size must be >= 0"):
         torch.ops.qwen4exp.empty_cpu_output([-1], torch.uint8)
+
+
+def test_an_out_dtype_that_is_no_dtype_raises_torchs_type_error_as_before():
+    """The doors' allocation reads the dtype's size: an ``out_dtype`` that is no torch.dtype
+    still gets torch.empty's TypeError, which names the argument (seen failing before the fix:
+    AttributeError: 'str' object has no attribute 'itemsize')."""
+    table = torch.randn(10, 4)
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(TypeError, match="argument 'dtype' must be torch.dtype"):
+        ops.gather_rows(table, ids, out_dtype="bf16")

@@ -78,7 +78,8 @@ def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     cheaply before the kernel writes it (csrc/torch/fresh_output.h; no 4 KiB fault each page);
     torch.empty otherwise, and under Dynamo (which traces torch.empty, not our allocation)."""
     if (
-        math.prod(shape) * dtype.itemsize >= cpu_tuning._fresh_output_bytes
+        isinstance(dtype, torch.dtype)  # else torch.empty raises its own TypeError, as before
+        and math.prod(shape) * dtype.itemsize >= cpu_tuning._fresh_output_bytes
         and device.type == "cpu"
         and not _is_dynamo_compiling()
     ):
