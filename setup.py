@@ -366,7 +366,11 @@ def build_extension():
     gpu_glue = sorted(glob.glob(os.path.join(TORCH_CSRC, "gpu", "*.cpp")))
     # bindings.cpp defines the ops; cpu_ops.cpp registers the CPU kernels under them and gives
     # them ATen's threads (the CMake library's are OpenMP's: csrc/cpu/threads_openmp.cpp).
-    torch_glue = [os.path.join(TORCH_CSRC, "bindings.cpp"), os.path.join(TORCH_CSRC, "cpu_ops.cpp")]
+    # fresh_output.cpp: the CPU ops' large fresh outputs (issue #51 item 3).
+    torch_glue = [
+        os.path.join(TORCH_CSRC, name)
+        for name in ("bindings.cpp", "cpu_ops.cpp", "fresh_output.cpp")
+    ]
     sources = [rel(s) for s in torch_glue + cpu_sources]
 
     debug = os.environ.get("QWEN4EXP_DEBUG", "0") == "1"

@@ -2,7 +2,8 @@
 layer's ``forward`` bit for bit (every format, odd and empty batches, several layers, shards);
 the double buffer never refills a slot that a slow consumer still reads; a slow worker is waited
 for, layer by layer; a failed lookup raises for its layer and the later ones and leaves the
-previous step's rows intact; no thread outlives the pipeline."""
+previous step's rows intact; no thread outlives the pipeline; a step run inline on the
+submitting thread gives the worker's rows and errors, and "auto" picks the way by its cost."""
 
 from __future__ import annotations
 
@@ -522,3 +523,150 @@ def test_two_ranks_reduce_each_layer_once_per_step(tmp_path):
         seen = torch.load(tmp_path / f"rank{rank}.pt")
         for got, want in zip(seen, [wants[1], wants[1], wants[0], wants[0]], strict=True):
             same_bits(got, want)
+
+
+# --- small steps inline on the submitting thread (issue #51 item 4) ----------------------------
+
+
+def _where_each_step_ran(layers) -> list[str]:
+    """Records, for every lookup of ``layers``, which thread ran it ("worker" or "submitter")."""
+    seen: list[str] = []
+    for layer in layers:
+        lookup = layer._lookup_local
+
+        def spy(*args, _lookup=lookup, **kwargs):
+            worker = threading.current_thread().name == "qwen4exp-staged-lookups"
+            seen.append("worker" if worker else "submitter")
+            return _lookup(*args, **kwargs)
+
+        layer._lookup_local = spy
+    return seen
+
+
+@pytest.mark.parametrize("table_format", FORMATS)
+def test_inline_steps_equal_the_workers_bit_for_bit(table_format):
+    """The same steps (odd and empty batches, several layers) run inline on the submitting
+    thread and on the worker give the same rows bit for bit, forward's."""
+    layers = [make_embedding(table_format, "cpu", layer_index=i, seed=i) for i in range(2)]
+    batches = [make_batch(lengths, "cpu", seed=n) for n, lengths in enumerate(STEPS)]
+    wants = [[layer(*batch) for layer in layers] for batch in batches]
+    seen = _where_each_step_ran(layers)
+    rows = {}
+    with nothing_left_behind():
+        for inline in ("always", "never"):
+            del seen[:]
+            with StagedLookupPipeline(layers, max_tokens=32, inline=inline) as pipeline:
+                rows[inline] = []
+                for batch in batches:
+                    with pipeline.submit(*batch, timeout=WAIT) as step:
+                        assert step._inline == (inline == "always")
+                        rows[inline].append([step.rows(i, timeout=WAIT).clone() for i in (0, 1)])
+                pipeline.close(timeout=WAIT)
+            where = "submitter" if inline == "always" else "worker"
+            assert seen == [where] * (2 * len(batches))
+    for n in range(len(batches)):
+        for index in (0, 1):
+            same_bits(rows["always"][n][index], wants[n][index])
+            same_bits(rows["never"][n][index], rows["always"][n][index])
+
+
+@pytest.mark.parametrize("failed", [0, 1])
+def test_an_inline_step_that_raises_fails_its_rows_and_serves_the_next(failed):
+    """A lookup that raises on the submitting thread fails its step as on the worker: submit
+    returns, rows() of the failed layer and every later one raise it, the earlier layers have
+    their rows, the next step is served, and nothing is left behind."""
+    layers = slow_layers(2)
+    batches = [make_batch([5, 0, 13, 1], "cpu", seed=s) for s in range(2)]
+    wants = [[layer(*batch) for layer in layers] for batch in batches]
+    with nothing_left_behind():
+        with StagedLookupPipeline(layers, max_tokens=32, inline="always") as pipeline:
+            layers[failed].failure = OSError("layer.table: pread failed: Input/output error")
+            step = pipeline.submit(*batches[0], timeout=WAIT)
+            assert step._inline
+            for index in range(failed, 2):
+                with pytest.raises(
+                    RuntimeError,
+                    match=f"StagedStep 0: no rows for layer {index}: the lookup of layer "
+                    f"{failed} failed \\(OSError: layer.table: pread failed",
+                ):
+                    step.rows(index, timeout=WAIT)
+            for index in range(failed):
+                same_bits(step.rows(index, timeout=WAIT), wants[0][index])
+            step.release()
+            layers[failed].failure = None
+            with pipeline.submit(*batches[1], timeout=WAIT) as step:
+                for index in (0, 1):
+                    same_bits(step.rows(index, timeout=WAIT), wants[1][index])
+            pipeline.close(timeout=WAIT)
+        assert not _workers()
+
+
+def test_inline_waits_for_a_busy_worker_and_the_thread_count():
+    """A step goes inline only while the worker is idle (the step before done) and with the
+    submitter's own thread count: otherwise the worker runs it, in order."""
+    layers = slow_layers(1)
+    batches = [make_batch([13, 2], "cpu", seed=s) for s in range(3)]
+    wants = [layers[0](*batch) for batch in batches]
+    with StagedLookupPipeline(layers, max_tokens=32, inline="always") as pipeline:
+        first = pipeline.submit(*batches[0], timeout=WAIT)
+        first.release()
+        layers[0].delay = 0.3
+        pipeline.inline = "never"
+        second = pipeline.submit(*batches[1], timeout=WAIT)  # the worker, busy for 0.3 s
+        pipeline.inline = "always"
+        third = pipeline.submit(*batches[2], timeout=WAIT)
+        assert (first._inline, second._inline, third._inline) == (True, False, False)
+        same_bits(second.rows(0, timeout=WAIT), wants[1])
+        same_bits(third.rows(0, timeout=WAIT), wants[2])
+        second.release()
+        third.release()
+        pipeline.close(timeout=WAIT)
+    with StagedLookupPipeline(layers, max_tokens=32, inline="always", threads=1) as pipeline:
+        before = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            with pipeline.submit(*batches[0], timeout=WAIT) as step:
+                assert not step._inline  # the pipeline's own count: its worker's
+                same_bits(step.rows(0, timeout=WAIT), wants[0])
+        finally:
+            torch.set_num_threads(before)
+        pipeline.close(timeout=WAIT)
+
+
+def test_auto_runs_waited_for_steps_inline_and_overlapped_ones_on_the_worker():
+    """``inline="auto"`` measures both ways per step size: a consumer that reads its rows at
+    once pays the hand-off on the worker, so its small steps run inline; one that works while
+    the lookup runs (here: sleeps longer than the lookup) pays nothing on the worker, so its
+    steps stay there."""
+    layers = slow_layers(2)
+    batch = make_batch([5, 0, 13, 1], "cpu")
+    wants = [layer(*batch) for layer in layers]
+    with StagedLookupPipeline(layers, max_tokens=32) as pipeline:
+        assert pipeline.inline == "auto"
+        ways = []
+        for _ in range(20):
+            with pipeline.submit(*batch, timeout=WAIT) as step:
+                ways.append(step._inline)
+                for index in (0, 1):
+                    same_bits(step.rows(index, timeout=WAIT), wants[index])
+        assert sum(ways) > len(ways) // 2, ways
+        for layer in layers:
+            layer.delay = 0.01
+        ways = []
+        tokens = make_batch([5, 0, 13, 1, 10], "cpu")  # another size: measured apart
+        wants = [layer(*tokens) for layer in layers]
+        for _ in range(12):
+            with pipeline.submit(*tokens, timeout=WAIT) as step:
+                ways.append(step._inline)
+                time.sleep(0.1)  # the consumer's own work, while the worker looks up
+                for index in (0, 1):
+                    same_bits(step.rows(index, timeout=WAIT), wants[index])
+        assert sum(ways) <= 3, ways  # at most the three steps that measure inline
+        pipeline.close(timeout=WAIT)
+
+
+def test_inline_is_checked():
+    module = make_embedding("bfloat16", "cpu", max_tokens=8)
+    with nothing_left_behind():
+        with pytest.raises(ValueError, match="inline must be one of"):
+            StagedLookupPipeline([module], max_tokens=8, inline="sometimes")

@@ -25,6 +25,7 @@
 #include "args/ple_conv_args.h"
 #include "args/ple_gate_args.h"
 #include "args/read_file_rows_args.h"
+#include "fresh_output.h"
 #include "hc_entries.h"
 
 namespace qwen4exp {
@@ -122,9 +123,13 @@ std::tuple<at::Tensor, at::Tensor> ple_gate_cpu(const at::Tensor& key, const at:
   PleGateParams p = check_ple_gate_args(key, value, hidden, norm_key_w, norm_query_w, norm_conv_w,
                                         eps, std::string(rounding));
   check_on_cpu("ple_gate", hidden);
-  auto outputs = allocate_ple_gate_outputs(hidden, p);
+  // Fresh outputs made resident cheaply (fresh_output.h): at prefill, faulting two 168 MB
+  // outputs in 4 KiB at a time cost as much as the gate itself.
+  at::Tensor gated = empty_cpu_output(hidden.sizes(), hidden.scalar_type());
+  at::Tensor conv_input = empty_cpu_output(hidden.sizes(), hidden.scalar_type());
+  check_ple_gate_outputs(hidden, gated, conv_input, p);
   run_ple_gate_cpu(p);
-  return outputs;
+  return {gated, conv_input};
 }
 
 void ple_gate_out_cpu(const at::Tensor& key, const at::Tensor& value, const at::Tensor& hidden,

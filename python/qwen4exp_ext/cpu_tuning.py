@@ -16,6 +16,8 @@ from . import _switches
 __all__ = [
     "CPU_GATHER_PATHS",
     "cpu_conv_silu_lookup",
+    "cpu_fresh_output_bytes",
+    "cpu_fresh_output_mode",
     "cpu_gather_calls",
     "cpu_gather_fp8_lookup",
     "cpu_gather_path",
@@ -23,6 +25,8 @@ __all__ = [
     "cpu_gather_timing",
     "cpu_ngram_hash_isa",
     "set_cpu_conv_silu_lookup",
+    "set_cpu_fresh_output_bytes",
+    "set_cpu_fresh_output_mode",
     "set_cpu_gather_fp8_lookup",
     "set_cpu_gather_path",
     "set_cpu_gather_stream_bytes",
@@ -213,6 +217,69 @@ def set_cpu_ngram_hash_isa(isa: str | None) -> str | None:
     previous = torch.ops.qwen4exp.set_cpu_ngram_hash_isa(code)
     return None if previous < 0 else _NGRAM_HASH_ISAS[previous]
 
+
+def cpu_fresh_output_bytes() -> int:
+    """The size in bytes from which a CPU op's output allocated by the op (``ple_gate``'s two
+    outputs; ``gather_rows``', ``ngram_gather_rows``' and ``ngram_ids``' without ``output=``) is a
+    mapping of its own made resident cheaply before the kernel writes it (2 MiB huge pages or a
+    parallel populate, :func:`cpu_fresh_output_mode`), instead of torch's allocator, whose large
+    blocks fault in 4 KiB at a time (csrc/torch/fresh_output.h). Default 32 MiB (glibc's largest
+    mmap threshold: below it glibc may reuse memory that is already resident); another comes
+    from :func:`set_cpu_fresh_output_bytes`. Same values either way."""
+    return _fresh_output_bytes
+
+
+def set_cpu_fresh_output_bytes(fresh_bytes: int | None) -> int | None:
+    """Sets the size :func:`cpu_fresh_output_bytes` reports (0: every fresh output is mapped;
+    a size past any output: never, torch's allocator as before; None: the default) for the
+    whole process; returns the setting it replaces."""
+    global _fresh_output_bytes
+    if fresh_bytes is not None and (
+        isinstance(fresh_bytes, bool)
+        or not isinstance(fresh_bytes, int)
+        or not 0 <= fresh_bytes <= _switches.INT64_MAX
+    ):
+        raise ValueError(
+            "set_cpu_fresh_output_bytes: fresh_bytes must be an int >= 0 or None (at most "
+            f"{_switches.INT64_MAX}), got {fresh_bytes!r}"
+        )
+    previous = torch.ops.qwen4exp.set_cpu_fresh_output_bytes(
+        -1 if fresh_bytes is None else fresh_bytes
+    )
+    # The doors in ops.py compare an output's size with this copy (no op call at decode); the
+    # kernel's setting stays the one source, read back here.
+    _fresh_output_bytes = int(torch.ops.qwen4exp.cpu_fresh_output_bytes())
+    return None if previous < 0 else int(previous)
+
+
+_FRESH_OUTPUT_MODES = ("huge_pages", "populate")  # the kernel's codes 0 and 1
+
+
+def cpu_fresh_output_mode() -> str:
+    """How a fresh output of :func:`cpu_fresh_output_bytes` or more is made resident:
+    ``"huge_pages"`` (advised ``MADV_HUGEPAGE`` while untouched, so the kernel's threads fault it
+    in 2 MiB at a time) or ``"populate"`` (``MADV_POPULATE_WRITE`` in 2 MiB chunks on the op's
+    threads, 4 KiB pages without a fault each). By default huge pages, unless transparent huge
+    pages are ``never`` here; :func:`set_cpu_fresh_output_mode` pins one. Same values either
+    way."""
+    return _FRESH_OUTPUT_MODES[torch.ops.qwen4exp.cpu_fresh_output_mode()]
+
+
+def set_cpu_fresh_output_mode(mode: str | None) -> str | None:
+    """Pins :func:`cpu_fresh_output_mode` to ``"huge_pages"`` or ``"populate"`` (None: the
+    default, from /sys/kernel/mm/transparent_hugepage/enabled) for the whole process; returns
+    the setting it replaces."""
+    if mode is not None and mode not in _FRESH_OUTPUT_MODES:
+        raise ValueError(
+            "set_cpu_fresh_output_mode: mode must be 'huge_pages', 'populate' or None, got "
+            f"{mode!r}"
+        )
+    code = -1 if mode is None else _FRESH_OUTPUT_MODES.index(mode)
+    previous = torch.ops.qwen4exp.set_cpu_fresh_output_mode(code)
+    return None if previous < 0 else _FRESH_OUTPUT_MODES[previous]
+
+
+_fresh_output_bytes = int(torch.ops.qwen4exp.cpu_fresh_output_bytes())
 
 _stream_bytes_from_env = _switches.cpu_gather_stream_bytes_from_env()
 if _stream_bytes_from_env is not None:

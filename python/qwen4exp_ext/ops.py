@@ -18,11 +18,13 @@ import math
 
 import torch
 
-from . import _fakes, _switches
+from . import _fakes, _switches, cpu_tuning
 from ._fakes import NVFP4_TABLE_DTYPE as _NVFP4_TABLE_DTYPE
 from .cpu_tuning import (
     CPU_GATHER_PATHS,
     cpu_conv_silu_lookup,
+    cpu_fresh_output_bytes,
+    cpu_fresh_output_mode,
     cpu_gather_calls,
     cpu_gather_fp8_lookup,
     cpu_gather_path,
@@ -30,6 +32,8 @@ from .cpu_tuning import (
     cpu_gather_timing,
     cpu_ngram_hash_isa,
     set_cpu_conv_silu_lookup,
+    set_cpu_fresh_output_bytes,
+    set_cpu_fresh_output_mode,
     set_cpu_gather_fp8_lookup,
     set_cpu_gather_path,
     set_cpu_gather_stream_bytes,
@@ -41,6 +45,8 @@ __all__ = [
     "CPU_GATHER_PATHS",
     "KernelOps",
     "cpu_conv_silu_lookup",
+    "cpu_fresh_output_bytes",
+    "cpu_fresh_output_mode",
     "cpu_gather_calls",
     "cpu_gather_fp8_lookup",
     "cpu_gather_path",
@@ -59,6 +65,8 @@ __all__ = [
     "ple_gate",
     "read_file_rows",
     "set_cpu_conv_silu_lookup",
+    "set_cpu_fresh_output_bytes",
+    "set_cpu_fresh_output_mode",
     "set_cpu_gather_fp8_lookup",
     "set_cpu_gather_path",
     "set_cpu_gather_stream_bytes",
@@ -82,6 +90,22 @@ def _dispatcher_handle(op: torch._ops.OpOverload):
 
 # The hyper-connection ops (issue #50), each with its _out form.
 _HC_OPS = ("hc_combine_norm", "hc_combine", "grouped_gemma_rmsnorm", "hc_gate_mix", "hc_silu")
+_empty_cpu_output = torch.ops.qwen4exp.empty_cpu_output.default
+
+
+def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An op's output allocated by its door: on the CPU, from
+    :func:`~qwen4exp_ext.cpu_tuning.cpu_fresh_output_bytes` bytes on, a mapping made resident
+    cheaply before the kernel writes it (csrc/torch/fresh_output.h; no 4 KiB fault each page);
+    torch.empty otherwise, and under Dynamo (which traces torch.empty, not our allocation)."""
+    if (
+        isinstance(dtype, torch.dtype)  # else torch.empty raises its own TypeError, as before
+        and math.prod(shape) * dtype.itemsize >= cpu_tuning._fresh_output_bytes
+        and device.type == "cpu"
+        and not _is_dynamo_compiling()
+    ):
+        return _empty_cpu_output(shape, dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 class KernelOps:
@@ -143,10 +167,10 @@ class KernelOps:
         if input_ids.dim() != 1:
             input_ids = input_ids.reshape(-1)
         if output is None:
-            output = torch.empty(
+            output = _new_output(
                 (input_ids.numel(), ngram_context.shape[-1] * heads_per_ngram),
-                dtype=torch.int64,
-                device=input_ids.device,
+                torch.int64,
+                input_ids.device,
             )
         self._ngram_ids_op(
             input_ids,
@@ -261,7 +285,7 @@ class KernelOps:
             if out_dtype is None:
                 quantized = table_dtype in FP8_DTYPES or table_dtype == _NVFP4_TABLE_DTYPE
                 out_dtype = torch.bfloat16 if quantized else table_dtype
-            output = torch.empty(out_shape, dtype=out_dtype, device=table.device)
+            output = _new_output(out_shape, out_dtype, table.device)
         else:
             if out_dtype is not None and output.dtype != out_dtype:
                 raise ValueError(
@@ -333,7 +357,7 @@ class KernelOps:
             if out_dtype is None:
                 quantized = table.dtype in FP8_DTYPES or nvfp4
                 out_dtype = torch.bfloat16 if quantized else table.dtype
-            output = torch.empty(out_shape, dtype=out_dtype, device=table.device)
+            output = _new_output(out_shape, out_dtype, table.device)
         elif out_dtype is not None and output.dtype != out_dtype:
             raise ValueError(
                 f"ngram_gather_rows: output is {output.dtype} but out_dtype is {out_dtype}"

@@ -43,6 +43,22 @@ How it runs:
   worker raises for a step, torch refusing its thread count included) are raised by ``rows`` of
   the failed layer and of every later layer of that step, never as partial rows; the other
   slot's rows, a previous step's, are untouched, and the worker goes on with the next step.
+- **Small steps inline** (``inline``): handing a step to the worker and its rows back costs
+  thread wake-ups and GIL hand-offs, which on a 2-core Xeon cost more than a decode step's
+  lookup (issue #51: T = 64 from a warm table file, 0.90x the ``np.memmap`` baseline at 1
+  thread). How much depends on the machine (on the 2-core AMD EPYC VM of this change, a whole
+  step of submit, rows and release took about the same on the worker as inline, ~285 us, the
+  lookups themselves ~200 us of it), so the choice is measured, not set. With
+  ``inline="auto"`` (the default) the pipeline measures what each way costs the consumer, per
+  step size (tokens, to a power of two): on the worker the time spent in ``submit`` plus the
+  time ``rows`` blocked; inline the time spent in ``submit``, which then runs the lookups. A
+  step goes the way whose last five steps of its size had the lower median cost (the first
+  three steps of a size on the worker, the next three inline; every 32nd step the other way, to
+  measure it again), and inline only while the worker is idle and the
+  submitter's thread count is the step's. So a step the consumer overlaps with work keeps its
+  worker (its rows come at no wait), and one whose rows are waited for at once runs where that
+  costs no hand-off. ``"always"``/``"never"`` pin the choice (tests, measurements). An inline
+  step's rows and errors are the worker's: ``rows`` returns or raises the same.
 - **Vocabulary shards**: the first ``rows(l)`` of a step reduces layer l's rows across the ranks
   (a collective: every rank calls it, in the same layer order); later calls return the same
   rows, and ``wait`` runs no collective.
@@ -54,8 +70,11 @@ CPU): the same calls, with the overlap of the worker thread.
 from __future__ import annotations
 
 import os
+import statistics
 import threading
+import time
 import weakref
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +94,9 @@ __all__ = ["StagedLookupPipeline", "StagedStep"]
 
 SLOTS = 2  # double buffering: one step read, the next prepared
 DECODES = ("auto", "host", "device")
+INLINE = ("auto", "always", "never")
+EXPLORE_EVERY = 32  # with inline="auto", every 32nd step of a size goes the other way
+SAMPLES = 3  # costs measured of each way before choosing; a way's cost: the median of the last 5
 
 
 @dataclass
@@ -117,6 +139,8 @@ class StagedStep:
         # collective (in place for an all-reduce), so it runs once per layer and step, however
         # often rows() is called.
         self._rows: dict[int, torch.Tensor] = {}
+        self._inline = False  # run on the submitting thread (StagedLookupPipeline's inline)
+        self._cost = 0.0  # seconds the consumer spent in submit and blocked in rows
 
     def rows(self, layer: int | Any, timeout: float | None = None) -> torch.Tensor:
         """Layer ``layer``'s rows [T, D_e] (an index into the pipeline's modules, or the
@@ -141,6 +165,15 @@ class StagedStep:
         timeout = check_timeout(timeout, "StagedStep.rows")
         if self._released:
             raise RuntimeError(f"StagedStep {self.number} was released; its rows are gone")
+        if self._ready > index:  # done (an int read under the GIL): no lock, no wait
+            return
+        start = time.perf_counter()
+        try:
+            self._wait_locked(index, timeout)
+        finally:
+            self._cost += time.perf_counter() - start
+
+    def _wait_locked(self, index: int, timeout: float | None) -> None:
         with self._pipeline._cond:
             done = self._pipeline._cond.wait_for(
                 lambda: self._ready > index or self._error is not None, timeout
@@ -177,8 +210,8 @@ class StagedStep:
         if self._released:
             return
         self._released = True
+        self._pipeline._release(self)  # measures the step first: which rows were read
         self._rows.clear()
-        self._pipeline._release(self)
 
     def __enter__(self) -> StagedStep:
         return self
@@ -207,7 +240,10 @@ class StagedLookupPipeline:
     intra-op threads for the CPU kernels (default: each step uses the count of the thread that
     submitted it, ``torch.get_num_threads()``; a thread's count is its own in torch, so without
     this the worker would keep the count of its first lookup); 1 to ``os.cpu_count()``.
-    Every argument is checked before the worker starts."""
+    ``inline``: ``"auto"`` (default: each step where it costs the consumer less, as measured),
+    ``"always"`` (every step that can, on the submitting thread) or ``"never"`` (every step on
+    the worker); see the module docstring. Every argument is checked before the worker
+    starts."""
 
     def __init__(
         self,
@@ -217,6 +253,7 @@ class StagedLookupPipeline:
         device: torch.device | str | None = None,
         decode: str = "auto",
         threads: int | None = None,
+        inline: str = "auto",
     ) -> None:
         # Every argument is checked before anything is allocated or the worker is started: a
         # refused pipeline leaves no thread behind.
@@ -237,6 +274,14 @@ class StagedLookupPipeline:
         on_gpu = self.device.type == "cuda"
         if not isinstance(decode, str) or decode not in DECODES:
             raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
+        if not isinstance(inline, str) or inline not in INLINE:
+            raise ValueError(f"inline must be one of {INLINE}, got {inline!r}")
+        self.inline = inline
+        # Per step size (tokens.bit_length()): [the worker's costs, inline's costs (the last
+        # five of each, in seconds), steps of that size so far]. Medians: a step preempted by
+        # another process, or the first one on a thread, says little of the next.
+        self._costs: dict[int, list] = {}
+        self._last: StagedStep | None = None  # the step submitted last
         self._check_memory()
         on_device = decode == "device"  # "auto": the host, as measured (module docstring)
         self.decode_on_device = [on_device and e.quantized for e in self.embeddings]
@@ -337,6 +382,7 @@ class StagedLookupPipeline:
         them; copied here, so the caller may reuse them at once) and returns its handle. Waits
         while the slot it needs is still held by the step two before (``release``)."""
         who = "StagedLookupPipeline.submit"
+        start = time.perf_counter()
         if self._closed:
             raise RuntimeError(f"{who}: the pipeline is closed")
         timeout = check_timeout(timeout, who)
@@ -388,11 +434,59 @@ class StagedLookupPipeline:
                 qsl[: query_start_loc.numel()],
                 slot.ngram_context,
             )
-            self._jobs.append(_Job(step, job_inputs))
-            self._cond.notify_all()
+            job = _Job(step, job_inputs)
+            last, self._last = self._last, step
+            step._inline = self._runs_inline(tokens, threads, last)
+            if not step._inline:
+                self._jobs.append(job)
+                self._cond.notify_all()
+        if step._inline:
+            try:
+                self._run(job)
+            except BaseException as error:  # noqa: BLE001 - handed to rows(), as the worker's
+                _fail(self._cond, step, error)
+                if not isinstance(error, Exception):
+                    raise  # KeyboardInterrupt, SystemExit: the caller's
+        step._cost = time.perf_counter() - start
         return step
 
+    def _runs_inline(self, tokens: int, threads: int, last: StagedStep | None) -> bool:
+        """Whether a step of ``tokens`` runs on the submitting thread (with the lock held): only
+        while the worker is idle (no step queued, the last one done) and with the submitter's
+        own thread count; then as ``inline`` says (module docstring)."""
+        if self.inline == "never" or self._jobs or threads != torch.get_num_threads():
+            return False
+        if last is not None and last._ready < len(self.embeddings) and last._error is None:
+            return False
+        if self.inline == "always":
+            return True
+        costs = self._costs.get(tokens.bit_length())
+        if costs is None:
+            costs = self._costs[tokens.bit_length()] = [deque(maxlen=5), deque(maxlen=5), 0]
+        worker, inline, steps = costs
+        costs[2] = steps + 1
+        if len(worker) < SAMPLES:
+            return False
+        if len(inline) < SAMPLES:
+            return True
+        faster = statistics.median(inline) < statistics.median(worker)
+        if steps % EXPLORE_EVERY == 0:  # the other way, measured again
+            return not faster
+        return faster
+
+    def _measured(self, step: StagedStep) -> None:
+        """Adds a released step's cost to the last costs of its way and size; a failed step, or
+        one whose rows were not all read, says nothing of either."""
+        if step._error is not None or len(step._rows) < len(self.embeddings):
+            return
+        costs = self._costs.get(step.num_tokens.bit_length())
+        if costs is None:
+            return
+        costs[1 if step._inline else 0].append(step._cost)
+
     def _release(self, step: StagedStep) -> None:
+        if self.inline == "auto":
+            self._measured(step)
         slot = step._slot
         if slot.released is not None:
             slot.released.record(torch.cuda.current_stream(self.device))
