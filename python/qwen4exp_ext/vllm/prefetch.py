@@ -142,6 +142,11 @@ class StepLookups:
         divmods = [head_divmod(layer.ple_embedding.ngram_heads_vocab_sizes) for layer in ple_layers]
         device = input_ids.device
         max_blocks = pipeline.default_max_blocks(device)
+        # Imported here: the shims package imports this module (a module-level import would be
+        # circular). vLLM may hand over more context rows than the step has requests.
+        from .shims.ple import step_context
+
+        ngram_context = step_context(query_start_loc, ngram_context)
         inputs = (input_ids, query_start_loc, ngram_context)
         with pipeline.launch_on_side_stream(device, inputs) as stream:
             for layer, slot, divmod in zip(ple_layers, slots, divmods, strict=True):

@@ -53,6 +53,7 @@ from .. import choice
 from ..choice import OURS, token_bucket
 from .base import PLE_OPS_MODULE
 from .disk_offload import _stage_plane
+from .ple import step_context
 
 # The choice op of a disk-offloaded layer's FP8/NVFP4 rows: decoded on the host (ours) or on
 # the device (vLLM's).
@@ -399,11 +400,11 @@ def amd_ngram_ids(
     """The ids of vLLM's AMD ``Qwen4ExpNGramEmbedding`` (which has no ``compute_ngram_ids``):
     ``ple_ngram_ids`` of vLLM's PLE ops (ours through the plugin) over the module's buffers,
     as its ``qwen4_exp_amd_ple_ngram_ids`` op hashes them in the forward. vLLM's model state
-    hands over its whole context buffer (a row per possible request); the rows of this step's
-    requests are the first ``len(query_start_loc) - 1``."""
+    hands over its whole context buffer (a row per possible request): :func:`.ple.step_context`
+    keeps the rows of this step's requests."""
     ple_ops = importlib.import_module(PLE_OPS_MODULE)
     input_ids = input_ids.reshape(-1)
-    ngram_context = ngram_context[: query_start_loc.numel() - 1]
+    ngram_context = step_context(query_start_loc, ngram_context)
     output = input_ids.new_empty((input_ids.shape[0], module.ngram_heads), dtype=torch.int64)
     ple_ops.ple_ngram_ids(
         input_ids=input_ids,

@@ -79,6 +79,23 @@ def head_divmod_for(sizes: torch.Tensor) -> torch.Tensor | None:
     return divmod
 
 
+def step_context(query_start_loc: torch.Tensor, ngram_context: torch.Tensor) -> torch.Tensor:
+    """The rows of ``ngram_context`` that this step's requests own: its first
+    ``len(query_start_loc) - 1`` rows (a view, no copy: safe under CUDA graph capture).
+
+    vLLM's model states may hand over more rows than the step has requests (0.34.0's AMD model
+    state passes its whole buffer, a row per possible request, with the query_start_loc of the
+    padded request count); vLLM's own ``ple_ngram_ids`` kernel reads only the rows of the
+    requests it finds in query_start_loc, so the rows past them are simply not the step's. Our
+    ``ngram_ids`` keeps its contract (exactly one row per request, SPEC §3): every caller hands
+    it this slice. Fewer rows than requests, or a malformed argument, are passed on unchanged for
+    the op to reject with its message."""
+    requests = query_start_loc.numel() - 1
+    if ngram_context.dim() == 2 and 0 <= requests < ngram_context.shape[0]:
+        return ngram_context[:requests]
+    return ngram_context
+
+
 def _make_ple_ngram_ids(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def ple_ngram_ids(
         input_ids: torch.Tensor,
@@ -91,6 +108,7 @@ def _make_ple_ngram_ids(original: Callable[..., torch.Tensor]) -> Callable[..., 
         heads_per_ngram: int,
         output: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        ngram_context = step_context(query_start_loc, ngram_context)
         args = (
             input_ids,
             query_start_loc,
