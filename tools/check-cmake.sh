@@ -34,7 +34,7 @@ check_exports() {
   # Each defined dynamic symbol, demangled, without its parameter list; ours start qwen4exp::.
   exported="$(nm -DC --defined-only "$library" | cut -d' ' -f3- | sed 's/(.*//' |
     grep '^qwen4exp::' | sort -u | tr '\n' ' ')"
-  local want="qwen4exp::cpu_conv_silu_lookup qwen4exp::cpu_gather_calls qwen4exp::cpu_gather_fp8_lookup qwen4exp::cpu_gather_path qwen4exp::cpu_gather_stream_bytes qwen4exp::cpu_gather_timing qwen4exp::cpu_ngram_hash_isa qwen4exp::run_gather_rows_cpu qwen4exp::run_ngram_gather_rows_cpu qwen4exp::run_ngram_ids_cpu qwen4exp::run_ple_conv_cpu qwen4exp::run_ple_gate_cpu qwen4exp::run_read_file_rows_cpu qwen4exp::set_cpu_conv_silu_lookup qwen4exp::set_cpu_gather_fp8_lookup qwen4exp::set_cpu_gather_path qwen4exp::set_cpu_gather_stream_bytes qwen4exp::set_cpu_ngram_hash_isa "
+  local want="qwen4exp::cpu_conv_silu_lookup qwen4exp::cpu_gather_calls qwen4exp::cpu_gather_fp8_lookup qwen4exp::cpu_gather_path qwen4exp::cpu_gather_stream_bytes qwen4exp::cpu_gather_timing qwen4exp::cpu_ngram_hash_isa qwen4exp::run_gather_rows_cpu qwen4exp::run_hc_combine_cpu qwen4exp::run_hc_gate_mix_cpu qwen4exp::run_hc_rmsnorm_cpu qwen4exp::run_hc_silu_cpu qwen4exp::run_ngram_gather_rows_cpu qwen4exp::run_ngram_ids_cpu qwen4exp::run_ple_conv_cpu qwen4exp::run_ple_gate_cpu qwen4exp::run_read_file_rows_cpu qwen4exp::set_cpu_conv_silu_lookup qwen4exp::set_cpu_gather_fp8_lookup qwen4exp::set_cpu_gather_path qwen4exp::set_cpu_gather_stream_bytes qwen4exp::set_cpu_ngram_hash_isa "
   if [ "$exported" != "$want" ]; then
     echo "check-cmake: $1: libqwen4exp_cpu_kernels.so exports: $exported"
     echo "check-cmake: $1: want only: $want"
