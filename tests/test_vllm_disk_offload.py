@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from vllm_support import require_vllm, run_python, vllm_version
+from vllm_support import FILE_VIEWS_SCRIPT, require_vllm, run_python, vllm_version
 
 pytestmark = require_vllm()
 _HAS_DISK_OFFLOAD = pytest.mark.skipif(
@@ -89,7 +89,8 @@ def test_fp8_rows_staged_from_the_file_are_scaled_as_vllm_does(tmp_path, plugins
 # into 3 checkpoint shards (vLLM's `split_ngram_parts`; 301 rows, so the last is shorter), shards
 # 0 and 1 in one file behind an odd-sized tensor (unaligned data offsets), shard 2 in another
 # (or, one_file, all three in the first).
-_STAGE_SETUP = r"""
+_STAGE_SETUP = (
+    r"""
 import json, os, struct, sys
 import numpy as np
 import torch
@@ -124,20 +125,9 @@ with set_current_vllm_config(vc):
     init_distributed_environment(1, 0, "file://" + os.path.join(folder, "store"), 0, "gloo")
     initialize_model_parallel(1, 1)
 
-def file_views(path, tensors):
-    # vLLM's loader hands over views of the file's mapping: the same, with numpy's memmap.
-    save_file(tensors, path)
-    with open(path, "rb") as f:
-        header_len = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(header_len))
-    views = {}
-    for key, tensor in tensors.items():
-        start = 8 + header_len + header[key]["data_offsets"][0]
-        nbytes = tensor.numel() * tensor.element_size()
-        mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(nbytes,))
-        views[key] = torch.from_numpy(np.asarray(mapped)).view(tensor.dtype).view(tensor.shape)
-    return views
-
+"""
+    + FILE_VIEWS_SCRIPT
+    + r"""
 def build(fmt, parts=PARTS, tokens=MAX_TOKENS, one_file=False):
     method, width, planes = FORMATS[fmt]
     shard = (ROWS + parts - 1) // parts
@@ -172,6 +162,7 @@ def staged(emb, tokens):
 
 vllm_stage_rows = getattr(Disk.stage_rows, "__qwen4exp_replaces__", Disk.stage_rows)
 """
+)
 
 _STAGE_SCRIPT = (
     _STAGE_SETUP

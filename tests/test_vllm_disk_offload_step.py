@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_support import require_vllm, run_python, vllm_version
+from vllm_support import FILE_VIEWS_SCRIPT, require_vllm, run_python, vllm_version
 
 pytestmark = require_vllm()
 _HAS_DISK_OFFLOAD = pytest.mark.skipif(
@@ -26,7 +26,8 @@ _HAS_DISK_OFFLOAD = pytest.mark.skipif(
 # its table loaded by vLLM's AMD loader (the plugin's) from the files, and vLLM's NVIDIA
 # Qwen4ExpNGramEmbedding over the same files; a fake-free AMD model state (vLLM's class, its
 # __init__ skipped: it needs a model runner) whose prepare_inputs stages each step.
-_SETUP = r"""
+_SETUP = (
+    r"""
 import json, os, struct, sys, threading, time
 from types import SimpleNamespace
 import numpy as np
@@ -95,19 +96,9 @@ else:
                   torch.float8_e4m3fn)}
     scales = {"ngram_embedding.weight_scale_2": torch.tensor([0.37])}
 
-def file_views(path, tensors):
-    save_file(tensors, path)
-    with open(path, "rb") as f:
-        header_len = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(header_len))
-    views = {}
-    for key, tensor in tensors.items():
-        start = 8 + header_len + header[key]["data_offsets"][0]
-        nbytes = tensor.numel() * tensor.element_size()
-        mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(nbytes,))
-        views[key] = torch.from_numpy(np.asarray(mapped)).view(tensor.dtype).view(tensor.shape)
-    return views
-
+"""
+    + FILE_VIEWS_SCRIPT
+    + r"""
 files = {"a": {"pad": torch.zeros(3, dtype=torch.uint8)}, "b": {}}
 for name, table in planes.items():
     for i in range(PARTS):
@@ -187,6 +178,7 @@ if FORMAT == "nvfp4" and not torch.cuda.is_available():
         output.flatten(0, 1)[: ids.numel()].copy_(decoded.to(output.dtype))
     common.Qwen4ExpPLENvFp4EmbeddingMethod.decode_rows = staticmethod(decode_rows)
 """
+)
 
 _AMD_SCRIPT = (
     _SETUP

@@ -69,6 +69,26 @@ def require_vllm() -> _Marks:
     return _Marks([pytest.mark.vllm, skip])
 
 
+# For the disk_offload tests' scripts (run in a subprocess that has imported json, struct, numpy
+# as np, torch and safetensors.torch's save_file): writes a safetensors file and hands its tensors
+# over as views of the file's mapping, as vLLM's loader does (with numpy's memmap).
+FILE_VIEWS_SCRIPT = r"""
+def file_views(path, tensors):
+    # vLLM's loader hands over views of the file's mapping: the same, with numpy's memmap.
+    save_file(tensors, path)
+    with open(path, "rb") as f:
+        header_len = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(header_len))
+    views = {}
+    for key, tensor in tensors.items():
+        start = 8 + header_len + header[key]["data_offsets"][0]
+        nbytes = tensor.numel() * tensor.element_size()
+        mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(nbytes,))
+        views[key] = torch.from_numpy(np.asarray(mapped)).view(tensor.dtype).view(tensor.shape)
+    return views
+"""
+
+
 def run_python(script: str, *, env: dict[str, str] | None = None, timeout: int = 300) -> str:
     """Runs ``script`` in a fresh interpreter (this one's), returns its stdout; fails the test
     with its output when it exits non-zero."""
