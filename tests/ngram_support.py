@@ -103,11 +103,19 @@ def hash_cases(found) -> list:
 
 def pinned_hash_width(request):
     """The context of a test parametrised by hash_cases: its "isa" parameter pinned (checked to
-    be what runs), or nothing for a test or backend without one. For an autouse fixture of the
-    test modules, so that their tests' bodies stay as they are."""
+    be what runs), or nothing for a test or backend without one."""
     callspec = getattr(request.node, "callspec", None)
     isa = callspec.params.get("isa") if callspec is not None else None
     return _pinned(isa)
+
+
+@pytest.fixture
+def hash_width(request):
+    """A hash_cases test in its CPU hash width; a module runs all of its tests so with
+    ``pytestmark = pytest.mark.usefixtures("hash_width")``, so that their bodies stay as they
+    are."""
+    with pinned_hash_width(request):
+        yield
 
 
 @contextlib.contextmanager

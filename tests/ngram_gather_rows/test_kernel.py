@@ -23,7 +23,7 @@ from gather_support import (
     make_table,
     take_launch_record,
 )
-from ngram_support import HASHING_ARGS, hash_cases, pinned_hash_width
+from ngram_support import HASHING_ARGS, hash_cases, hash_width  # noqa: F401 - hash_width: the fixture
 from qwen4exp_ext import ops, reference
 from qwen4exp_ext.testing import assert_exact, same_layout
 
@@ -33,12 +33,7 @@ BACKENDS = backends()
 # Every backend, the CPU kernel once per hash width this CPU has (scalar, AVX2, AVX-512).
 HASH_CASES = hash_cases(BACKENDS)
 
-
-@pytest.fixture(autouse=True)
-def _hash_width(request):
-    """A HASH_CASES test runs in its CPU hash width."""
-    with pinned_hash_width(request):
-        yield
+pytestmark = pytest.mark.usefixtures("hash_width")  # HASH_CASES tests: their width
 
 
 @pytest.mark.parametrize(("backend", "isa"), HASH_CASES)
