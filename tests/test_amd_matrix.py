@@ -56,9 +56,8 @@ def test_every_torch_row_checked_in_ci_is_built_there():
     so and names the command, which CI's header names too."""
     ci = (ROOT / ".ci" / "run").read_text()
     venv = (ROOT / "tools" / "venv.sh").read_text()
-    rows = re.findall(
-        r"^\| (\d+\.\d+\.\d+) \(as ROCm [\d.]+\) \| (v[12]) [^|]*\| ([^|]*) \|$", amd_section(), re.M
-    )
+    row = r"^\| (\d+\.\d+\.\d+) \(as ROCm [\d.]+\) \| (v[12]) [^|]*\| ([^|]*) \|$"
+    rows = re.findall(row, amd_section(), re.M)
     assert {gen for _, gen, _ in rows} == {"v1", "v2"}, rows
     for version, generation, checked in rows:
         if checked.startswith("by hand"):
