@@ -1027,6 +1027,7 @@ def test_vllm_kernels_from_a_carried_source(tmp_path: Path) -> None:
         print("carried source ok")
         """,
         env={vllm_triton.SOURCE_ENV: str(tmp_path)},
+        bare=True,
     )
     assert "carried source ok" in out
 

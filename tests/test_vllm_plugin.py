@@ -85,7 +85,8 @@ def test_importing_the_package_never_imports_vllm():
         import sys
         import qwen4exp_ext, qwen4exp_ext.ops, qwen4exp_ext.vllm, qwen4exp_ext.vllm.shims
         print(sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")))
-        """
+        """,
+        bare=True,
     )
     assert out.strip() == "[]"
 

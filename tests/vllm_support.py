@@ -6,12 +6,19 @@ fresh interpreter (``run_python``); the in-process tests load the plugin once, a
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import warnings
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,25 +96,134 @@ def file_views(path, tensors):
 """
 
 
-def run_python(script: str, *, env: dict[str, str] | None = None, timeout: int = 300) -> str:
-    """Runs ``script`` in a fresh interpreter (this one's), returns its stdout; fails the test
-    with its output when it exits non-zero."""
+# The fork server (tests/vllm_fork_server.py): one per test process, started on first use. A script
+# may run there only where its environment differs from the server's in variables read after the
+# server's imports: vLLM's plugin filter (read when plugins load), the project's own (read by
+# qwen4exp_ext, which the server never imports) and pytest's (PYTEST_CURRENT_TEST changes with
+# every test). QWEN4EXP_TEST_FORK_SERVER=0 turns it off.
+FORK_SERVER = Path(__file__).with_name("vllm_fork_server.py")
+_READ_AFTER_IMPORT = ("VLLM_PLUGINS",)
+_READ_AFTER_IMPORT_PREFIXES = ("QWEN4EXP_", "PYTEST_")
+
+
+def _script_env(env: dict[str, str] | None) -> dict[str, str]:
     full_env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
     full_env.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if proc.returncode != 0:
+    return full_env
+
+
+class _ForkServer:
+    """The running server: its process, the environment it was started with, its answers."""
+
+    def __init__(self) -> None:
+        self.env = _script_env(None)
+        self.process = subprocess.Popen(
+            [sys.executable, str(FORK_SERVER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=self.env,
+            text=True,
+        )
+        ready = self._read(timeout=300)
+        if not ready.get("ready"):
+            self.close()
+            raise RuntimeError(f"the fork server cannot serve: {ready.get('why')}")
+
+    def _read(self, timeout: float) -> dict:
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        if not ready:
+            raise subprocess.TimeoutExpired(str(FORK_SERVER), timeout)
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the fork server exited ({self.process.wait()})")
+        return json.loads(line)
+
+    def serves(self, env: dict[str, str]) -> bool:
+        keys = set(env) | set(self.env)
+        return all(
+            env.get(k) == self.env.get(k)
+            or k in _READ_AFTER_IMPORT
+            or k.startswith(_READ_AFTER_IMPORT_PREFIXES)
+            for k in keys
+        )
+
+    def run(self, script: str, env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+        with tempfile.TemporaryDirectory(prefix="qwen4exp-fork-") as tmp:
+            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+            request = dict(
+                script=script, env=env, cwd=os.getcwd(), stdout=str(out), stderr=str(err)
+            )
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            pid = self._read(timeout=60)["pid"]
+            try:
+                returncode = self._read(timeout=timeout)["returncode"]
+            except subprocess.TimeoutExpired:
+                os.kill(pid, signal.SIGKILL)
+                self._read(timeout=60)
+                raise
+            return returncode, out.read_text(), err.read_text()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+_fork_server: _ForkServer | None = None
+_fork_server_failed = False
+
+
+def _server_for(env: dict[str, str]) -> _ForkServer | None:
+    global _fork_server, _fork_server_failed
+    if os.environ.get("QWEN4EXP_TEST_FORK_SERVER", "1") == "0" or _fork_server_failed:
+        return None
+    if _fork_server is None:
+        try:
+            _fork_server = _ForkServer()
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+            # Only speed is lost: every script then starts its own interpreter.
+            warnings.warn(f"vLLM test scripts run without the fork server: {e}", stacklevel=3)
+            _fork_server_failed = True
+            return None
+        atexit.register(_fork_server.close)
+    return _fork_server if _fork_server.serves(env) else None
+
+
+def run_python(
+    script: str, *, env: dict[str, str] | None = None, timeout: int = 300, bare: bool = False
+) -> str:
+    """Runs ``script`` as ``python -c`` in a fresh process (this interpreter), returns its stdout;
+    fails the test with its output when it exits non-zero. Where vLLM is installed, the process is
+    forked from the fork server, which has imported torch, triton and vLLM's plugin loader and
+    config, nothing of the plugin's (tests/vllm_fork_server.py), unless ``env`` changes what those
+    imports read; ``bare=True`` starts a new interpreter, for a script that needs one without
+    vLLM or triton loaded."""
+    full_env = _script_env(env)
+    script = textwrap.dedent(script)
+    forkable = not bare and importlib.util.find_spec("vllm") is not None
+    server = _server_for(full_env) if forkable else None
+    if server is not None:
+        returncode, stdout, stderr = server.run(script, full_env, timeout)
+    else:
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    if returncode != 0:
         pytest.fail(
-            f"subprocess failed ({proc.returncode})\n--- stdout\n{proc.stdout}\n--- stderr\n"
-            f"{proc.stderr[-6000:]}",
+            f"subprocess failed ({returncode})\n--- stdout\n{stdout}\n--- stderr\n{stderr[-6000:]}",
             pytrace=False,
         )
-    return proc.stdout
+    return stdout
 
 
 @contextmanager

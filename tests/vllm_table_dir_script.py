@@ -9,8 +9,8 @@ through vLLM's own safetensors iterator, and looks up every row of the table. Mo
 
 - ``lookup``: one run per case ``runs`` entry (``table_dir`` or not, which checkpoint files);
   writes each run's rows, where the table lives (/proc/self/maps), and what the loader skipped.
-- ``etp``: ``world`` gloo ranks (torch.multiprocessing), tensor (= ETP) parallel; each rank maps
-  its shard of the table file and writes its all-reduced rows and its mapping.
+- ``etp``: ``world`` gloo ranks (torch.multiprocessing, forked), tensor (= ETP) parallel; each
+  rank maps its shard of the table file and writes its all-reduced rows and its mapping.
 - ``bad``: each bad case built inside ``leak_support.nothing_left_behind``; writes the messages.
 - ``share``: one process of a node: builds and loads the table-directory embedding, looks every
   row up (every page of its rows mapped here), prints ``ready <weight address> <bytes> <the
@@ -203,7 +203,9 @@ def etp_rank(rank: int, case: dict, out: str) -> None:
 def run_etp(case: dict, out: str) -> None:
     import torch.multiprocessing as mp
 
-    mp.spawn(etp_rank, args=(case, out), nprocs=case["world"], join=True)
+    # Forked, as vLLM starts its own workers where CUDA is not initialised (its default): each
+    # rank starts with this process's imports instead of importing torch and vLLM afresh.
+    mp.start_processes(etp_rank, args=(case, out), nprocs=case["world"], start_method="fork")
 
 
 def run_bad(case: dict, out: str) -> None:
