@@ -60,11 +60,16 @@ py="${PYTHON:-$venv/bin/python}"
 sanitize="${QWEN4EXP_SANITIZE:-address,undefined}"
 cxx="${CXX:-c++}"  # the compiler torch's cpp_extension builds with
 # Every kernel op's folder (its test_fuzz.py draws random shapes, strides and layouts: what a
-# sanitizer is best at catching), and the fused op's bad inputs.
+# sanitizer is best at catching), the fused op's bad inputs, and every hyper-connection op's
+# folder (tests/hc_*/ but the oracle's, which runs no kernel).
 tests=(
   tests/ngram_ids tests/gather_rows tests/ple_gate tests/ple_conv
-  tests/ngram_gather_rows/test_bad_inputs.py tests/test_fast_divmod.py
+  tests/ngram_gather_rows/test_bad_inputs.py tests/test_fast_divmod.py tests/grouped_gemma_rmsnorm
 )
+for dir in "$root"/tests/hc_*/; do
+  name="$(basename "$dir")"
+  [ "$name" = hc_oracle ] || tests+=("tests/$name")
+done
 # The fuzz budget per op under the sanitizers (slower than a plain build: fewer examples).
 export QWEN4EXP_FUZZ_SECONDS="${QWEN4EXP_FUZZ_SECONDS:-6}"
 

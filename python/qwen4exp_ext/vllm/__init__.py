@@ -173,7 +173,7 @@ def _apply(trigger: str, rows: tuple[Any, ...]) -> None:
             _swapped[swap.label] = original  # vLLM's own function, also under a chained row
         if plan:
             logger.info(
-                "qwen4exp_ext vLLM plugin: Qwen4Exp PLE runs on qwen4exp_ext kernels: %s",
+                "qwen4exp_ext vLLM plugin: Qwen4Exp runs on qwen4exp_ext kernels: %s",
                 ", ".join(s.label for s, _, _ in plan),
             )
         if trigger == AMD_LAYER_MODULE:
