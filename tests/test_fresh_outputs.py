@@ -1,7 +1,8 @@
 """Fresh outputs of the CPU ops (issue #51 item 3, csrc/torch/fresh_output.h): an output the op
-allocates (ple_gate's two; gather_rows', ngram_gather_rows' and ngram_ids' without ``output=``)
-of ``cpu_fresh_output_bytes()`` or more is a mapping of its own, 2 MiB-aligned, made resident
-cheaply (on huge pages where THP allows, else populated), and freed with the tensor.
+allocates (ple_gate's two; gather_rows', ngram_gather_rows' and ngram_ids' without ``output=``;
+the hyper-connection ops' without ``out=``) of ``cpu_fresh_output_bytes()`` or more is a mapping
+of its own, 2 MiB-aligned, made resident cheaply (on huge pages where THP allows, else
+populated), and freed with the tensor.
 
 Each op's functional outputs equal its ``out=`` outputs bit for bit with the fresh path forced
 on (both modes) and off; a forced-on output is its own mapping and leaves none behind when
@@ -11,6 +12,7 @@ the fix: torch's allocator faulted it in 4 KiB at a time)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 
 import pytest
@@ -118,7 +120,34 @@ def _ngram_gather_rows():
     return [ops.ngram_gather_rows(*positional, table, **args)], [out]
 
 
+def _hc(name: str):
+    """One hyper-connection op (SPEC §10) called both ways, HC = 4 streams of H = 64."""
+    g = torch.Generator().manual_seed(4)
+    tokens, streams, width = 5, 4, 64
+    residual = torch.randn(tokens, streams * width, generator=g).bfloat16()
+    block = torch.randn(tokens, width, generator=g).bfloat16()
+    logits = torch.randn(tokens, streams, generator=g).bfloat16()
+    weight = torch.randn(width, generator=g).bfloat16()
+    gate = torch.randn(tokens, streams * width, generator=g).bfloat16()
+    args = {
+        "hc_combine_norm": (residual, block, logits, weight, 1e-6, streams),
+        "hc_combine": (residual, block, logits, streams),
+        "grouped_gemma_rmsnorm": (residual, weight, 1e-6, streams),
+        "hc_gate_mix": (residual, gate, streams),
+        "hc_silu": (gate[:, :48], streams),
+    }[name]
+    op = getattr(ops, name)
+    got = op(*args)
+    got = list(got) if isinstance(got, tuple) else [got]
+    want = [torch.empty_like(x) for x in got]
+    op(*args, out=tuple(want) if len(want) > 1 else want[0])
+    return got, want
+
+
+HC_OPS = ("hc_combine_norm", "hc_combine", "grouped_gemma_rmsnorm", "hc_gate_mix", "hc_silu")
+
 CALLS = {
+    **{name: functools.partial(_hc, name) for name in HC_OPS},
     "ple_gate_vllm": lambda: _gate("vllm"),
     "ple_gate_fp32": lambda: _gate("fp32"),
     "ngram_ids": _ngram_ids,

@@ -178,6 +178,10 @@ void read_file_rows_cpu(int64_t fd, const at::Tensor& ids, int64_t data_offset, 
 // The hyper-connection ops' entries (hc_entries.h) on the CPU kernels.
 struct HcCpu {
   static void check_device(const char* op, const at::Tensor& t) { check_on_cpu(op, t); }
+  // Made resident cheaply when large (fresh_output.h): at prefill, h and xn are 168 MB each.
+  static at::Tensor empty(at::IntArrayRef sizes, const at::Tensor& like) {
+    return empty_cpu_output(sizes, like.scalar_type());
+  }
   static void run(const char*, const HcCombineParams& p, const at::Tensor&) {
     run_hc_combine_cpu(p);
   }

@@ -1,5 +1,6 @@
 // Fresh outputs of the CPU ops without the page-fault tax (issue #51 item 3). A large tensor an
-// op returns (ple_gate's two outputs here; gather_rows', ngram_gather_rows' and ngram_ids' through
+// op returns (ple_gate's two outputs and the hyper-connection ops' (hc_entries.h) here;
+// gather_rows', ngram_gather_rows' and ngram_ids' through
 // the op empty_cpu_output that ops.py calls) is its own anonymous mapping, 2 MiB-aligned, made
 // resident cheaply before the kernel writes it: advised MADV_HUGEPAGE while untouched, so that
 // the kernel's threads fault it in 2 MiB at a time (transparent huge pages in "madvise" or

@@ -2,6 +2,7 @@
 // once for every backend: check (args/hc_norm_args.h, args/hc_mix_args.h), allocate or check
 // the outputs, run. `Backend` says where they run:
 //   static void check_device(const char* op, const at::Tensor& t);   the tensors are its own
+//   static at::Tensor empty(at::IntArrayRef sizes, const at::Tensor& like);  a fresh output
 //   static void run(const char* op, const P& params, const at::Tensor& like);  for each params
 // csrc/torch/cpu_ops.cpp instantiates it with the CPU kernels, csrc/torch/gpu/hc_gpu.cpp with the
 // HIP launchers (on a GPU, or on the SIMT emulator).
@@ -26,9 +27,11 @@ struct HcEntries {
     HcCombineParams p = check_hc_combine_args(op, residual, block_output, injection_logits,
                                               &norm_weight, eps, hc_count);
     Backend::check_device(op, residual);
-    auto outputs = allocate_hc_combine_outputs(residual, p, true);
+    at::Tensor h = Backend::empty(residual.sizes(), residual);
+    at::Tensor xn = Backend::empty(residual.sizes(), residual);
+    bind_fresh_hc_combine_outputs(residual, h, &xn, p);
     Backend::run(op, p, residual);
-    return outputs;
+    return {h, xn};
   }
 
   static void combine_norm_out(const at::Tensor& residual, const at::Tensor& block_output,
@@ -49,9 +52,10 @@ struct HcEntries {
     HcCombineParams p = check_hc_combine_args(op, residual, block_output, injection_logits, nullptr,
                                               1e-6, hc_count);
     Backend::check_device(op, residual);
-    auto outputs = allocate_hc_combine_outputs(residual, p, false);
+    at::Tensor h = Backend::empty(residual.sizes(), residual);
+    bind_fresh_hc_combine_outputs(residual, h, nullptr, p);
     Backend::run(op, p, residual);
-    return std::get<0>(outputs);
+    return h;
   }
 
   static void combine_out(const at::Tensor& residual, const at::Tensor& block_output,
@@ -69,7 +73,7 @@ struct HcEntries {
                             int64_t num_groups) {
     HcRmsNormParams p = check_hc_rmsnorm_args(x, weight, eps, num_groups);
     Backend::check_device("grouped_gemma_rmsnorm", x);
-    at::Tensor out = at::empty(x.sizes(), x.options());
+    at::Tensor out = Backend::empty(x.sizes(), x);
     set_hc_rmsnorm_output(x, out, p, false);
     Backend::run("grouped_gemma_rmsnorm", p, x);
     return out;
@@ -86,7 +90,7 @@ struct HcEntries {
   static at::Tensor gate_mix(const at::Tensor& x, const at::Tensor& gate, int64_t hc_count) {
     HcGateMixParams p = check_hc_gate_mix_args(x, gate, hc_count);
     Backend::check_device("hc_gate_mix", x);
-    at::Tensor out = at::empty({x.size(0), p.width}, x.options());
+    at::Tensor out = Backend::empty({x.size(0), p.width}, x);
     p.out = out.data_ptr();
     p.out_row_stride = p.width;
     Backend::run("hc_gate_mix", p, x);
@@ -106,7 +110,7 @@ struct HcEntries {
   static at::Tensor silu(const at::Tensor& x, int64_t hc_count) {
     HcSiluParams p = check_hc_silu_args(x, hc_count);
     Backend::check_device("hc_silu", x);
-    at::Tensor out = at::empty(x.sizes(), x.options());
+    at::Tensor out = Backend::empty(x.sizes(), x);
     p.y = out.data_ptr();
     p.y_row_stride = x.size(1);
     Backend::run("hc_silu", p, x);

@@ -52,16 +52,13 @@ inline HcCombineParams check_hc_combine_args(const char* op, const at::Tensor& r
 
 // The outputs: new [T, HC·H] contiguous tensors in residual's dtype (xn only with a norm), or the
 // caller's.
-inline std::tuple<at::Tensor, at::Tensor> allocate_hc_combine_outputs(const at::Tensor& residual,
-                                                                      HcCombineParams& p,
-                                                                      bool norm) {
-  at::Tensor h = at::empty(residual.sizes(), residual.options());
-  at::Tensor xn = norm ? at::empty(residual.sizes(), residual.options()) : at::Tensor();
+// Binds the fresh, contiguous outputs h and xn (nullptr: the combine alone) the entry allocated.
+inline void bind_fresh_hc_combine_outputs(const at::Tensor& residual, const at::Tensor& h,
+                                          const at::Tensor* xn, HcCombineParams& p) {
   p.h = h.data_ptr();
   p.h_row_stride = residual.size(1);
-  p.xn = norm ? xn.data_ptr() : nullptr;
+  p.xn = xn != nullptr ? xn->data_ptr() : nullptr;
   p.xn_row_stride = residual.size(1);
-  return {h, xn};
 }
 
 inline void check_hc_combine_outputs(const char* op, const at::Tensor& residual,

@@ -16,6 +16,9 @@ struct HcGpu {
   static void check_device(const char* op, const at::Tensor& t) {
     TORCH_CHECK(glue::on_kernel_device(t), op, ": GPU kernel called with ", t.device(), " tensors");
   }
+  static at::Tensor empty(at::IntArrayRef sizes, const at::Tensor& like) {
+    return at::empty(sizes, like.options());
+  }
 
   template <typename P, typename Launch>
   static void launch(const char* op, const P& p, int64_t rows, int64_t width,
