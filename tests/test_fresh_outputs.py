@@ -25,6 +25,7 @@ import warnings
 import pytest
 import torch
 
+from gather_support import CPU_PATHS, cpu_gather_path
 from leak_support import nothing_left_behind
 from ngram_gather_rows.support import make_batch
 from ngram_support import HASHING_ARGS
@@ -192,6 +193,20 @@ def test_fresh_outputs_equal_the_out_outputs_bit_for_bit(op, mode):
                 assert span is None or span[0] != g.data_ptr() or g.numel() == 0
         if mode == "reused":
             assert {g.data_ptr() for g in got} == poisoned, "the cached mappings were not reused"
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
+@pytest.mark.parametrize("op", ["gather_rows_shard", "ngram_gather_rows_shard"])
+def test_every_gather_path_writes_the_zero_rows_of_a_reused_output(op, path):
+    """The rows of ids outside the vocab shard are written as zeros on every CPU gather path,
+    so a reused output (0xFF bytes) holds no former output's bytes."""
+    with fresh(True, cache_bytes=64 << 20), cpu_gather_path(path):
+        call, want = CALLS[op]()
+        poisoned = poison_cache(want)
+        got = call()
+        assert {g.data_ptr() for g in got} == poisoned
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (op, path)
 
 
 @pytest.mark.parametrize("mode", MODES)
