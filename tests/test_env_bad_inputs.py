@@ -77,6 +77,8 @@ IMPORT_CASES = [
     # Past what the kernel's int64 setting holds: issue #47 item 14, failed in the op's cast.
     ("QWEN4EXP_CPU_GATHER_STREAM_BYTES", INT64_OVER, "<= 9223372036854775807"),
     ("QWEN4EXP_CPU_GATHER_STREAM_BYTES", "9" * 30, "<= 9223372036854775807"),
+    ("QWEN4EXP_CPU_FRESH_OUTPUT_CACHE_BYTES", "-1", "must be a byte count >= 0"),  # negative
+    ("QWEN4EXP_CPU_FRESH_OUTPUT_CACHE_BYTES", "512M", "must be a byte count >= 0"),  # unit
 ]
 
 

@@ -109,15 +109,23 @@ def test_the_environment_is_read_once_at_import():
 import os
 import qwen4exp_ext
 from qwen4exp_ext import ops
-print(qwen4exp_ext.debug_checks_enabled(), ops.cpu_gather_stream_bytes())
+print(qwen4exp_ext.debug_checks_enabled(), ops.cpu_gather_stream_bytes(),
+      ops.cpu_fresh_output_cache_bytes())
 os.environ["QWEN4EXP_DEBUG_CHECKS"] = "0"
 os.environ["QWEN4EXP_CPU_GATHER_STREAM_BYTES"] = "99"
-print(qwen4exp_ext.debug_checks_enabled(), ops.cpu_gather_stream_bytes())
+os.environ["QWEN4EXP_CPU_FRESH_OUTPUT_CACHE_BYTES"] = "99"
+print(qwen4exp_ext.debug_checks_enabled(), ops.cpu_gather_stream_bytes(),
+      ops.cpu_fresh_output_cache_bytes())
 """
-    run = run_python(code, QWEN4EXP_DEBUG_CHECKS="1", QWEN4EXP_CPU_GATHER_STREAM_BYTES="12345")
+    run = run_python(
+        code,
+        QWEN4EXP_DEBUG_CHECKS="1",
+        QWEN4EXP_CPU_GATHER_STREAM_BYTES="12345",
+        QWEN4EXP_CPU_FRESH_OUTPUT_CACHE_BYTES="4096",
+    )
     assert run.returncode == 0, run.stderr
     stream_bytes = 12345 if ops.cpu_gather_stream_bytes() != -1 else -1
-    assert run.stdout.split() == ["True", str(stream_bytes)] * 2
+    assert run.stdout.split() == ["True", str(stream_bytes), "4096"] * 2
 
 
 # A bad value of each variable, and the message it gives: tests/test_env_bad_inputs.py.

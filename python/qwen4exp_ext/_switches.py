@@ -30,6 +30,7 @@ import torch
 
 DEBUG_CHECKS_ENV = "QWEN4EXP_DEBUG_CHECKS"
 CPU_GATHER_STREAM_BYTES_ENV = "QWEN4EXP_CPU_GATHER_STREAM_BYTES"
+CPU_FRESH_OUTPUT_CACHE_BYTES_ENV = "QWEN4EXP_CPU_FRESH_OUTPUT_CACHE_BYTES"
 
 # The words of an on/off variable, case-insensitive, surrounding spaces ignored. Unset or empty
 # is the variable's own default (``QWEN4EXP_X=`` reads as "no value"), as for every variable.
@@ -185,6 +186,12 @@ def debug_checks(enabled: bool = True) -> Iterator[None]:
 def cpu_gather_stream_bytes_from_env() -> int | None:
     """``QWEN4EXP_CPU_GATHER_STREAM_BYTES`` as a byte count (None where it is unset or empty)."""
     return env_count(CPU_GATHER_STREAM_BYTES_ENV, what="a byte count")
+
+
+def cpu_fresh_output_cache_bytes_from_env() -> int | None:
+    """``QWEN4EXP_CPU_FRESH_OUTPUT_CACHE_BYTES`` as a byte count (None where it is unset or
+    empty)."""
+    return env_count(CPU_FRESH_OUTPUT_CACHE_BYTES_ENV, what="a byte count")
 
 
 SIMT_SEED_ENV = "QWEN4EXP_SIMT_SEED"

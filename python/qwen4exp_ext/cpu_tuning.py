@@ -5,6 +5,7 @@ Every setting gives the same values; they exist to tune and to test each path on
 ``QWEN4EXP_CPU_GATHER_STREAM_BYTES`` in the environment sets :func:`cpu_gather_stream_bytes`
 when this module is imported (with :mod:`qwen4exp_ext.ops`, so with the package). The gather's
 path for large outputs is otherwise timed on this machine (:func:`cpu_gather_path`).
+``QWEN4EXP_CPU_FRESH_OUTPUT_CACHE_BYTES`` sets :func:`cpu_fresh_output_cache_bytes` likewise.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = [
     "CPU_GATHER_PATHS",
     "cpu_conv_silu_lookup",
     "cpu_fresh_output_bytes",
+    "cpu_fresh_output_cache_bytes",
     "cpu_fresh_output_mode",
     "cpu_gather_calls",
     "cpu_gather_fp8_lookup",
@@ -24,8 +26,11 @@ __all__ = [
     "cpu_gather_stream_bytes",
     "cpu_gather_timing",
     "cpu_ngram_hash_isa",
+    "empty_fresh_output_cache",
+    "fresh_output_cache_held",
     "set_cpu_conv_silu_lookup",
     "set_cpu_fresh_output_bytes",
+    "set_cpu_fresh_output_cache_bytes",
     "set_cpu_fresh_output_mode",
     "set_cpu_gather_fp8_lookup",
     "set_cpu_gather_path",
@@ -279,8 +284,59 @@ def set_cpu_fresh_output_mode(mode: str | None) -> str | None:
     return None if previous < 0 else _FRESH_OUTPUT_MODES[previous]
 
 
+def cpu_fresh_output_cache_bytes() -> int:
+    """The most bytes of released fresh-output mappings kept for reuse. A fresh output's mapping
+    (:func:`cpu_fresh_output_bytes`), when its tensor is freed, stays mapped and resident in a
+    cache, as torch's CUDA caching allocator keeps freed device blocks; the next fresh output
+    that fits (a mapping of at least its size and under twice it) takes it as it is, without the
+    kernel zeroing and faulting in every page again (with ``ple_gate`` at prefill, 1.4x to 1.8x
+    the ``out=`` call without it). Its contents are then a former output's, as ``torch.empty``'s
+    may be; every op writes all of its output. Past this cap the oldest mappings are unmapped.
+    Default 512 MiB (``ple_gate``'s two outputs at T = 8192, 320 MiB, with a prefill gather's
+    beside them), at most an eighth of RAM; 0: no cache. Per process: a forked child starts with
+    an empty cache. Set by :func:`set_cpu_fresh_output_cache_bytes`, or
+    ``QWEN4EXP_CPU_FRESH_OUTPUT_CACHE_BYTES`` in the environment when the package is imported.
+    Same values either way."""
+    return int(torch.ops.qwen4exp.cpu_fresh_output_cache_bytes())
+
+
+def set_cpu_fresh_output_cache_bytes(cache_bytes: int | None) -> int | None:
+    """Sets :func:`cpu_fresh_output_cache_bytes` for the whole process (0: no cache; None: the
+    default) and unmaps, oldest first, what the cache holds past it; returns the setting it
+    replaces (None: the default)."""
+    if cache_bytes is not None and (
+        isinstance(cache_bytes, bool)
+        or not isinstance(cache_bytes, int)
+        or not 0 <= cache_bytes <= _switches.INT64_MAX
+    ):
+        raise ValueError(
+            "set_cpu_fresh_output_cache_bytes: cache_bytes must be an int >= 0 or None (at most "
+            f"{_switches.INT64_MAX}), got {cache_bytes!r}"
+        )
+    previous = torch.ops.qwen4exp.set_cpu_fresh_output_cache_bytes(
+        -1 if cache_bytes is None else cache_bytes
+    )
+    return None if previous < 0 else int(previous)
+
+
+def fresh_output_cache_held() -> tuple[int, int]:
+    """What the cache of :func:`cpu_fresh_output_cache_bytes` holds now: (bytes, mappings)."""
+    held_bytes, mappings = torch.ops.qwen4exp.fresh_output_cache_held()
+    return int(held_bytes), int(mappings)
+
+
+def empty_fresh_output_cache() -> int:
+    """Unmaps every mapping the fresh-output cache holds (:func:`cpu_fresh_output_cache_bytes`),
+    giving its memory back to the system; returns the bytes unmapped. Outputs still alive are
+    not touched: their mappings join the cache when they are freed."""
+    return int(torch.ops.qwen4exp.empty_fresh_output_cache())
+
+
 _fresh_output_bytes = int(torch.ops.qwen4exp.cpu_fresh_output_bytes())
 
 _stream_bytes_from_env = _switches.cpu_gather_stream_bytes_from_env()
 if _stream_bytes_from_env is not None:
     set_cpu_gather_stream_bytes(_stream_bytes_from_env)
+_cache_bytes_from_env = _switches.cpu_fresh_output_cache_bytes_from_env()
+if _cache_bytes_from_env is not None:
+    set_cpu_fresh_output_cache_bytes(_cache_bytes_from_env)

@@ -24,6 +24,7 @@ from .cpu_tuning import (
     CPU_GATHER_PATHS,
     cpu_conv_silu_lookup,
     cpu_fresh_output_bytes,
+    cpu_fresh_output_cache_bytes,
     cpu_fresh_output_mode,
     cpu_gather_calls,
     cpu_gather_fp8_lookup,
@@ -31,8 +32,11 @@ from .cpu_tuning import (
     cpu_gather_stream_bytes,
     cpu_gather_timing,
     cpu_ngram_hash_isa,
+    empty_fresh_output_cache,
+    fresh_output_cache_held,
     set_cpu_conv_silu_lookup,
     set_cpu_fresh_output_bytes,
+    set_cpu_fresh_output_cache_bytes,
     set_cpu_fresh_output_mode,
     set_cpu_gather_fp8_lookup,
     set_cpu_gather_path,
@@ -46,6 +50,7 @@ __all__ = [
     "KernelOps",
     "cpu_conv_silu_lookup",
     "cpu_fresh_output_bytes",
+    "cpu_fresh_output_cache_bytes",
     "cpu_fresh_output_mode",
     "cpu_gather_calls",
     "cpu_gather_fp8_lookup",
@@ -53,6 +58,8 @@ __all__ = [
     "cpu_gather_stream_bytes",
     "cpu_gather_timing",
     "cpu_ngram_hash_isa",
+    "empty_fresh_output_cache",
+    "fresh_output_cache_held",
     "gather_rows",
     "grouped_gemma_rmsnorm",
     "hc_combine",
@@ -66,6 +73,7 @@ __all__ = [
     "read_file_rows",
     "set_cpu_conv_silu_lookup",
     "set_cpu_fresh_output_bytes",
+    "set_cpu_fresh_output_cache_bytes",
     "set_cpu_fresh_output_mode",
     "set_cpu_gather_fp8_lookup",
     "set_cpu_gather_path",
@@ -95,9 +103,12 @@ _empty_cpu_output = torch.ops.qwen4exp.empty_cpu_output.default
 
 def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An op's output allocated by its door: on the CPU, from
-    :func:`~qwen4exp_ext.cpu_tuning.cpu_fresh_output_bytes` bytes on, a mapping made resident
-    cheaply before the kernel writes it (csrc/torch/fresh_output.h; no 4 KiB fault each page);
-    torch.empty otherwise, and under Dynamo (which traces torch.empty, not our allocation)."""
+    :func:`~qwen4exp_ext.cpu_tuning.cpu_fresh_output_bytes` bytes on, a freed output's mapping
+    from the cache (:func:`~qwen4exp_ext.cpu_tuning.cpu_fresh_output_cache_bytes`), resident, or
+    else a new one made resident cheaply before the kernel writes it (csrc/torch/fresh_output.h;
+    no 4 KiB fault each page); uninitialised either way, as torch.empty: every caller's op writes
+    all of it. torch.empty otherwise, and under Dynamo (which traces torch.empty, not our
+    allocation)."""
     if (
         isinstance(dtype, torch.dtype)  # else torch.empty raises its own TypeError, as before
         and math.prod(shape) * dtype.itemsize >= cpu_tuning._fresh_output_bytes
