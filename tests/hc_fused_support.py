@@ -37,7 +37,13 @@ class FusedBatch:
 
 
 def fused_batch(
-    tokens: int, width: int, hc_count: int, rank: int, dtype: torch.dtype, *, seed: int = 0,
+    tokens: int,
+    width: int,
+    hc_count: int,
+    rank: int,
+    dtype: torch.dtype,
+    *,
+    seed: int = 0,
     strided: bool = True,
 ) -> FusedBatch:
     gen = torch.Generator().manual_seed(seed)

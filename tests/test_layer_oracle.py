@@ -195,11 +195,15 @@ def _hf_chain(cfg, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("hc_count,hidden_size,lowrank", [(4, 8, 5), (3, 24, 7)])
-def test_gated_residual_on_the_kernels_matches_transformers(hc_count, hidden_size, lowrank, dtype):
+@pytest.mark.parametrize("batch", [(2, 7), (1, 3)], ids=["prefill", "decode"])
+def test_gated_residual_on_the_kernels_matches_transformers(
+    hc_count, hidden_size, lowrank, dtype, batch
+):
     """Two blocks between three modules: transformers runs mix, the decoder's combine, mix,
     combine, final mix; ours the same with mix/combine, and again with vLLM's delayed chain
     (mix_delayed, combine_and_mix, combine_and_mix into the final mixer): equal within the
-    module tolerance, and the two chains of ours equal to each other."""
+    module tolerance, and the two chains of ours equal to each other. A decode batch (T = 3)
+    takes the fused down+inject projection (layers.hyper_connection.FUSED_DOWN_MAX_TOKENS)."""
     from qwen4exp_ext.layers import GatedResidual
     from qwen4exp_ext.testing import assert_within, tolerance
 
@@ -211,8 +215,8 @@ def test_gated_residual_on_the_kernels_matches_transformers(hc_count, hidden_siz
         mine.load_state_dict(module.state_dict())
         ours.append(mine)
     gen = torch.Generator().manual_seed(31)
-    x = (torch.randn(2, 7, hc_count * hidden_size, generator=gen) * 2).to(dtype)
-    blocks = [torch.randn(2, 7, hidden_size, generator=gen).to(dtype) for _ in range(2)]
+    x = (torch.randn(*batch, hc_count * hidden_size, generator=gen) * 2).to(dtype)
+    blocks = [torch.randn(*batch, hidden_size, generator=gen).to(dtype) for _ in range(2)]
 
     def block(i, mixed):  # a stand-in block whose output depends on its input
         return (blocks[i].float() + 0.5 * mixed.float()).to(dtype)
@@ -245,6 +249,43 @@ def test_gated_residual_on_the_kernels_matches_transformers(hc_count, hidden_siz
         assert_within(delayed[i], my_mixed[i], tolerance("hc_combine_norm", dtype), f"delayed {i}")
     assert_within(my_x, hf_x, tol, "combined streams")
     assert_within(hidden, my_x, tolerance("hc_combine", dtype), "delayed combined streams")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gated_residual_fuses_the_down_projection_at_decode(monkeypatch, dtype):
+    """Up to FUSED_DOWN_MAX_TOKENS tokens on the CPU the module runs ops.hc_down_silu_inject
+    (once per mix, the logits with it where the module has W_inj), above it F.linear + hc_silu;
+    both give the block input and logits within the fused op's tolerance of each other."""
+    from qwen4exp_ext import ops
+    from qwen4exp_ext.layers import GatedResidual, hyper_connection
+    from qwen4exp_ext.testing import assert_within, tolerance
+
+    limit = hyper_connection.FUSED_DOWN_MAX_TOKENS
+    cfg = tiny_config(hc_count=4, hidden_size=12, hc_lowrank=5)
+    module = GatedResidual(cfg, dtype=dtype)
+    gen = torch.Generator().manual_seed(33)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    x = torch.randn(limit + 1, 48, generator=gen).to(dtype)
+    calls = []
+    real = ops.hc_down_silu_inject
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "hc_down_silu_inject", counted)
+    with torch.no_grad():
+        _, fused_mixed, fused_logits = module.mix_delayed(x[:limit])
+        assert calls == [limit]
+        _, mixed, logits = module.mix_delayed(x)
+        assert calls == [limit]
+        module.mix(x[:1])
+        assert calls == [limit, 1]
+    tol = tolerance("hc_module", dtype, against="reference")
+    assert_within(fused_mixed, mixed[:limit], tol, "block input")
+    assert_within(fused_logits, logits[:limit], tolerance("hc_down_silu_inject", dtype), "logits")
 
 
 def test_combine_pending_without_injection_adds_the_block_to_every_stream():

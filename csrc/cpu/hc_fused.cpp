@@ -32,9 +32,10 @@ namespace {
 
 constexpr int64_t kTokenTile = 16;  // tokens a weight row is read for at once (decode: all)
 constexpr int64_t kUpColumns = 16;  // columns of H per up block (16·HC weight rows)
-constexpr int64_t kDownRows = 8;    // weight rows per down block
+static_assert(kUpColumns % simd::kLanes == 0, "the epilogue takes whole 8-column vectors");
+constexpr int64_t kDownRows = 8;  // weight rows per down block
 
-int64_t padded(int64_t n) { return (n + simd::kLanes - 1) / simd::kLanes * simd::kLanes; }
+int64_t padded(int64_t n) { return (n + cpu::kDotLanes - 1) / cpu::kDotLanes * cpu::kDotLanes; }
 
 // rows × depth activations of T (row stride `stride`) widened to fp32 [rows, padded(depth)],
 // zero past depth (hc_fused_dot.h's `a`), in parallel over the rows.
@@ -55,53 +56,69 @@ std::vector<float> widen_rows(const void* src, int64_t stride, int64_t rows, int
   return a;
 }
 
+// The sigmoids of 8 dots (n valid) as the unfused path takes them: of each dot rounded to T.
+// 16-bit: looked up by the rounded bits (hc_sigmoid_table.h); fp32: sigmoid_f32 itself.
 template <typename T>
-float sigmoid_of_stored(float gate, [[maybe_unused]] const float* table) {
+simd::f32x8 gate_sigmoids(simd::f32x8 dots, [[maybe_unused]] const float* table) {
+  simd::f32x8 out;
   if constexpr (sizeof(T) == 2) {
-    return table[from_float<T>(gate).bits];
+    const simd::u16x8 bits = simd::to_bits<T>(dots);
+    for (int j = 0; j < simd::kLanes; ++j) out[j] = table[bits[j]];
   } else {
-    return sigmoid_f32(gate);
+    for (int j = 0; j < simd::kLanes; ++j) out[j] = sigmoid_f32(dots[j]);
+  }
+  return out;
+}
+
+// One block of columns [c0, c0 + columns) of every token: per stream, the dots of its weight
+// rows, then acc += sigmoid(gate) · xn in 8-column vectors (hc_gate_mix's fp32 operations, in
+// its order: the streams from 0, then one division by HC).
+template <typename T>
+void up_gate_mix_block(const HcUpGateMixParams& p, const float* a, int64_t a_width, int64_t c0,
+                       const float* table) {
+  const int64_t tokens = p.num_tokens, width = p.width;
+  const int64_t columns = std::min(kUpColumns, width - c0);
+  const float hc = static_cast<float>(p.streams);
+  float dots[kTokenTile * kUpColumns] = {};  // columns past the block: finite, never stored
+  float acc[kTokenTile * kUpColumns];
+  for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
+    const int64_t nt = std::min(kTokenTile, tokens - t0);
+    std::fill(acc, acc + kTokenTile * kUpColumns, 0.f);
+    for (int s = 0; s < p.streams; ++s) {
+      const int64_t row0 = s * width + c0;
+      cpu::dot_rows(a + t0 * a_width, a_width, nt,
+                    static_cast<const T*>(p.w_up) + row0 * p.w_row_stride, p.w_row_stride, p.dtype,
+                    columns, p.rank, dots, kUpColumns);
+      for (int64_t t = 0; t < nt; ++t) {
+        const T* x = static_cast<const T*>(p.xn) + (t0 + t) * p.xn_row_stride + row0;
+        for (int64_t c = 0; c < columns; c += simd::kLanes) {
+          const int n = static_cast<int>(std::min<int64_t>(simd::kLanes, columns - c));
+          float* at = acc + t * kUpColumns + c;
+          const simd::f32x8 sig = gate_sigmoids<T>(simd::load(dots + t * kUpColumns + c), table);
+          simd::store(at, simd::load(at) + sig * simd::load_n(x + c, n));
+        }
+      }
+    }
+    for (int64_t t = 0; t < nt; ++t) {
+      T* out = static_cast<T*>(p.out) + (t0 + t) * p.out_row_stride + c0;
+      for (int64_t c = 0; c < columns; c += simd::kLanes) {
+        const int n = static_cast<int>(std::min<int64_t>(simd::kLanes, columns - c));
+        simd::store_n(out + c, simd::load(acc + t * kUpColumns + c) / hc, n);
+      }
+    }
   }
 }
 
 template <typename T>
 void up_gate_mix(const HcUpGateMixParams& p) {
-  const int64_t tokens = p.num_tokens, rank = p.rank, width = p.width;
-  const int64_t a_width = padded(rank);
-  const std::vector<float> a = widen_rows<T>(p.lowrank, p.lowrank_row_stride, tokens, rank);
-  [[maybe_unused]] const float* table = nullptr;
+  const int64_t a_width = padded(p.rank);
+  const std::vector<float> a = widen_rows<T>(p.lowrank, p.lowrank_row_stride, p.num_tokens, p.rank);
+  const float* table = nullptr;
   if constexpr (sizeof(T) == 2) table = cpu::sigmoid_table<T>();
-  const float hc = static_cast<float>(p.streams);
-  const int64_t blocks = (width + kUpColumns - 1) / kUpColumns;
+  const int64_t blocks = (p.width + kUpColumns - 1) / kUpColumns;
   cpu::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    float dots[kTokenTile * kUpColumns];
-    float acc[kTokenTile * kUpColumns];
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t c0 = b * kUpColumns;
-      const int64_t columns = std::min(kUpColumns, width - c0);
-      for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
-        const int64_t nt = std::min(kTokenTile, tokens - t0);
-        std::fill(acc, acc + kTokenTile * kUpColumns, 0.f);
-        for (int s = 0; s < p.streams; ++s) {
-          const int64_t row0 = s * width + c0;
-          cpu::dot_rows(a.data() + t0 * a_width, a_width, nt,
-                        static_cast<const T*>(p.w_up) + row0 * p.w_row_stride, p.w_row_stride,
-                        p.dtype, columns, rank, dots, kUpColumns);
-          for (int64_t t = 0; t < nt; ++t) {
-            const T* x = static_cast<const T*>(p.xn) + (t0 + t) * p.xn_row_stride + row0;
-            for (int64_t c = 0; c < columns; ++c) {
-              const float gate = round_to<T>(dots[t * kUpColumns + c]);
-              acc[t * kUpColumns + c] += sigmoid_of_stored<T>(gate, table) * to_float(x[c]);
-            }
-          }
-        }
-        for (int64_t t = 0; t < nt; ++t) {
-          T* out = static_cast<T*>(p.out) + (t0 + t) * p.out_row_stride + c0;
-          for (int64_t c = 0; c < columns; ++c) {
-            out[c] = from_float<T>(acc[t * kUpColumns + c] / hc);
-          }
-        }
-      }
+      up_gate_mix_block<T>(p, a.data(), a_width, b * kUpColumns, table);
     }
   });
 }

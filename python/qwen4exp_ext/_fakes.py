@@ -489,7 +489,8 @@ def _hc_down_silu_inject_out_fake(xn, w_down, w_inj, hc_count, *, lowrank, logit
     op = "hc_down_silu_inject"
     expected, _ = _hc_down_silu_inject_fake(xn, w_down, w_inj, hc_count)
     torch._check(
-        (logits is None) == (w_inj is None), lambda: f"{op}: logits must be given exactly when w_inj is"
+        (logits is None) == (w_inj is None),
+        lambda: f"{op}: logits must be given exactly when w_inj is",
     )
     _hc_out(op, "lowrank", lowrank, expected.shape, xn, "xn")
     if logits is not None:

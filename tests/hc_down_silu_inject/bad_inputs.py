@@ -25,7 +25,9 @@ def baseline() -> dict:
 
 
 def _call(a, kernels, **kw):
-    kernels.hc_down_silu_inject(a.pop("xn"), a.pop("w_down"), a.pop("w_inj"), a.pop("hc_count"), **kw)
+    kernels.hc_down_silu_inject(
+        a.pop("xn"), a.pop("w_down"), a.pop("w_inj"), a.pop("hc_count"), **kw
+    )
 
 
 def run(a, kernels=ops):
@@ -83,7 +85,11 @@ _INPUTS = [
     ("meta-w_inj", set_("w_inj", meta), "w_inj"),
 ]
 _OUTPUTS = [
-    ("lowrank-shape", put("lowrank", lambda: sentinel((T, R + 1), torch.float32)), "lowrank must be"),
+    (
+        "lowrank-shape",
+        put("lowrank", lambda: sentinel((T, R + 1), torch.float32)),
+        "lowrank must be",
+    ),
     ("lowrank-f16", put("lowrank", lambda: sentinel((T, R), F16)), "lowrank must have dtype"),
     ("lowrank-noncontig", set_("lowrank", noncontig), "lowrank must have unit stride"),
     ("logits-shape", put("logits", lambda: sentinel((T, HC + 1), torch.float32)), "logits must be"),

@@ -25,6 +25,18 @@ from qwen4exp_ext import ops
 
 from .state import _text_config
 
+# The fused down+inject projection (ops.hc_down_silu_inject: xn read once for both GEMMs, the
+# weights once for all T tokens, SiLU as the epilogue) runs where it was measured faster than
+# F.linear + ops.hc_silu (+ F.linear for the logits): on the CPU, up to this many tokens. Measured
+# with bench/hc_fused.py's shapes (H = 2560, M = 4, r = 320, bf16) on a 2-core AMD EPYC Zen 4 VM,
+# 1 thread, 10th percentile of 100 (another worker shared the VM): T = 1: 173 us against 380
+# (2.2x); T = 4: 311 against 419 (1.35x); T = 16: 1252 against 783 (0.63x: the fp32 FMAs of the
+# fused kernel lose to oneDNN's bf16 dot products once the dots outweigh the weights' bytes).
+# The fused up projection (ops.hc_up_gate_mix) was not faster on the CPU (T = 1: 255 against
+# 264 us, within noise; T = 4: 437 against 427; T = 16: 2183 against 758), so the module keeps
+# F.linear + ops.hc_gate_mix for it; nor is either used on a GPU, where they are not measured yet.
+FUSED_DOWN_MAX_TOKENS = 4
+
 __all__ = ["GatedResidual", "HyperConnection", "HyperConnectionConfig"]
 
 
@@ -154,15 +166,39 @@ class GatedResidual(HyperConnection):
         )
         return rows.reshape(hyper_input.shape)
 
-    def _block_input(self, normed: torch.Tensor) -> torch.Tensor:
-        """The mix from n on: SiLU(W_down·n / M), its up projection's gates, the gated mean."""
+    def _down(
+        self, rows: torch.Tensor, with_logits: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(SiLU(W_down·n / M) [T, r], W_inj·n [T, M] if ``with_logits`` and there is W_inj)."""
+        w_down = self.input_mix_weight_down.weight
+        inject = self.block_inject_weight if with_logits else None
+        w_inj = None if inject is None else inject.weight
+        if (
+            rows.device.type == "cpu"
+            and rows.shape[0] <= FUSED_DOWN_MAX_TOKENS
+            and rows.dtype == w_down.dtype
+            and (w_inj is None or w_inj.dtype == rows.dtype)
+            and (rows.shape[1] <= 1 or rows.stride(1) == 1)
+        ):
+            return ops.hc_down_silu_inject(rows, w_down, w_inj, self.hc_count)
+        lowrank = ops.hc_silu(F.linear(rows, w_down), self.hc_count)
+        return lowrank, None if w_inj is None else F.linear(rows, w_inj)
+
+    def _mix_normed(
+        self, normed: torch.Tensor, with_logits: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The mix from n on: SiLU(W_down·n / M), its up projection's gates, the gated mean;
+        and W_inj·n ([.., M]) where ``with_logits`` and the module has W_inj, else None."""
         if self.input_mix_weight_down is None or self.input_mix_weight_up is None:
             raise RuntimeError("mix was disabled for this hyper-connection")
         rows = self._rows(normed)
-        lowrank = ops.hc_silu(F.linear(rows, self.input_mix_weight_down.weight), self.hc_count)
+        lowrank, logits = self._down(rows, with_logits)
         gate = F.linear(lowrank, self.input_mix_weight_up.weight)
         mixed = ops.hc_gate_mix(rows, gate, self.hc_count)
-        return mixed.reshape(*normed.shape[:-1], self.hidden_size)
+        mixed = mixed.reshape(*normed.shape[:-1], self.hidden_size)
+        if logits is not None:
+            logits = logits.reshape(*normed.shape[:-1], self.hc_count)
+        return mixed, logits
 
     def mix(
         self, hyper_input: torch.Tensor
@@ -171,7 +207,7 @@ class GatedResidual(HyperConnection):
         if self.input_mix_weight_down is None or self.input_mix_weight_up is None:
             raise RuntimeError("mix was disabled for this hyper-connection")
         normed = self.normalize(hyper_input)
-        return self._block_input(normed), (hyper_input, normed)
+        return self._mix_normed(normed)[0], (hyper_input, normed)
 
     def injection_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """W_inj·n: [.., M] (the combine's injection weights are 2·sigmoid(logits / M))."""
@@ -214,8 +250,8 @@ class GatedResidual(HyperConnection):
         """vLLM's ``mix``: (hyper_input, block input, injection logits [.., M] or None without
         W_inj), the combine left pending for the next module's :meth:`combine_and_mix` or
         :meth:`combine_pending`."""
-        mixed, (_, normed) = self.mix(hyper_input)
-        logits = None if self.block_inject_weight is None else self.injection_logits(normed)
+        self._check(hyper_input)
+        mixed, logits = self._mix_normed(self.normalize(hyper_input), with_logits=True)
         return hyper_input, mixed, logits
 
     def combine_and_mix(
@@ -241,8 +277,7 @@ class GatedResidual(HyperConnection):
             self.hc_count,
         )
         hidden, normed = hidden.reshape(hyper_input.shape), normed.reshape(hyper_input.shape)
-        mixed = self._block_input(normed)
-        logits = None if self.block_inject_weight is None else self.injection_logits(normed)
+        mixed, logits = self._mix_normed(normed, with_logits=True)
         return hidden, mixed, logits
 
     def forward(
