@@ -12,10 +12,13 @@ tensors. Magnitudes as a module's: xn normalised (|x| of a few units), weights s
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 
+import pytest
 import torch
 
+from qwen4exp_ext import ops
 from qwen4exp_ext import reference_hc as ref
 from qwen4exp_ext.testing import assert_exact, assert_within, tolerance
 
@@ -145,3 +148,17 @@ def check_batch_independent(backend, op, dtype) -> None:
         alone = replace(b, lowrank=b.lowrank[t : t + 1], xn=b.xn[t : t + 1])
         for g, e in zip(run(backend, op, *args(op, alone)), whole, strict=True):
             assert_exact(g, e[t : t + 1], f"{backend} {op} token {t}", bitwise=True)
+
+
+@contextlib.contextmanager
+def cpu_hc_dot(dot: str):
+    """The CPU kernels' bf16 dots pinned to ``dot`` ("fp32" or "bf16", ops.set_cpu_hc_dot) for
+    the block; skips where this CPU lacks it."""
+    try:
+        previous = ops.set_cpu_hc_dot(dot)
+    except ValueError as e:
+        pytest.skip(str(e))
+    try:
+        yield
+    finally:
+        ops.set_cpu_hc_dot(previous)

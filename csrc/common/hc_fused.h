@@ -78,6 +78,13 @@ QWEN4EXP_HD int64_t hc_down_workspace_floats(int64_t tokens, int32_t depth, int3
 QWEN4EXP_API void run_hc_up_gate_mix_cpu(const HcUpGateMixParams& p);
 QWEN4EXP_API void run_hc_down_silu_inject_cpu(const HcDownSiluInjectParams& p);
 
+// How the CPU kernels take the dots of bf16 data: 1 with AVX512-BF16's vdpbf16ps (x86-64 CPUs that
+// have it: 32 products an instruction), 0 in fp32 FMAs after widening (every CPU, and fp32/fp16
+// data). By default 1 where the CPU has it; set_cpu_hc_dot pins one (-1: that default) and
+// returns the setting it replaces; 1 where the CPU lacks it throws std::invalid_argument.
+QWEN4EXP_API int64_t cpu_hc_dot();
+QWEN4EXP_API int64_t set_cpu_hc_dot(int64_t dot);
+
 #if defined(QWEN4EXP_HAS_LAUNCHERS)  // a CPU-only build sees only the params
 // Enqueue the kernels on `stream`; return the launch status. Expect T > 0 and R, H, K > 0; the
 // down launcher a workspace of hc_down_workspace_floats(T, K, R + HC or R) floats.

@@ -17,6 +17,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -56,6 +58,48 @@ std::vector<float> widen_rows(const void* src, int64_t stride, int64_t rows, int
   return a;
 }
 
+// The activation rows the dots read: on a CPU with AVX512-BF16 and bf16 data, the bf16 rows
+// themselves, zero-padded (hc_fused_dot.h's dot_rows_bf16); else widened to fp32 (dot_rows).
+struct Activations {
+  std::vector<float> f32;
+  std::vector<bf16_t> b16;
+  int64_t width = 0;  // padded row length
+  bool bf16 = false;
+
+  // dot_rows of tokens [t0, t0 + nt) with `rows` weight rows of `depth`.
+  void dots(int64_t t0, int64_t nt, const void* w, int64_t w_stride, Dtype w_dtype, int64_t rows,
+            int64_t depth, float* out, int64_t out_stride) const {
+    if (bf16) {
+      cpu::dot_rows_bf16(b16.data() + t0 * width, width, nt, static_cast<const bf16_t*>(w),
+                         w_stride, rows, depth, out, out_stride);
+    } else {
+      cpu::dot_rows(f32.data() + t0 * width, width, nt, w, w_stride, w_dtype, rows, depth, out,
+                    out_stride);
+    }
+  }
+};
+
+template <typename T>
+Activations activations(const void* src, int64_t stride, int64_t rows, int64_t depth) {
+  Activations acts;
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    if (cpu::use_bf16_dot()) {
+      constexpr int64_t kPad = cpu::kBf16DotLanes;
+      acts.bf16 = true;
+      acts.width = (depth + kPad - 1) / kPad * kPad;
+      acts.b16.assign(static_cast<size_t>(rows * acts.width), bf16_t{0});
+      for (int64_t t = 0; t < rows; ++t) {
+        std::memcpy(static_cast<void*>(acts.b16.data() + t * acts.width),
+                    static_cast<const bf16_t*>(src) + t * stride, sizeof(bf16_t) * depth);
+      }
+      return acts;
+    }
+  }
+  acts.width = padded(depth);
+  acts.f32 = widen_rows<T>(src, stride, rows, depth);
+  return acts;
+}
+
 // The sigmoids of 8 dots (n valid) as the unfused path takes them: of each dot rounded to T.
 // 16-bit: looked up by the rounded bits (hc_sigmoid_table.h); fp32: sigmoid_f32 itself.
 template <typename T>
@@ -74,7 +118,7 @@ simd::f32x8 gate_sigmoids(simd::f32x8 dots, [[maybe_unused]] const float* table)
 // rows, then acc += sigmoid(gate) · xn in 8-column vectors (hc_gate_mix's fp32 operations, in
 // its order: the streams from 0, then one division by HC).
 template <typename T>
-void up_gate_mix_block(const HcUpGateMixParams& p, const float* a, int64_t a_width, int64_t c0,
+void up_gate_mix_block(const HcUpGateMixParams& p, const Activations& acts, int64_t c0,
                        const float* table) {
   const int64_t tokens = p.num_tokens, width = p.width;
   const int64_t columns = std::min(kUpColumns, width - c0);
@@ -86,9 +130,8 @@ void up_gate_mix_block(const HcUpGateMixParams& p, const float* a, int64_t a_wid
     std::fill(acc, acc + kTokenTile * kUpColumns, 0.f);
     for (int s = 0; s < p.streams; ++s) {
       const int64_t row0 = s * width + c0;
-      cpu::dot_rows(a + t0 * a_width, a_width, nt,
-                    static_cast<const T*>(p.w_up) + row0 * p.w_row_stride, p.w_row_stride, p.dtype,
-                    columns, p.rank, dots, kUpColumns);
+      acts.dots(t0, nt, static_cast<const T*>(p.w_up) + row0 * p.w_row_stride, p.w_row_stride,
+                p.dtype, columns, p.rank, dots, kUpColumns);
       for (int64_t t = 0; t < nt; ++t) {
         const T* x = static_cast<const T*>(p.xn) + (t0 + t) * p.xn_row_stride + row0;
         for (int64_t c = 0; c < columns; c += simd::kLanes) {
@@ -111,14 +154,13 @@ void up_gate_mix_block(const HcUpGateMixParams& p, const float* a, int64_t a_wid
 
 template <typename T>
 void up_gate_mix(const HcUpGateMixParams& p) {
-  const int64_t a_width = padded(p.rank);
-  const std::vector<float> a = widen_rows<T>(p.lowrank, p.lowrank_row_stride, p.num_tokens, p.rank);
+  const Activations acts = activations<T>(p.lowrank, p.lowrank_row_stride, p.num_tokens, p.rank);
   const float* table = nullptr;
   if constexpr (sizeof(T) == 2) table = cpu::sigmoid_table<T>();
   const int64_t blocks = (p.width + kUpColumns - 1) / kUpColumns;
   cpu::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      up_gate_mix_block<T>(p, a.data(), a_width, b * kUpColumns, table);
+      up_gate_mix_block<T>(p, acts, b * kUpColumns, table);
     }
   });
 }
@@ -126,8 +168,7 @@ void up_gate_mix(const HcUpGateMixParams& p) {
 template <typename T>
 void down_silu_inject(const HcDownSiluInjectParams& p) {
   const int64_t tokens = p.num_tokens, depth = p.depth;
-  const int64_t a_width = padded(depth);
-  const std::vector<float> a = widen_rows<T>(p.xn, p.xn_row_stride, tokens, depth);
+  const Activations acts = activations<T>(p.xn, p.xn_row_stride, tokens, depth);
   const float hc = static_cast<float>(p.streams);
   const int64_t down_blocks = (p.rank + kDownRows - 1) / kDownRows;
   const int64_t inject_blocks = p.w_inj != nullptr ? (p.streams + kDownRows - 1) / kDownRows : 0;
@@ -141,8 +182,7 @@ void down_silu_inject(const HcDownSiluInjectParams& p) {
       const T* w = static_cast<const T*>(down ? p.w_down : p.w_inj) + r0 * w_stride;
       for (int64_t t0 = 0; t0 < tokens; t0 += kTokenTile) {
         const int64_t nt = std::min(kTokenTile, tokens - t0);
-        cpu::dot_rows(a.data() + t0 * a_width, a_width, nt, w, w_stride, p.dtype, rows, depth, dots,
-                      kDownRows);
+        acts.dots(t0, nt, w, w_stride, p.dtype, rows, depth, dots, kDownRows);
         for (int64_t t = 0; t < nt; ++t) {
           const float* d = dots + t * kDownRows;
           if (down) {

@@ -10,9 +10,12 @@
 #include "hc_fused_dot.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <string>
 #include <stdexcept>
 
+#include "../common/hc_fused.h"
 #include "simd.h"
 
 namespace qwen4exp::cpu {
@@ -157,7 +160,89 @@ QWEN4EXP_DOT_ENTRY(dot_rows_bf16, bf16_t)
 QWEN4EXP_DOT_ENTRY(dot_rows_f16, f16_t)
 #undef QWEN4EXP_DOT_ENTRY
 
+#if QWEN4EXP_X86_AVX512
+#define QWEN4EXP_TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+template <int kTok>
+QWEN4EXP_TARGET_BF16 void bf16_tile(const bf16_t* const* at, const bf16_t* w, int64_t w_stride,
+                                    int64_t rows, int64_t depth, float* out, int64_t out_stride) {
+  const int64_t whole = depth / kBf16DotLanes * kBf16DotLanes;
+  const int tail = static_cast<int>(depth - whole);
+  const __mmask32 tail_mask = tail > 0 ? (__mmask32{1} << tail) - 1 : 0;
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const bf16_t* wr[kRows];
+    for (int i = 0; i < kRows; ++i) wr[i] = w + std::min(r0 + i, rows - 1) * w_stride;
+    __m512 acc[kRows][kTok];
+    for (int i = 0; i < kRows; ++i)
+      for (int j = 0; j < kTok; ++j) acc[i][j] = _mm512_setzero_ps();
+    // No lambda for the step: a lambda does not take this function's target attribute.
+    for (int64_t k = 0; k < whole + (tail > 0 ? kBf16DotLanes : 0); k += kBf16DotLanes) {
+      __m512bh wv[kRows];
+      for (int i = 0; i < kRows; ++i) {
+        wv[i] = k < whole ? (__m512bh)_mm512_loadu_si512(wr[i] + k)
+                          : (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, wr[i] + k);
+      }
+      for (int j = 0; j < kTok; ++j) {
+        const __m512bh av = (__m512bh)_mm512_loadu_si512(at[j] + k);  // zero past depth
+        for (int i = 0; i < kRows; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[i], av);
+      }
+    }
+    f32x16 all[16] = {};
+    for (int i = 0; i < kRows; ++i)
+      for (int j = 0; j < kTok; ++j) all[j * kRows + i] = (f32x16)acc[i][j];
+    float sums[16];
+    lane_sums(all, sums);
+    for (int j = 0; j < kTok; ++j) {
+      for (int i = 0; i < kRows && r0 + i < rows; ++i) {
+        out[j * out_stride + r0 + i] = sums[j * kRows + i];
+      }
+    }
+  }
+}
+#endif
+
 }  // namespace
+
+bool has_bf16_dot() {
+#if QWEN4EXP_X86_AVX512
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+namespace {
+std::atomic<int64_t> dot_setting{-1};
+}  // namespace
+
+bool use_bf16_dot() {
+  const int64_t set = dot_setting.load(std::memory_order_relaxed);
+  return set < 0 ? has_bf16_dot() : set == 1;
+}
+
+void dot_rows_bf16(const bf16_t* a, int64_t a_stride, int64_t tokens, const bf16_t* w,
+                   int64_t w_stride, int64_t rows, int64_t depth, float* out, int64_t out_stride) {
+#if QWEN4EXP_X86_AVX512
+  if (!has_bf16_dot()) throw std::logic_error("dot_rows_bf16: no AVX512-BF16 on this CPU");
+  for (int64_t t0 = 0; t0 < tokens; t0 += kTokens) {
+    const bf16_t* at[kTokens];
+    for (int j = 0; j < kTokens; ++j) at[j] = a + std::min(t0 + j, tokens - 1) * a_stride;
+    float* o = out + t0 * out_stride;
+    switch (std::min<int64_t>(kTokens, tokens - t0)) {
+      case 1: bf16_tile<1>(at, w, w_stride, rows, depth, o, out_stride); break;
+      case 2: bf16_tile<2>(at, w, w_stride, rows, depth, o, out_stride); break;
+      case 3: bf16_tile<3>(at, w, w_stride, rows, depth, o, out_stride); break;
+      default: bf16_tile<kTokens>(at, w, w_stride, rows, depth, o, out_stride);
+    }
+  }
+#else
+  (void)a, (void)a_stride, (void)tokens, (void)w, (void)w_stride, (void)rows, (void)depth,
+      (void)out, (void)out_stride;
+  throw std::logic_error("dot_rows_bf16: no AVX512-BF16 on this CPU");
+#endif
+}
 
 void dot_rows(const float* a, int64_t a_stride, int64_t tokens, const void* w, int64_t w_stride,
               Dtype w_dtype, int64_t rows, int64_t depth, float* out, int64_t out_stride) {
@@ -175,3 +260,22 @@ void dot_rows(const float* a, int64_t a_stride, int64_t tokens, const void* w, i
 }
 
 }  // namespace qwen4exp::cpu
+
+namespace qwen4exp {
+
+int64_t cpu_hc_dot() { return cpu::use_bf16_dot() ? 1 : 0; }
+
+int64_t set_cpu_hc_dot(int64_t dot) {
+  if (dot < -1 || dot > 1) {
+    throw std::invalid_argument(
+        "set_cpu_hc_dot: dot must be -1 (the default), 0 (fp32) or 1 (bf16), got " +
+        std::to_string(dot));
+  }
+  if (dot == 1 && !cpu::has_bf16_dot()) {
+    throw std::invalid_argument(
+        "set_cpu_hc_dot: the bf16 dot needs AVX512-BF16, which this CPU or build lacks");
+  }
+  return cpu::dot_setting.exchange(dot);
+}
+
+}  // namespace qwen4exp

@@ -28,29 +28,32 @@ namespace qwen4exp {
 namespace {
 
 constexpr int kThreads = 256;
-// The fewest waves per SIMD on AMD: the op's floor in tools/kernel_report.py (FLOORS).
-constexpr int kAmdMinWaves = 8;
+// The fewest waves per SIMD on AMD: the op's floor in tools/kernel_report.py (FLOORS). 4, not the
+// element-wise ops' 8: at 8 the register budget spilled scalar registers (the 64-bit row
+// addressing of the dots, and sigmoid_f32's double exp in the up kernel); a decode step has a
+// few hundred blocks of these kernels at most, far from filling 8 waves a SIMD anyway.
+constexpr int kAmdMinWaves = 4;
 constexpr int kGroupLog2 = 5;
 constexpr int kGroup = 1 << kGroupLog2;   // lanes per weight row
 constexpr int kRows = kThreads / kGroup;  // weight rows (up: columns of H) per block
 constexpr int kTileTokens = 4;            // tokens per pass over a row
 
-// The dots of w[begin, end) with the tile's activation rows a + j·a_stride (j < kTileTokens;
-// those past `tokens` repeat the last one), summed over the group: every lane gets them.
-template <typename T>
+// The dots of w[begin, end) with the tile's activation rows a + j·a_stride (j < kTile; those
+// past `tokens` repeat the last one), summed over the group: every lane gets them.
+template <typename T, int kTile>
 QWEN4EXP_DEVICE void group_dots(const T* w, const T* a, int64_t a_stride, int tokens, int64_t begin,
-                                int64_t end, float (&dot)[kTileTokens]) {
+                                int64_t end, float (&dot)[kTile]) {
   const int lane = threadIdx.x % kGroup;
 #pragma unroll
-  for (int j = 0; j < kTileTokens; ++j) dot[j] = 0.f;
+  for (int j = 0; j < kTile; ++j) dot[j] = 0.f;
   for (int64_t k = begin + lane; k < end; k += kGroup) {
     const float wk = widen(w[k]);
 #pragma unroll
-    for (int j = 0; j < kTileTokens; ++j) {
+    for (int j = 0; j < kTile; ++j) {
       dot[j] += wk * widen(a[std::min(j, tokens - 1) * a_stride + k]);
     }
   }
-  group_sum<kTileTokens, kThreads>(dot, kGroupLog2, nullptr);  // a group never spans waves
+  group_sum<kTile, kThreads>(dot, kGroupLog2, nullptr);  // a group never spans waves
 }
 
 template <typename T>
@@ -66,24 +69,24 @@ __global__ void __launch_bounds__(kThreads) QWEN4EXP_AMD_MIN_WAVES(kAmdMinWaves)
          t0 += static_cast<int64_t>(gridDim.y) * kTileTokens) {
       const int tokens = static_cast<int>(std::min<int64_t>(kTileTokens, p.num_tokens - t0));
       const T* lowrank = static_cast<const T*>(p.lowrank) + t0 * p.lowrank_row_stride;
-      const T* xn = static_cast<const T*>(p.xn) + t0 * p.xn_row_stride;
-      float acc[kTileTokens];
-#pragma unroll
-      for (int j = 0; j < kTileTokens; ++j) acc[j] = 0.f;
+      // Lane j (< kTileTokens) of the group owns token t0 + j's sum: one sigmoid a lane per
+      // stream, not one per token unrolled (sigmoid_f32's double exp, inlined kTileTokens
+      // times, spilled the scalar registers on AMD).
+      const int mine = std::min(lane, tokens - 1);
+      const T* xn = static_cast<const T*>(p.xn) + (t0 + mine) * p.xn_row_stride;
+      float acc = 0.f;
       for (int s = 0; s < p.streams; ++s) {
         const int64_t row = s * width + column;
         float dot[kTileTokens];
         group_dots(static_cast<const T*>(p.w_up) + row * p.w_row_stride, lowrank,
                    p.lowrank_row_stride, tokens, 0, p.rank, dot);
+        float gate = dot[0];
 #pragma unroll
-        for (int j = 0; j < kTileTokens; ++j) {
-          const float x = widen(xn[std::min(j, tokens - 1) * p.xn_row_stride + row]);
-          acc[j] += sigmoid_f32(round_through<T>(dot[j])) * x;
-        }
+        for (int j = 1; j < kTileTokens; ++j) gate = mine == j ? dot[j] : gate;
+        acc += sigmoid_f32(round_through<T>(gate)) * widen(xn[row]);
       }
-      if (i < width && lane == 0) {
-        T* out = static_cast<T*>(p.out) + t0 * p.out_row_stride + i;
-        for (int j = 0; j < tokens; ++j) out[j * p.out_row_stride] = narrow<T>(acc[j] / hc);
+      if (i < width && lane < tokens) {
+        static_cast<T*>(p.out)[(t0 + lane) * p.out_row_stride + i] = narrow<T>(acc / hc);
       }
     }
   }

@@ -30,6 +30,7 @@ from .cpu_tuning import (
     cpu_gather_path,
     cpu_gather_stream_bytes,
     cpu_gather_timing,
+    cpu_hc_dot,
     cpu_ngram_hash_isa,
     set_cpu_conv_silu_lookup,
     set_cpu_fresh_output_bytes,
@@ -37,6 +38,7 @@ from .cpu_tuning import (
     set_cpu_gather_fp8_lookup,
     set_cpu_gather_path,
     set_cpu_gather_stream_bytes,
+    set_cpu_hc_dot,
     set_cpu_ngram_hash_isa,
 )
 from .reference import FP8_DTYPES
@@ -52,6 +54,7 @@ __all__ = [
     "cpu_gather_path",
     "cpu_gather_stream_bytes",
     "cpu_gather_timing",
+    "cpu_hc_dot",
     "cpu_ngram_hash_isa",
     "gather_rows",
     "grouped_gemma_rmsnorm",
@@ -72,6 +75,7 @@ __all__ = [
     "set_cpu_gather_fp8_lookup",
     "set_cpu_gather_path",
     "set_cpu_gather_stream_bytes",
+    "set_cpu_hc_dot",
     "set_cpu_ngram_hash_isa",
 ]
 

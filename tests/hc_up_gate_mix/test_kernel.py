@@ -41,6 +41,18 @@ def test_bit_equal_share(backend, dtype):
     assert checks.bit_equal_share(got, expected) >= HC_MIN_EQUAL_SHARE
 
 
+@pytest.mark.parametrize("backend", CPU, ids=str)
+@pytest.mark.parametrize("dot", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", checks.SHAPES, ids=str)
+def test_both_cpu_bf16_dots(backend, dot, shape):
+    """bf16 data on both CPU dot paths (ops.set_cpu_hc_dot: fp32 FMAs, or AVX512-BF16 where the
+    CPU has it), strided and contiguous, and batch independence on each."""
+    with checks.cpu_hc_dot(dot):
+        for strided in (True, False):
+            checks.check_matches_oracle(backend, OP, torch.bfloat16, shape, strided=strided)
+        checks.check_batch_independent(backend, OP, torch.bfloat16)
+
+
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
 @pytest.mark.parametrize("dtype", checks.DTYPES, ids=str)
 def test_out_writes_into_strided_views(backend, dtype):
