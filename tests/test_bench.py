@@ -325,6 +325,8 @@ def test_cases_filter(tmp_path: Path) -> None:
 
 # Every op's case names on a CPU (the GPU adds gather_rows' pinned_* cases), as the bench builds
 # them: what the default selection is tested on without building the inputs (about 35 s here).
+# The fused decode projections (bench/hc_fused.py), in registry.FULL_ONLY_OPS.
+FUSED_HC_OPS = ("hc_up_gate_mix", "hc_down_silu_inject")
 CPU_CASES = {
     "ngram_ids": sorted(NGRAM_IDS_CASES),
     "gather_rows": [
@@ -368,6 +370,7 @@ CPU_CASES = {
     ],
     **{op: ["decode_T16", "decode_T64", "prefill_T8192"] for op in HC_OPS},
     "hc_module": ["decode_T1", "decode_T16", "decode_T64", "prefill_T8192"],
+    **{op: ["decode_T1", "decode_T4", "decode_T16"] for op in FUSED_HC_OPS},
 }
 # Of those, every variant of the headline shapes (formats, id patterns, the fast gate, the
 # dim-first conv state): what tools/check-gpu.sh benches, registry.HEADLINE_CASES.
@@ -390,6 +393,7 @@ HEADLINE_VARIANTS = {
     | {"staged_decode_T64_bf16_cold"},
     "vllm_disk_offload": set(CPU_CASES["vllm_disk_offload"]),
     **{op: {"decode_T64", "prefill_T8192"} for op in (*HC_OPS, "hc_module")},
+    **{op: set() for op in FUSED_HC_OPS},  # decode T <= 16 only
 }
 # The representative subset: each op's headline case of each phase, in its default format and
 # layout (the first of its cases at that shape).
@@ -451,6 +455,7 @@ def test_full_and_explicit_selections_pick_every_case() -> None:
         "ngram_gather_rows": {"decode_T1"},
         "ple_gate": {"decode_T1"},
         "hc_module": {"decode_T1"},
+        **{op: {"decode_T1"} for op in FUSED_HC_OPS},
     }
     with pytest.raises(SystemExit) as exc, contextlib.redirect_stderr(io.StringIO()):
         bench_args.parse_args(["--full", "--cases", "decode"])

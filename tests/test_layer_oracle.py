@@ -195,11 +195,15 @@ def _hf_chain(cfg, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("hc_count,hidden_size,lowrank", [(4, 8, 5), (3, 24, 7)])
-def test_gated_residual_on_the_kernels_matches_transformers(hc_count, hidden_size, lowrank, dtype):
+@pytest.mark.parametrize("batch", [(2, 7), (1, 3)], ids=["prefill", "decode"])
+def test_gated_residual_on_the_kernels_matches_transformers(
+    hc_count, hidden_size, lowrank, dtype, batch
+):
     """Two blocks between three modules: transformers runs mix, the decoder's combine, mix,
     combine, final mix; ours the same with mix/combine, and again with vLLM's delayed chain
     (mix_delayed, combine_and_mix, combine_and_mix into the final mixer): equal within the
-    module tolerance, and the two chains of ours equal to each other."""
+    module tolerance, and the two chains of ours equal to each other. A decode batch (T = 3)
+    takes the fused down+inject projection (layers.hyper_connection.FUSED_DOWN_MAX_TOKENS)."""
     from qwen4exp_ext.layers import GatedResidual
     from qwen4exp_ext.testing import assert_within, tolerance
 
@@ -211,8 +215,8 @@ def test_gated_residual_on_the_kernels_matches_transformers(hc_count, hidden_siz
         mine.load_state_dict(module.state_dict())
         ours.append(mine)
     gen = torch.Generator().manual_seed(31)
-    x = (torch.randn(2, 7, hc_count * hidden_size, generator=gen) * 2).to(dtype)
-    blocks = [torch.randn(2, 7, hidden_size, generator=gen).to(dtype) for _ in range(2)]
+    x = (torch.randn(*batch, hc_count * hidden_size, generator=gen) * 2).to(dtype)
+    blocks = [torch.randn(*batch, hidden_size, generator=gen).to(dtype) for _ in range(2)]
 
     def block(i, mixed):  # a stand-in block whose output depends on its input
         return (blocks[i].float() + 0.5 * mixed.float()).to(dtype)
@@ -245,6 +249,49 @@ def test_gated_residual_on_the_kernels_matches_transformers(hc_count, hidden_siz
         assert_within(delayed[i], my_mixed[i], tolerance("hc_combine_norm", dtype), f"delayed {i}")
     assert_within(my_x, hf_x, tol, "combined streams")
     assert_within(hidden, my_x, tolerance("hc_combine", dtype), "delayed combined streams")
+
+
+@pytest.mark.parametrize("dot", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gated_residual_fuses_the_projections_at_decode(monkeypatch, dtype, dot):
+    """On the CPU the module runs ops.hc_down_silu_inject up to the measured token limit
+    (layers.hyper_connection: 16 for bf16 data with AVX512-BF16 dots, else 4; the logits with
+    it where the module has W_inj) and ops.hc_up_gate_mix up to its own (4 with bf16 dots, else
+    never), F.linear and the element-wise ops above them; the two paths agree within the fused
+    ops' tolerance."""
+    from hc_fused_support import cpu_hc_dot
+    from qwen4exp_ext import ops
+    from qwen4exp_ext.layers import GatedResidual, hyper_connection
+    from qwen4exp_ext.testing import assert_within, tolerance
+
+    cfg = tiny_config(hc_count=4, hidden_size=12, hc_lowrank=5)
+    module = GatedResidual(cfg, dtype=dtype)
+    gen = torch.Generator().manual_seed(33)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    x = torch.randn(17, 48, generator=gen).to(dtype)
+    calls = {"hc_down_silu_inject": [], "hc_up_gate_mix": []}
+    for name, found in calls.items():
+        real = getattr(ops, name)
+
+        def counted(*args, _real=real, _found=found, **kwargs):
+            _found.append(args[0].shape[0])
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(ops, name, counted)
+    with cpu_hc_dot(dot), torch.no_grad():
+        down, up = hyper_connection._fused_limits(x[:1])
+        bf16_dots = dtype == torch.bfloat16 and dot == "bf16"
+        assert (down, up) == ((16, 4) if bf16_dots else (4, 0))
+        _, fused_mixed, fused_logits = module.mix_delayed(x[:down])
+        _, mixed, logits = module.mix_delayed(x[: down + 1])
+        module.mix(x[:1])
+    assert calls["hc_down_silu_inject"] == [down, 1]
+    assert calls["hc_up_gate_mix"] == ([1] if up else [])
+    tol = tolerance("hc_module", dtype, against="reference")
+    assert_within(fused_mixed, mixed[:down], tol, "block input")
+    assert_within(fused_logits, logits[:down], tolerance("hc_down_silu_inject", dtype), "logits")
 
 
 def test_combine_pending_without_injection_adds_the_block_to_every_stream():

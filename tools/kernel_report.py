@@ -61,6 +61,7 @@ NVIDIA_ARCH = "sm_90"
 FLOORS = {
     "amd": {
         "gather_rows": 6,
+        "hc_fused": 4,  # csrc/hip/hc_fused.hip's kAmdMinWaves says why
         "hc_mix": 8,
         "hc_norm": 8,
         "ngram_ids": 8,
@@ -69,6 +70,7 @@ FLOORS = {
     },
     "nvidia": {
         "gather_rows": 32,
+        "hc_fused": 32,
         "hc_mix": 32,
         "hc_norm": 32,
         "ngram_ids": 32,

@@ -14,10 +14,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
-#include <vector>
 
 #include "../common/dispatch.h"
 #include "../common/hc_mix.h"
+#include "hc_sigmoid_table.h"
 #include "simd.h"
 #include "threads.h"
 
@@ -35,21 +35,7 @@ QWEN4EXP_ALWAYS_INLINE f32x16 divide(f32x16 a, float d) { return {a.lo / d, a.hi
 QWEN4EXP_ALWAYS_INLINE f32x8 zero_like(f32x8) { return simd::splat(0.f); }
 QWEN4EXP_ALWAYS_INLINE f32x16 zero_like(f32x16) { return {simd::splat(0.f), simd::splat(0.f)}; }
 
-// sigmoid(x) for every 16-bit pattern x of T: vLLM's fp32 formula with a correctly rounded exp
-// (float_types.h's sigmoid_f32, the GPU kernels' own), computed once. The gates of a 16-bit
-// gate_mix are looked up here: exact where the polynomial exp is ~1 ulp, and a load where it is
-// some 20 vector operations and a division per eight gates (gate_mix reads HC gates per output).
-template <typename T>
-const float* sigmoid_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(65536);
-    for (uint32_t bits = 0; bits < 65536; ++bits) {
-      t[bits] = sigmoid_f32(to_float(T{static_cast<uint16_t>(bits)}));
-    }
-    return t;
-  }();
-  return table.data();
-}
+using cpu::sigmoid_table;  // hc_sigmoid_table.h: the gates of a 16-bit gate_mix are looked up
 
 // The table's sigmoids of a block of 16-bit gates, in simd.h's even/odd split of the block; or
 // of a tail step's n (<= 8) gates in order, the lanes past n 0.

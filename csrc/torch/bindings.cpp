@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../common/gather_rows.h"
+#include "../common/hc_fused.h"
 #include "../common/ngram_ids.h"
 #include "../common/ple_conv.h"
 #include "schemas.h"
@@ -87,6 +88,11 @@ TORCH_LIBRARY(qwen4exp, m) {
   m.def("cpu_conv_silu_lookup() -> int", &qwen4exp::cpu_conv_silu_lookup);
   m.def("set_cpu_conv_silu_lookup(int lookup) -> int",
         &checked_setting<qwen4exp::set_cpu_conv_silu_lookup>);
+  // How the fused HC projections' CPU kernels take bf16 dots (csrc/common/hc_fused.h): 0 fp32
+  // FMAs, 1 AVX512-BF16; by default 1 where the CPU has it. The setter takes -1 (that default),
+  // 0 or 1 and returns the setting it replaces.
+  m.def("cpu_hc_dot() -> int", &qwen4exp::cpu_hc_dot);
+  m.def("set_cpu_hc_dot(int dot) -> int", &checked_setting<qwen4exp::set_cpu_hc_dot>);
   // SPEC §4, pinned host tables: pins (or host-registers) a CPU tensor's memory once and returns
   // a view of it on `device` (hip/cudaHostGetDevicePointer) that kernels read over PCIe. GPU
   // builds only (csrc/torch/gpu/host_table.cpp).

@@ -192,6 +192,12 @@ struct HcCpu {
     run_hc_gate_mix_cpu(p);
   }
   static void run(const char*, const HcSiluParams& p, const at::Tensor&) { run_hc_silu_cpu(p); }
+  static void run(const char*, const HcUpGateMixParams& p, const at::Tensor&) {
+    run_hc_up_gate_mix_cpu(p);
+  }
+  static void run(const char*, const HcDownSiluInjectParams& p, const at::Tensor&) {
+    run_hc_down_silu_inject_cpu(p);
+  }
 };
 
 }  // namespace

@@ -1,6 +1,6 @@
 // The torch entry points of the hyper-connection ops (issue #50; schemas in schemas.h), written
-// once for every backend: check (args/hc_norm_args.h, args/hc_mix_args.h), allocate or check
-// the outputs, run. `Backend` says where they run:
+// once for every backend: check (args/hc_norm_args.h, hc_mix_args.h, hc_fused_args.h), allocate or
+// check the outputs, run. `Backend` says where they run:
 //   static void check_device(const char* op, const at::Tensor& t);   the tensors are its own
 //   static at::Tensor empty(at::IntArrayRef sizes, const at::Tensor& like);  a fresh output
 //   static void run(const char* op, const P& params, const at::Tensor& like);  for each params
@@ -12,6 +12,7 @@
 
 #include <tuple>
 
+#include "args/hc_fused_args.h"
 #include "args/hc_mix_args.h"
 #include "args/hc_norm_args.h"
 
@@ -126,6 +127,69 @@ struct HcEntries {
     Backend::run("hc_silu", p, x);
   }
 
+  static at::Tensor up_gate_mix(const at::Tensor& lowrank, const at::Tensor& w_up,
+                                const at::Tensor& xn, int64_t hc_count) {
+    constexpr const char* op = "hc_up_gate_mix";
+    HcUpGateMixParams p = check_hc_up_gate_mix_args(lowrank, w_up, xn, hc_count);
+    Backend::check_device(op, lowrank);
+    at::Tensor out = at::empty({lowrank.size(0), p.width}, lowrank.options());
+    p.out = out.data_ptr();
+    p.out_row_stride = p.width;
+    Backend::run(op, p, lowrank);
+    return out;
+  }
+
+  static void up_gate_mix_out(const at::Tensor& lowrank, const at::Tensor& w_up,
+                              const at::Tensor& xn, int64_t hc_count, const at::Tensor& out) {
+    constexpr const char* op = "hc_up_gate_mix";
+    HcUpGateMixParams p = check_hc_up_gate_mix_args(lowrank, w_up, xn, hc_count);
+    Backend::check_device(op, lowrank);
+    hc_args::check_output(op, "out", out, {lowrank.size(0), p.width}, lowrank);
+    p.out = out.data_ptr();
+    p.out_row_stride = out.stride(0);
+    Backend::run(op, p, lowrank);
+  }
+
+  // Without w_inj the logits are [T, 0] (the Python door returns None for them).
+  static std::tuple<at::Tensor, at::Tensor> down_silu_inject(const at::Tensor& xn,
+                                                             const at::Tensor& w_down,
+                                                             const std::optional<at::Tensor>& w_inj,
+                                                             int64_t hc_count) {
+    constexpr const char* op = "hc_down_silu_inject";
+    HcDownSiluInjectParams p = check_hc_down_silu_inject_args(xn, w_down, w_inj, hc_count);
+    Backend::check_device(op, xn);
+    at::Tensor lowrank = at::empty({xn.size(0), p.rank}, xn.options());
+    at::Tensor logits = at::empty({xn.size(0), w_inj.has_value() ? hc_count : 0}, xn.options());
+    p.lowrank = lowrank.data_ptr();
+    p.lowrank_row_stride = p.rank;
+    if (w_inj.has_value()) {
+      p.logits = logits.data_ptr();
+      p.logits_row_stride = hc_count;
+    }
+    Backend::run(op, p, xn);
+    return {lowrank, logits};
+  }
+
+  static void down_silu_inject_out(const at::Tensor& xn, const at::Tensor& w_down,
+                                   const std::optional<at::Tensor>& w_inj, int64_t hc_count,
+                                   const at::Tensor& lowrank,
+                                   const std::optional<at::Tensor>& logits) {
+    constexpr const char* op = "hc_down_silu_inject";
+    HcDownSiluInjectParams p = check_hc_down_silu_inject_args(xn, w_down, w_inj, hc_count);
+    Backend::check_device(op, xn);
+    TORCH_CHECK(logits.has_value() == w_inj.has_value(), op,
+                ": logits must be given exactly when w_inj is");
+    hc_args::check_output(op, "lowrank", lowrank, {xn.size(0), p.rank}, xn);
+    p.lowrank = lowrank.data_ptr();
+    p.lowrank_row_stride = lowrank.stride(0);
+    if (logits.has_value()) {
+      hc_args::check_output(op, "logits", *logits, {xn.size(0), hc_count}, xn);
+      p.logits = logits->data_ptr();
+      p.logits_row_stride = logits->stride(0);
+    }
+    Backend::run(op, p, xn);
+  }
+
   static void register_impls(torch::Library& m) {
     m.impl("hc_combine_norm", &combine_norm);
     m.impl("hc_combine_norm_out", &combine_norm_out);
@@ -137,6 +201,10 @@ struct HcEntries {
     m.impl("hc_gate_mix_out", &gate_mix_out);
     m.impl("hc_silu", &silu);
     m.impl("hc_silu_out", &silu_out);
+    m.impl("hc_up_gate_mix", &up_gate_mix);
+    m.impl("hc_up_gate_mix_out", &up_gate_mix_out);
+    m.impl("hc_down_silu_inject", &down_silu_inject);
+    m.impl("hc_down_silu_inject_out", &down_silu_inject_out);
   }
 };
 

@@ -83,6 +83,20 @@ inline void define_kernel_ops(torch::Library& m) {
   m.def("hc_gate_mix_out(Tensor x, Tensor gate, int hc_count, *, Tensor(a!) out) -> ()");
   m.def("hc_silu(Tensor x, int hc_count) -> Tensor");
   m.def("hc_silu_out(Tensor x, int hc_count, *, Tensor(a!) out) -> ()");
+  // Issue #50 item 3, the fused decode projections (csrc/common/hc_fused.h). hc_up_gate_mix:
+  // hc_gate_mix(xn, lowrank @ w_up^T, hc_count), [T, H], the gate never written.
+  // hc_down_silu_inject: (hc_silu(xn @ w_down^T, hc_count) [T, R], xn @ w_inj^T [T, HC]); without
+  // w_inj the logits are [T, 0] (the _out form then takes none).
+  m.def("hc_up_gate_mix(Tensor lowrank, Tensor w_up, Tensor xn, int hc_count) -> Tensor");
+  m.def(
+      "hc_up_gate_mix_out(Tensor lowrank, Tensor w_up, Tensor xn, int hc_count, *, "
+      "Tensor(a!) out) -> ()");
+  m.def(
+      "hc_down_silu_inject(Tensor xn, Tensor w_down, Tensor? w_inj, int hc_count) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "hc_down_silu_inject_out(Tensor xn, Tensor w_down, Tensor? w_inj, int hc_count, *, "
+      "Tensor(a!) lowrank, Tensor(b!)? logits) -> ()");
 }
 
 // Host ops: torch.ops.qwen4exp only (csrc/torch/bindings.cpp), CPU only (csrc/torch/cpu_ops.cpp);

@@ -451,6 +451,52 @@ def _hc_silu_out_fake(x, hc_count, *, out):
     _hc_out("hc_silu", "out", out, x.shape, x, "x")
 
 
+def _hc_up_gate_mix_fake(lowrank, w_up, xn, hc_count):
+    op = "hc_up_gate_mix"
+    _hc_rows(op, "lowrank", lowrank, w_up=w_up, xn=xn)
+    width = _hc_width(op, xn.shape[1], hc_count, "hc_count")
+    torch._check(xn.shape[0] == lowrank.shape[0], lambda: f"{op}: xn must have lowrank's rows")
+    torch._check(
+        w_up.shape == (xn.shape[1], lowrank.shape[1]) and lowrank.shape[1] > 0,
+        lambda: f"{op}: w_up must be [HC·H, R]",
+    )
+    return lowrank.new_empty((lowrank.shape[0], width))
+
+
+def _hc_up_gate_mix_out_fake(lowrank, w_up, xn, hc_count, *, out):
+    width = _hc_up_gate_mix_fake(lowrank, w_up, xn, hc_count).shape[1]
+    _hc_out("hc_up_gate_mix", "out", out, (lowrank.shape[0], width), lowrank, "lowrank")
+
+
+def _hc_down_silu_inject_fake(xn, w_down, w_inj, hc_count):
+    op = "hc_down_silu_inject"
+    inject = {} if w_inj is None else {"w_inj": w_inj}
+    _hc_rows(op, "xn", xn, w_down=w_down, **inject)
+    _hc_width(op, xn.shape[1], hc_count, "hc_count")
+    torch._check(
+        w_down.shape[1] == xn.shape[1] and w_down.shape[0] > 0,
+        lambda: f"{op}: w_down must be [R, HC·H]",
+    )
+    torch._check(
+        w_inj is None or w_inj.shape == (hc_count, xn.shape[1]),
+        lambda: f"{op}: w_inj must be [hc_count, HC·H]",
+    )
+    logits = 0 if w_inj is None else hc_count
+    return xn.new_empty((xn.shape[0], w_down.shape[0])), xn.new_empty((xn.shape[0], logits))
+
+
+def _hc_down_silu_inject_out_fake(xn, w_down, w_inj, hc_count, *, lowrank, logits):
+    op = "hc_down_silu_inject"
+    expected, _ = _hc_down_silu_inject_fake(xn, w_down, w_inj, hc_count)
+    torch._check(
+        (logits is None) == (w_inj is None),
+        lambda: f"{op}: logits must be given exactly when w_inj is",
+    )
+    _hc_out(op, "lowrank", lowrank, expected.shape, xn, "xn")
+    if logits is not None:
+        _hc_out(op, "logits", logits, (xn.shape[0], hc_count), xn, "xn")
+
+
 _KERNEL_FAKES = {
     "ngram_ids": _ngram_ids_fake,
     "gather_rows": _gather_rows_fake,
@@ -468,6 +514,10 @@ _KERNEL_FAKES = {
     "hc_gate_mix_out": _hc_gate_mix_out_fake,
     "hc_silu": _hc_silu_fake,
     "hc_silu_out": _hc_silu_out_fake,
+    "hc_up_gate_mix": _hc_up_gate_mix_fake,
+    "hc_up_gate_mix_out": _hc_up_gate_mix_out_fake,
+    "hc_down_silu_inject": _hc_down_silu_inject_fake,
+    "hc_down_silu_inject_out": _hc_down_silu_inject_out_fake,
 }
 _faked: set[str] = set()
 

@@ -25,6 +25,7 @@ __all__ = [
     "cpu_gather_path",
     "cpu_gather_stream_bytes",
     "cpu_gather_timing",
+    "cpu_hc_dot",
     "cpu_ngram_hash_isa",
     "empty_fresh_output_cache",
     "fresh_output_cache_held",
@@ -35,6 +36,7 @@ __all__ = [
     "set_cpu_gather_fp8_lookup",
     "set_cpu_gather_path",
     "set_cpu_gather_stream_bytes",
+    "set_cpu_hc_dot",
     "set_cpu_ngram_hash_isa",
 ]
 
@@ -221,6 +223,30 @@ def set_cpu_ngram_hash_isa(isa: str | None) -> str | None:
     code = -1 if isa is None else _NGRAM_HASH_ISAS.index(isa)
     previous = torch.ops.qwen4exp.set_cpu_ngram_hash_isa(code)
     return None if previous < 0 else _NGRAM_HASH_ISAS[previous]
+
+
+_HC_DOTS = ("fp32", "bf16")  # the kernel's codes 0 and 1
+
+
+def cpu_hc_dot() -> str:
+    """How the fused hyper-connection projections' CPU kernels (``ops.hc_up_gate_mix``,
+    ``ops.hc_down_silu_inject``) take the dots of bf16 data: ``"bf16"`` (AVX512-BF16's
+    vdpbf16ps, 32 products an instruction; x86-64 CPUs that have it) or ``"fp32"`` (fp32 FMAs
+    after widening; every CPU, and always for fp32/fp16 data). By default ``"bf16"`` where the
+    CPU has it; :func:`set_cpu_hc_dot` pins one, so that both can be tested on one machine. The
+    two sum the dots in different orders: both within the ops' stated tolerance."""
+    return _HC_DOTS[torch.ops.qwen4exp.cpu_hc_dot()]
+
+
+def set_cpu_hc_dot(dot: str | None) -> str | None:
+    """Pins the fused HC projections' CPU dots to ``"fp32"`` or ``"bf16"`` (None: the default)
+    for the whole process; returns the setting it replaces. ``"bf16"`` on a CPU or build without
+    AVX512-BF16 raises ValueError."""
+    if dot is not None and dot not in _HC_DOTS:
+        raise ValueError(f"set_cpu_hc_dot: dot must be 'fp32', 'bf16' or None, got {dot!r}")
+    code = -1 if dot is None else _HC_DOTS.index(dot)
+    previous = torch.ops.qwen4exp.set_cpu_hc_dot(code)
+    return None if previous < 0 else _HC_DOTS[previous]
 
 
 def cpu_fresh_output_bytes() -> int:

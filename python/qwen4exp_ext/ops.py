@@ -31,6 +31,7 @@ from .cpu_tuning import (
     cpu_gather_path,
     cpu_gather_stream_bytes,
     cpu_gather_timing,
+    cpu_hc_dot,
     cpu_ngram_hash_isa,
     empty_fresh_output_cache,
     fresh_output_cache_held,
@@ -41,6 +42,7 @@ from .cpu_tuning import (
     set_cpu_gather_fp8_lookup,
     set_cpu_gather_path,
     set_cpu_gather_stream_bytes,
+    set_cpu_hc_dot,
     set_cpu_ngram_hash_isa,
 )
 from .reference import FP8_DTYPES
@@ -57,6 +59,7 @@ __all__ = [
     "cpu_gather_path",
     "cpu_gather_stream_bytes",
     "cpu_gather_timing",
+    "cpu_hc_dot",
     "cpu_ngram_hash_isa",
     "empty_fresh_output_cache",
     "fresh_output_cache_held",
@@ -64,8 +67,10 @@ __all__ = [
     "grouped_gemma_rmsnorm",
     "hc_combine",
     "hc_combine_norm",
+    "hc_down_silu_inject",
     "hc_gate_mix",
     "hc_silu",
+    "hc_up_gate_mix",
     "ngram_head_divmod",
     "ngram_ids",
     "ple_conv",
@@ -78,6 +83,7 @@ __all__ = [
     "set_cpu_gather_fp8_lookup",
     "set_cpu_gather_path",
     "set_cpu_gather_stream_bytes",
+    "set_cpu_hc_dot",
     "set_cpu_ngram_hash_isa",
 ]
 
@@ -97,7 +103,15 @@ def _dispatcher_handle(op: torch._ops.OpOverload):
 
 
 # The hyper-connection ops (issue #50), each with its _out form.
-_HC_OPS = ("hc_combine_norm", "hc_combine", "grouped_gemma_rmsnorm", "hc_gate_mix", "hc_silu")
+_HC_OPS = (
+    "hc_combine_norm",
+    "hc_combine",
+    "grouped_gemma_rmsnorm",
+    "hc_gate_mix",
+    "hc_silu",
+    "hc_up_gate_mix",
+    "hc_down_silu_inject",
+)
 _empty_cpu_output = torch.ops.qwen4exp.empty_cpu_output.default
 
 
@@ -570,6 +584,47 @@ class KernelOps:
         """silu(x / HC) of the low-rank projection (vLLM's ``qwen4_exp_hc_silu``), x [T, D]."""
         return self._hc_call("hc_silu", out, x, int(hc_count))
 
+    # ---- the fused decode projections (issue #50 item 3, csrc/common/hc_fused.h) --------------
+    # Each reads its weights once for all T tokens (decode: the weights are most of a module's
+    # bytes) and never writes the GEMM outputs the element-wise ops would read back. Weights in
+    # the activations' dtype, row-major views. Rounding as vLLM's unfused path: each dot in fp32,
+    # rounded to the dtype, then the element-wise op's math; only the dots' summation order is
+    # ours (qwen4exp_ext.testing states the tolerance against the unfused path).
+
+    def hc_up_gate_mix(
+        self,
+        lowrank: torch.Tensor,
+        w_up: torch.Tensor,
+        xn: torch.Tensor,
+        hc_count: int,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``hc_gate_mix(xn, F.linear(lowrank, w_up), hc_count)`` without the gate tensor:
+        lowrank [T, R], w_up [HC·H, R], xn [T, HC·H] -> block input [T, H]."""
+        return self._hc_call("hc_up_gate_mix", out, lowrank, w_up, xn, int(hc_count))
+
+    def hc_down_silu_inject(
+        self,
+        xn: torch.Tensor,
+        w_down: torch.Tensor,
+        w_inj: torch.Tensor | None,
+        hc_count: int,
+        *,
+        out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(hc_silu(F.linear(xn, w_down), hc_count), F.linear(xn, w_inj))`` in one pass over
+        xn [T, HC·H]: w_down [R, HC·H], w_inj [HC, HC·H] or None (then the logits are None).
+        ``out=(lowrank, logits)``, logits None exactly when w_inj is."""
+        op, op_out = self._hc["hc_down_silu_inject"]
+        args = (xn, w_down, w_inj, int(hc_count))
+        if out is None:
+            lowrank, logits = op(*args)
+            return lowrank, (None if w_inj is None else logits)
+        lowrank, logits = out
+        op_out(*args, lowrank=lowrank, logits=logits)
+        return lowrank, logits
+
     def _hc_call(self, name: str, out: torch.Tensor | None, *args) -> torch.Tensor:
         op, op_out = self._hc[name]
         if out is None:
@@ -589,6 +644,8 @@ hc_combine = _kernels.hc_combine
 grouped_gemma_rmsnorm = _kernels.grouped_gemma_rmsnorm
 hc_gate_mix = _kernels.hc_gate_mix
 hc_silu = _kernels.hc_silu
+hc_up_gate_mix = _kernels.hc_up_gate_mix
+hc_down_silu_inject = _kernels.hc_down_silu_inject
 
 # The largest int64: read_file_rows' vocab_end when the reader owns every id from vocab_start on.
 _INT64_MAX = 2**63 - 1

@@ -25,8 +25,10 @@ __all__ = [
     "hc_average_combine",
     "hc_combine",
     "hc_combine_norm",
+    "hc_down_silu_inject",
     "hc_gate_mix",
     "hc_silu",
+    "hc_up_gate_mix",
 ]
 
 # The five ops, by the names of their doors (ops.<name>), the oracle's and vLLM's.
@@ -232,3 +234,39 @@ def hc_average_combine(block_output: torch.Tensor, residual: torch.Tensor) -> to
         raise ValueError(f"residual width {residual.shape[-1]} is not a multiple of {width}")
     streams = residual.unflatten(-1, (residual.shape[-1] // width, width))
     return (streams + block_output.unsqueeze(-2)).flatten(-2)
+
+
+# --- the fused decode projections (issue #50 item 3; ops.hc_up_gate_mix, hc_down_silu_inject) --
+# Their oracle is the unfused path they replace, vLLM's: the vendor GEMM (here torch's F.linear,
+# which sums each dot in fp32 and rounds it once to the dtype), then the element-wise op above.
+# A kernel sums its dots in its own order, so it matches within one unit in the last place
+# (qwen4exp_ext.testing), not bit for bit.
+def _check_weight(name: str, w: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    _check_rows(name, w, dtype)
+    if tuple(w.shape) != shape:
+        raise ValueError(f"{name} must be {list(shape)}, got {tuple(w.shape)}")
+
+
+def hc_up_gate_mix(
+    lowrank: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, hc_count: int
+) -> torch.Tensor:
+    """hc_gate_mix(xn, lowrank @ w_up^T, hc_count): lowrank [T, R], w_up [HC·H, R], xn [T, HC·H]
+    -> [T, H]."""
+    _check_rows("lowrank", lowrank)
+    _check_rows("xn", xn, lowrank.dtype)
+    _check_weight("w_up", w_up, lowrank.dtype, (xn.shape[1], lowrank.shape[1]))
+    return hc_gate_mix(xn, torch.nn.functional.linear(lowrank, w_up), hc_count)
+
+
+def hc_down_silu_inject(
+    xn: torch.Tensor, w_down: torch.Tensor, w_inj: torch.Tensor | None, hc_count: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(hc_silu(xn @ w_down^T, hc_count) [T, R], xn @ w_inj^T [T, HC] or None without w_inj)."""
+    _check_rows("xn", xn)
+    _check_count("hc_count", hc_count, xn.shape[1], "xn")
+    _check_weight("w_down", w_down, xn.dtype, (w_down.shape[0], xn.shape[1]))
+    lowrank = hc_silu(torch.nn.functional.linear(xn, w_down), hc_count)
+    if w_inj is None:
+        return lowrank, None
+    _check_weight("w_inj", w_inj, xn.dtype, (hc_count, xn.shape[1]))
+    return lowrank, torch.nn.functional.linear(xn, w_inj)

@@ -5,6 +5,7 @@
 // (glue.h).
 #include "glue.h"
 
+#include "../../common/hc_fused.h"
 #include "../../common/hc_mix.h"
 #include "../../common/hc_norm.h"
 #include "../hc_entries.h"
@@ -41,6 +42,20 @@ struct HcGpu {
   }
   static void run(const char* op, const HcSiluParams& p, const at::Tensor& like) {
     launch(op, p, p.num_tokens, p.width, like, launch_hc_silu);
+  }
+  static void run(const char* op, const HcUpGateMixParams& p, const at::Tensor& like) {
+    launch(op, p, p.num_tokens, p.width, like, launch_hc_up_gate_mix);
+  }
+  // The split-K partial sums: a fresh fp32 buffer from the caching allocator, on the stream the
+  // kernels run on (freed here, reused only by work queued after them).
+  static void run(const char* op, const HcDownSiluInjectParams& p, const at::Tensor& like) {
+    if (p.num_tokens == 0) return;
+    const int32_t rows = p.rank + (p.w_inj != nullptr ? p.streams : 0);
+    const at::Tensor workspace = at::empty({hc_down_workspace_floats(p.num_tokens, p.depth, rows)},
+                                           like.options().dtype(at::kFloat));
+    HcDownSiluInjectParams q = p;
+    q.workspace = workspace.data_ptr<float>();
+    launch(op, q, p.num_tokens, p.depth, like, launch_hc_down_silu_inject);
   }
 };
 

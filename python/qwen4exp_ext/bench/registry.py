@@ -49,11 +49,15 @@ OP_MODULES: dict[str, str] = {
     **{op: "qwen4exp_ext.bench.hc" for op in HC_OPS},
     # One whole hyper-connection module step (combine_and_mix, its two GEMMs included).
     "hc_module": "qwen4exp_ext.bench.hc_module",
+    # The fused decode projections (issue #50 item 3): one module, its op_cases(op, device).
+    "hc_up_gate_mix": "qwen4exp_ext.bench.hc_fused",
+    "hc_down_silu_inject": "qwen4exp_ext.bench.hc_fused",
 }
 # Ops left out of the representative subset (they run with --full, or named): building their
 # cases costs more than the subset's budget (vllm_disk_offload imports vLLM and writes a
-# 640 MB checkpoint file).
-FULL_ONLY_OPS: tuple[str, ...] = ("vllm_disk_offload",)
+# 640 MB checkpoint file), or they have no headline shape (the fused HC projections: decode
+# T <= 16 only).
+FULL_ONLY_OPS: tuple[str, ...] = ("vllm_disk_offload", "hc_up_gate_mix", "hc_down_silu_inject")
 
 # The headline shapes of every op, by phase: decode at T = 64 tokens (ple_conv: R = 64 requests
 # of one token) and prefill at T = 8192, as ``re.search`` patterns on case names; HEADLINE_CASES

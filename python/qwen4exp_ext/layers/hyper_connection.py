@@ -25,6 +25,37 @@ from qwen4exp_ext import ops
 
 from .state import _text_config
 
+# The fused decode projections (ops.hc_down_silu_inject: xn read once for the down and inject
+# GEMMs, SiLU as the epilogue; ops.hc_up_gate_mix: the up GEMM with hc_gate_mix as the epilogue,
+# the gate never written) run where they were measured faster than F.linear + the element-wise
+# op: on the CPU, up to these many tokens. Measured with bench/hc_fused.py's shapes (H = 2560,
+# M = 4, r = 320, bf16) on a 2-core AMD EPYC Zen 4 VM (AVX512-BF16), 1 thread, 10th percentile of
+# 100 calls (another worker shared the VM), fused against unfused, us:
+#                        T = 1         T = 4         T = 16
+#   down, bf16 dots      97 / 314      159 / 358     633 / 774    (3.2x, 2.3x, 1.2x)
+#   down, fp32 dots     173 / 380      311 / 419    1252 / 783    (2.2x, 1.35x, 0.63x)
+#   up,   bf16 dots     129 / 268      284 / 330    1386 / 719    (2.1x, 1.16x, 0.52x)
+#   up,   fp32 dots     255 / 264      437 / 427    2183 / 758    (1.0x, 1.0x, 0.35x)
+# ("bf16 dots": bf16 data where cpu_tuning.cpu_hc_dot() is "bf16", AVX512-BF16's vdpbf16ps;
+# "fp32 dots": fp32 FMAs, every other CPU and dtype.) So: the down projection fused up to T = 16
+# with bf16 dots, up to 4 without; the up projection fused up to 4 with bf16 dots only. Above
+# that the dots, not the weights' bytes, bound the step, and oneDNN's GEMM takes them faster.
+# Not on a GPU, where the HIP kernels are not measured yet.
+FUSED_DOWN_MAX_TOKENS = 4
+FUSED_DOWN_MAX_TOKENS_BF16_DOT = 16
+FUSED_UP_MAX_TOKENS_BF16_DOT = 4
+
+
+def _fused_limits(rows: torch.Tensor) -> tuple[int, int]:
+    """(the most tokens for the fused down, for the fused up) of these activations: 0 where the
+    fused op is not used."""
+    if rows.device.type != "cpu" or rows.shape[0] > FUSED_DOWN_MAX_TOKENS_BF16_DOT:
+        return 0, 0
+    if rows.dtype == torch.bfloat16 and ops.cpu_hc_dot() == "bf16":
+        return FUSED_DOWN_MAX_TOKENS_BF16_DOT, FUSED_UP_MAX_TOKENS_BF16_DOT
+    return FUSED_DOWN_MAX_TOKENS, 0
+
+
 __all__ = ["GatedResidual", "HyperConnection", "HyperConnectionConfig"]
 
 
@@ -154,15 +185,38 @@ class GatedResidual(HyperConnection):
         )
         return rows.reshape(hyper_input.shape)
 
-    def _block_input(self, normed: torch.Tensor) -> torch.Tensor:
-        """The mix from n on: SiLU(W_down·n / M), its up projection's gates, the gated mean."""
+    def _down(
+        self, rows: torch.Tensor, with_logits: bool, fused: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(SiLU(W_down·n / M) [T, r], W_inj·n [T, M] if ``with_logits`` and there is W_inj)."""
+        w_down = self.input_mix_weight_down.weight
+        inject = self.block_inject_weight if with_logits else None
+        w_inj = None if inject is None else inject.weight
+        if fused and w_down.dtype == rows.dtype and (w_inj is None or w_inj.dtype == rows.dtype):
+            return ops.hc_down_silu_inject(rows, w_down, w_inj, self.hc_count)
+        lowrank = ops.hc_silu(F.linear(rows, w_down), self.hc_count)
+        return lowrank, None if w_inj is None else F.linear(rows, w_inj)
+
+    def _mix_normed(
+        self, normed: torch.Tensor, with_logits: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The mix from n on: SiLU(W_down·n / M), its up projection's gates, the gated mean;
+        and W_inj·n ([.., M]) where ``with_logits`` and the module has W_inj, else None."""
         if self.input_mix_weight_down is None or self.input_mix_weight_up is None:
             raise RuntimeError("mix was disabled for this hyper-connection")
         rows = self._rows(normed)
-        lowrank = ops.hc_silu(F.linear(rows, self.input_mix_weight_down.weight), self.hc_count)
-        gate = F.linear(lowrank, self.input_mix_weight_up.weight)
-        mixed = ops.hc_gate_mix(rows, gate, self.hc_count)
-        return mixed.reshape(*normed.shape[:-1], self.hidden_size)
+        down_limit, up_limit = _fused_limits(rows)
+        tokens = rows.shape[0]
+        lowrank, logits = self._down(rows, with_logits, tokens <= down_limit)
+        w_up = self.input_mix_weight_up.weight
+        if tokens <= up_limit and w_up.dtype == rows.dtype:
+            mixed = ops.hc_up_gate_mix(lowrank, w_up, rows, self.hc_count)
+        else:
+            mixed = ops.hc_gate_mix(rows, F.linear(lowrank, w_up), self.hc_count)
+        mixed = mixed.reshape(*normed.shape[:-1], self.hidden_size)
+        if logits is not None:
+            logits = logits.reshape(*normed.shape[:-1], self.hc_count)
+        return mixed, logits
 
     def mix(
         self, hyper_input: torch.Tensor
@@ -171,7 +225,7 @@ class GatedResidual(HyperConnection):
         if self.input_mix_weight_down is None or self.input_mix_weight_up is None:
             raise RuntimeError("mix was disabled for this hyper-connection")
         normed = self.normalize(hyper_input)
-        return self._block_input(normed), (hyper_input, normed)
+        return self._mix_normed(normed)[0], (hyper_input, normed)
 
     def injection_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """W_inj·n: [.., M] (the combine's injection weights are 2·sigmoid(logits / M))."""
@@ -214,8 +268,8 @@ class GatedResidual(HyperConnection):
         """vLLM's ``mix``: (hyper_input, block input, injection logits [.., M] or None without
         W_inj), the combine left pending for the next module's :meth:`combine_and_mix` or
         :meth:`combine_pending`."""
-        mixed, (_, normed) = self.mix(hyper_input)
-        logits = None if self.block_inject_weight is None else self.injection_logits(normed)
+        self._check(hyper_input)
+        mixed, logits = self._mix_normed(self.normalize(hyper_input), with_logits=True)
         return hyper_input, mixed, logits
 
     def combine_and_mix(
@@ -241,8 +295,7 @@ class GatedResidual(HyperConnection):
             self.hc_count,
         )
         hidden, normed = hidden.reshape(hyper_input.shape), normed.reshape(hyper_input.shape)
-        mixed = self._block_input(normed)
-        logits = None if self.block_inject_weight is None else self.injection_logits(normed)
+        mixed, logits = self._mix_normed(normed, with_logits=True)
         return hidden, mixed, logits
 
     def forward(
