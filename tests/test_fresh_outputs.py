@@ -163,12 +163,18 @@ def _hc(name: str):
     logits = torch.randn(tokens, streams, generator=g).bfloat16()
     weight = torch.randn(width, generator=g).bfloat16()
     gate = torch.randn(tokens, streams * width, generator=g).bfloat16()
+    lowrank = torch.randn(tokens, 12, generator=g).bfloat16()  # the fused projections' rank 12
+    w_up = (torch.randn(streams * width, 12, generator=g) * 0.3).bfloat16()
+    w_down = (torch.randn(12, streams * width, generator=g) * 0.1).bfloat16()
+    w_inj = (torch.randn(streams, streams * width, generator=g) * 0.1).bfloat16()
     args, shapes = {
         "hc_combine_norm": ((residual, block, logits, weight, 1e-6, streams), [residual.shape] * 2),
         "hc_combine": ((residual, block, logits, streams), [residual.shape]),
         "grouped_gemma_rmsnorm": ((residual, weight, 1e-6, streams), [residual.shape]),
         "hc_gate_mix": ((residual, gate, streams), [block.shape]),
         "hc_silu": ((gate[:, :48], streams), [(tokens, 48)]),
+        "hc_up_gate_mix": ((lowrank, w_up, residual, streams), [block.shape]),
+        "hc_down_silu_inject": ((residual, w_down, w_inj, streams), [(tokens, 12), logits.shape]),
     }[name]
     op = getattr(ops, name)
     out = [torch.empty(shape, dtype=torch.bfloat16) for shape in shapes]
@@ -181,7 +187,15 @@ def _hc(name: str):
     return call, out
 
 
-HC_OPS = ("hc_combine_norm", "hc_combine", "grouped_gemma_rmsnorm", "hc_gate_mix", "hc_silu")
+HC_OPS = (
+    "hc_combine_norm",
+    "hc_combine",
+    "grouped_gemma_rmsnorm",
+    "hc_gate_mix",
+    "hc_silu",
+    "hc_up_gate_mix",
+    "hc_down_silu_inject",
+)
 
 CALLS = {
     **{name: functools.partial(_hc, name) for name in HC_OPS},

@@ -132,7 +132,7 @@ struct HcEntries {
     constexpr const char* op = "hc_up_gate_mix";
     HcUpGateMixParams p = check_hc_up_gate_mix_args(lowrank, w_up, xn, hc_count);
     Backend::check_device(op, lowrank);
-    at::Tensor out = at::empty({lowrank.size(0), p.width}, lowrank.options());
+    at::Tensor out = Backend::empty({lowrank.size(0), p.width}, lowrank);
     p.out = out.data_ptr();
     p.out_row_stride = p.width;
     Backend::run(op, p, lowrank);
@@ -158,8 +158,8 @@ struct HcEntries {
     constexpr const char* op = "hc_down_silu_inject";
     HcDownSiluInjectParams p = check_hc_down_silu_inject_args(xn, w_down, w_inj, hc_count);
     Backend::check_device(op, xn);
-    at::Tensor lowrank = at::empty({xn.size(0), p.rank}, xn.options());
-    at::Tensor logits = at::empty({xn.size(0), w_inj.has_value() ? hc_count : 0}, xn.options());
+    at::Tensor lowrank = Backend::empty({xn.size(0), p.rank}, xn);
+    at::Tensor logits = Backend::empty({xn.size(0), w_inj.has_value() ? hc_count : 0}, xn);
     p.lowrank = lowrank.data_ptr();
     p.lowrank_row_stride = p.rank;
     if (w_inj.has_value()) {
