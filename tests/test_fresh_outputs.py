@@ -187,15 +187,7 @@ def _hc(name: str):
     return call, out
 
 
-HC_OPS = (
-    "hc_combine_norm",
-    "hc_combine",
-    "grouped_gemma_rmsnorm",
-    "hc_gate_mix",
-    "hc_silu",
-    "hc_up_gate_mix",
-    "hc_down_silu_inject",
-)
+HC_OPS = ops._HC_OPS  # every hyper-connection op with an out= form (_hc's table must know it)
 
 CALLS = {
     **{name: functools.partial(_hc, name) for name in HC_OPS},
