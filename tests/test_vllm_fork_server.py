@@ -34,9 +34,10 @@ def _state(**env: str) -> dict:
 def server():
     if os.environ.get("QWEN4EXP_TEST_FORK_SERVER") == "0":
         pytest.skip("the fork server is turned off (QWEN4EXP_TEST_FORK_SERVER=0)")
-    _state()  # starts it
-    assert vllm_support._fork_server is not None, "the fork server did not start"
-    return vllm_support._fork_server
+    pid = _state()["ppid"]  # starts it
+    servers = [s for s in vllm_support._fork_servers if s.process.pid == pid]
+    assert servers, "the script did not run in a fork server"
+    return servers[0]
 
 
 def test_a_script_starts_as_python_c_would_in_a_process_of_its_own(server):
@@ -80,7 +81,30 @@ def test_a_script_past_its_timeout_is_killed_and_the_server_serves_on(server):
     assert _state()["ppid"] == server.process.pid
 
 
-def test_an_environment_the_imports_read_starts_a_fresh_interpreter(server):
-    # OMP_NUM_THREADS is read when torch loads: the server's copy would not see it.
-    state = _state(OMP_NUM_THREADS=str(int(os.environ.get("OMP_NUM_THREADS", "1")) + 1))
-    assert state["ppid"] == os.getpid()
+def test_an_environment_the_imports_read_gets_a_server_of_its_own_or_a_fresh_interpreter(
+    server, monkeypatch
+):
+    # OMP_NUM_THREADS is read when torch loads: the first server's copy would not see it.
+    threads = str(int(os.environ.get("OMP_NUM_THREADS", "1")) + 1)
+    state = _state(OMP_NUM_THREADS=threads)
+    assert state["ppid"] != server.process.pid
+    if state["ppid"] != os.getpid():  # a second server, started with that environment
+        other = [s for s in vllm_support._fork_servers if s.process.pid == state["ppid"]]
+        assert other and other[0].env["OMP_NUM_THREADS"] == threads
+    # No more servers than the cap: a third environment starts a fresh interpreter.
+    monkeypatch.setattr(vllm_support, "_MAX_FORK_SERVERS", len(vllm_support._fork_servers))
+    assert _state(OMP_NUM_THREADS=threads + "1")["ppid"] == os.getpid()
+
+
+def test_what_vllms_import_sets_in_this_process_still_forks(server):
+    """Once a test imports vLLM here, its import-time overrides (TORCHINDUCTOR_*, ...) are in
+    this process's environment as in the server's: the script is still forked, and sees them."""
+    assert server.imported, "vLLM's import set no variable: nothing to check"
+    state = json.loads(
+        run_python(
+            "import json, os, sys\nprint(json.dumps([os.getppid(), dict(os.environ)]))",
+            env=dict(server.imported),
+        ).strip()
+    )
+    assert state[0] == server.process.pid
+    assert all(state[1].get(k) == v for k, v in server.imported.items())

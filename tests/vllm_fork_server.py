@@ -14,7 +14,8 @@ answers with the child's pid, then its exit code. A script that needs an interpr
 vLLM (or without triton loaded) asks ``run_python`` for a fresh one.
 
 Protocol (the server's stdin and stdout, one JSON object a line): the server writes
-``{"ready": true}`` once imported; each request is ``{"script", "env", "cwd", "stdout",
+``{"ready": true, "env": {...}}`` once imported (its environment then, with the variables vLLM's
+import sets); each request is ``{"script", "env", "cwd", "stdout",
 "stderr"}`` (the last two: files the child writes); the answers are ``{"pid": N}`` and then
 ``{"returncode": N}``. End of stdin ends the server.
 """
@@ -117,7 +118,7 @@ if __name__ == "__main__":
     if problem is not None:
         _answer({"ready": False, "why": problem})
         sys.exit(0)
-    _answer({"ready": True})
+    _answer({"ready": True, "env": dict(os.environ)})  # with what vLLM's import set
     request = _serve()
     namespace = _become_python_c(request)
     _run_and_exit(request["script"], namespace)

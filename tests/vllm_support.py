@@ -113,22 +113,25 @@ def _script_env(env: dict[str, str] | None) -> dict[str, str]:
 
 
 class _ForkServer:
-    """The running server: its process, the environment it was started with, its answers."""
+    """A running server: its process, the environment it was started with, what its imports set
+    in it (vLLM's import sets TORCHINDUCTOR_*, PYTORCH_NVML_BASED_CUDA_CHECK, ...: so does it in
+    this process once a test has imported vLLM), its answers."""
 
-    def __init__(self) -> None:
-        self.env = _script_env(None)
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
         self.process = subprocess.Popen(
             [sys.executable, str(FORK_SERVER)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
-            env=self.env,
+            env=env,
             text=True,
         )
         ready = self._read(timeout=300)
         if not ready.get("ready"):
             self.close()
             raise RuntimeError(f"the fork server cannot serve: {ready.get('why')}")
+        self.imported = {k: v for k, v in ready["env"].items() if env.get(k) != v}
 
     def _read(self, timeout: float) -> dict:
         ready, _, _ = select.select([self.process.stdout], [], [], timeout)
@@ -143,12 +146,14 @@ class _ForkServer:
         keys = set(env) | set(self.env)
         return all(
             env.get(k) == self.env.get(k)
+            or (k in self.imported and env.get(k, self.imported[k]) == self.imported[k])
             or k in _READ_AFTER_IMPORT
             or k.startswith(_READ_AFTER_IMPORT_PREFIXES)
             for k in keys
         )
 
     def run(self, script: str, env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+        env = {**self.imported, **env}  # as the script's own import of vLLM would set them
         with tempfile.TemporaryDirectory(prefix="qwen4exp-fork-") as tmp:
             out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
             request = dict(
@@ -174,24 +179,32 @@ class _ForkServer:
             self.process.wait()
 
 
-_fork_server: _ForkServer | None = None
+# The servers started in this process, by the environment they serve: a test that changes an
+# import-time variable for a while (monkeypatch) gets its own, up to _MAX_FORK_SERVERS.
+_fork_servers: list[_ForkServer] = []
 _fork_server_failed = False
+_MAX_FORK_SERVERS = 2
 
 
 def _server_for(env: dict[str, str]) -> _ForkServer | None:
-    global _fork_server, _fork_server_failed
+    global _fork_server_failed
     if os.environ.get("QWEN4EXP_TEST_FORK_SERVER", "1") == "0" or _fork_server_failed:
         return None
-    if _fork_server is None:
-        try:
-            _fork_server = _ForkServer()
-        except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-            # Only speed is lost: every script then starts its own interpreter.
-            warnings.warn(f"vLLM test scripts run without the fork server: {e}", stacklevel=3)
-            _fork_server_failed = True
-            return None
-        atexit.register(_fork_server.close)
-    return _fork_server if _fork_server.serves(env) else None
+    for server in _fork_servers:
+        if server.serves(env):
+            return server
+    if len(_fork_servers) >= _MAX_FORK_SERVERS:
+        return None
+    try:
+        server = _ForkServer(env)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        # Only speed is lost: every script then starts its own interpreter.
+        warnings.warn(f"vLLM test scripts run without the fork server: {e}", stacklevel=3)
+        _fork_server_failed = True
+        return None
+    atexit.register(server.close)
+    _fork_servers.append(server)
+    return server
 
 
 def run_python(
