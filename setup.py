@@ -9,7 +9,8 @@ One extension module, `qwen4exp_ext._kernels`, whose loading registers torch.ops
 QWEN4EXP_BUILD_TARGET=auto|cpu|cuda|rocm overrides the choice (auto is the default).
 QWEN4EXP_BUILD_SIMT=1 also builds the SIMT emulator's modules, qwen4exp_ext._simt32 and _simt64:
 the same HIP kernels and GPU host glue, compiled by the host C++ compiler against csrc/simt/ for
-32- and 64-wide waves, run on CPU tensors (tests and debugging; default 0).
+32- and 64-wide waves, run on CPU tensors (tests and debugging; default 0); =32 or =64 builds
+that one only.
 
 Install with `pip install --no-build-isolation .` (or `-e .`) so that the kernels build against
 the torch already installed, not a fresh download.
@@ -300,15 +301,23 @@ def hipify_leftovers() -> list[str]:
     return sorted(leftovers)
 
 
-def build_simt() -> bool:
+def build_simt() -> tuple[int, ...]:
+    """The wave sizes to build the emulator for: QWEN4EXP_BUILD_SIMT=1 both, 32 or 64 that one
+    (tools/check-sanitizers.sh builds 64 only, for CI's time), 0 (the default) none."""
     value = os.environ.get("QWEN4EXP_BUILD_SIMT", "0").strip()
-    if value not in ("0", "1"):
-        sys.exit(f"QWEN4EXP_BUILD_SIMT must be 0 or 1; got {value!r}")
-    return value == "1"
+    choices = {"0": (), "1": SIMT_WAVE_SIZES, **{str(w): (w,) for w in SIMT_WAVE_SIZES}}
+    if value not in choices:
+        sys.exit(f"QWEN4EXP_BUILD_SIMT must be 0, 1, 32 or 64; got {value!r}")
+    return choices[value]
 
 
 def simt_extensions(
-    cpp_extension, hip_sources: list[str], opt: list[str], sanitize: list[str], link: list[str]
+    cpp_extension,
+    waves: tuple[int, ...],
+    hip_sources: list[str],
+    opt: list[str],
+    sanitize: list[str],
+    link: list[str],
 ):
     """qwen4exp_ext._simt32 and _simt64: the HIP kernels, the SIMT runtime and the GPU host glue
     (csrc/torch/simt/glue.cpp), built by the host C++ compiler for one wave size each.
@@ -320,7 +329,7 @@ def simt_extensions(
     """
     simt_sources = [*kernel_sources("simt"), os.path.join(TORCH_CSRC, "simt", "glue.cpp")]
     extensions = []
-    for wave in SIMT_WAVE_SIZES:
+    for wave in waves:
         flags = [
             *opt,
             *sanitize,
@@ -404,7 +413,7 @@ def build_extension():
         "backends": ["cpu"],
         "torch": torch.__version__,
         "gpu_archs": [],
-        "simt_wave_sizes": list(SIMT_WAVE_SIZES) if simt else [],
+        "simt_wave_sizes": list(simt),
     }
     if sanitize:
         info["sanitize"] = sanitize
@@ -457,7 +466,9 @@ def build_extension():
         prune_mirror(copied)
     extensions = [ext]
     if simt:
-        extensions += simt_extensions(cpp_extension, hip_sources, opt, sanitize_cxx, sanitize_flags)
+        extensions += simt_extensions(
+            cpp_extension, simt, hip_sources, opt, sanitize_cxx, sanitize_flags
+        )
     return extensions, cpp_extension.BuildExtension
 
 

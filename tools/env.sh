@@ -28,7 +28,10 @@ export QWEN4EXP_BUILD_SIMT="${QWEN4EXP_BUILD_SIMT:-1}"
 needs_build() {
   local module lib
   local modules=(_kernels)
-  [ "$QWEN4EXP_BUILD_SIMT" = 1 ] && modules+=(_simt32 _simt64)
+  case "$QWEN4EXP_BUILD_SIMT" in
+    1) modules+=(_simt32 _simt64) ;;
+    32 | 64) modules+=("_simt$QWEN4EXP_BUILD_SIMT") ;;
+  esac
   for module in "${modules[@]}"; do
     lib=$(compgen -G "$QWEN4EXP_ROOT/python/qwen4exp_ext/$module*.so" | sed -n 1p)
     [ -n "$lib" ] || return 0
