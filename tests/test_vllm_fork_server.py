@@ -96,15 +96,26 @@ def test_an_environment_the_imports_read_gets_a_server_of_its_own_or_a_fresh_int
     assert _state(OMP_NUM_THREADS=threads + "1")["ppid"] == os.getpid()
 
 
-def test_what_vllms_import_sets_in_this_process_still_forks(server):
+def test_what_vllms_import_sets_in_this_process_still_forks():
     """Once a test imports vLLM here, its import-time overrides (TORCHINDUCTOR_*, ...) are in
-    this process's environment as in the server's: the script is still forked, and sees them."""
-    assert server.imported, "vLLM's import set no variable: nothing to check"
-    state = json.loads(
-        run_python(
-            "import json, os, sys\nprint(json.dumps([os.getppid(), dict(os.environ)]))",
-            env=dict(server.imported),
-        ).strip()
-    )
-    assert state[0] == server.process.pid
-    assert all(state[1].get(k) == v for k, v in server.imported.items())
+    this process's environment as in the server's: the script is still forked, and sees them.
+    A server of the test's own, started from an environment without them (whether this process
+    has imported vLLM yet depends on the tests before)."""
+    set_by_vllm = ("TORCHINDUCTOR_", "PYTORCH_NVML", "TRITON_", "TILELANG_")
+    base = vllm_support._script_env(None)
+    base = {k: v for k, v in base.items() if not k.startswith(set_by_vllm)}
+    server = vllm_support._ForkServer(base)
+    try:
+        assert server.imported, "vLLM's import set no variable: nothing to check"
+        for env in (base, {**base, **server.imported}):
+            assert server.serves(env)
+            code, out, err = server.run(
+                "import json, os\nprint(json.dumps([os.getppid(), dict(os.environ)]))", env, 60
+            )
+            assert code == 0, err
+            ppid, seen = json.loads(out)
+            assert ppid == server.process.pid
+            assert all(seen.get(k) == v for k, v in server.imported.items())
+        assert not server.serves({**base, next(iter(server.imported)): "another value"})
+    finally:
+        server.close()
