@@ -10,7 +10,8 @@
 //    rows in one block, are read once, and a run of neighbouring rows is one long read;
 // 3. without O_DIRECT, this thread first does the reads the page cache can serve (RWF_NOWAIT:
 //    probe_page_cache), so that cached rows start no threads;
-// 4. io_threads threads (std::thread, started here and joined before returning) take the reads
+// 4. without O_DIRECT, the reads left are advised to the kernel's readahead (advise_pending);
+// 5. io_threads threads (std::thread, started here and joined before returning) take the reads
 //    left in offset order from an atomic counter, each pread into its own aligned bounce buffer,
 //    and copy the rows out. With O_DIRECT a read covers whole aligned blocks (offset, length and
 //    buffer aligned to kFileRowsBlock); without it, only the bytes from its first row's start to
@@ -236,6 +237,23 @@ int64_t probe_page_cache(Job& job, int64_t misses, std::vector<int64_t>& pending
   return done;
 }
 
+// Without O_DIRECT, the reads the page cache could not serve are first handed to the kernel's
+// readahead (POSIX_FADV_WILLNEED, in file order), as vLLM 0.34's disk_offload does before its
+// serial preads: the kernel queues them all at once, so the device has every read in flight
+// whatever the number of threads, and the workers' preads wait for pages already on their way.
+// Measured on a 2-core Zen 4 KVM (virtio disk), 1024 cold random rows of a 640 MB file: without
+// the advice 49-65 ms on 1 thread, 15-18 ms on 32; with it 11-16 ms on either; in the
+// vllm_disk_offload bench, cold decode went from 0.87x to 0.93x of vLLM's staging and cold
+// prefill (131k rows) from 1.14x to 1.23x. Advice only: an error here changes nothing, the
+// preads report their own.
+void advise_pending(const Job& job) {
+  for (const int64_t i : job.pending) {
+    const Read& r = job.reads[i];
+    ::posix_fadvise(job.p.fd, static_cast<off_t>(r.offset), static_cast<off_t>(r.length),
+                    POSIX_FADV_WILLNEED);
+  }
+}
+
 }  // namespace
 
 ReadFileRowsStatus run_read_file_rows_cpu(const ReadFileRowsParams& p) {
@@ -354,6 +372,7 @@ ReadFileRowsStatus run_read_file_rows_cpu(const ReadFileRowsParams& p) {
     for (int64_t i = 0; i < static_cast<int64_t>(reads.size()); ++i) pending.push_back(i);
   }
   if (pending.empty()) return {};
+  if (!direct) advise_pending(job);
   const int64_t threads = std::min<int64_t>(wanted, static_cast<int64_t>(pending.size()));
   std::vector<std::thread> workers;
   workers.reserve(static_cast<size_t>(threads - 1));

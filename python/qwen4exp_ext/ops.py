@@ -681,8 +681,10 @@ def read_file_rows(
     whose blocks share or touch in one pread of at most 128 KiB (a row wanted twice is read once),
     ``io_threads`` preads in flight at once (<= 0: 32; never more than there are reads; 1: on
     the calling thread); without O_DIRECT, the reads the page cache can serve are done first on
-    the calling thread (``RWF_NOWAIT``), so cached rows start no thread. ``path`` names the file
-    in errors. The GIL is released while it reads (torch.ops calls release it).
+    the calling thread (``RWF_NOWAIT``), so cached rows start no thread, and the others are
+    advised to the kernel's readahead (``POSIX_FADV_WILLNEED``) before the threads read them.
+    ``path`` names the file in errors. The GIL is released while it reads (torch.ops calls
+    release it).
 
     Raises RuntimeError, before reading anything, on a bad argument, a closed or write-only fd,
     or an owned id whose offset overflows int64; after reading, on a failed pread (its errno) or

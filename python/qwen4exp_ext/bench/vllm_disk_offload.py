@@ -9,7 +9,8 @@ released shape), on vLLM's own layer object built over the checkpoint file as vL
 binds it (the file's mapping handed over, then vLLM's own descriptors):
 
 - ``vllm_staging`` (headline, and vLLM's code): vLLM 0.34.0's ``stage_rows``: the sorted
-  distinct ids, one ``os.preadv`` per row, serially, then the inverse-index copy.
+  distinct ids, every run of pages advised (``POSIX_FADV_WILLNEED``), one ``os.preadv`` per row,
+  serially, then the inverse-index copy.
 - ``ours``: the same method as the plugin swaps it (``qwen4exp_ext.vllm.shims.disk_offload``):
   ``ops.read_file_rows`` per shard file, many reads in flight.
 - ``oracle``: the file's rows by numpy fancy indexing of a fresh mapping of the file.

@@ -1,16 +1,17 @@
 """The shim of vLLM 0.34.0's PLE ``disk_offload`` (``Qwen4ExpPLEDiskOffloadEmbedding``): each
 step's rows read from the checkpoint files by :func:`qwen4exp_ext.ops.read_file_rows`.
 
-vLLM's ``stage_rows`` sorts the step's distinct ids, then reads one row per ``os.preadv``,
-serially on the calling thread, into a buffer of distinct rows, and copies them out by the
-inverse index. Ours hands each file region of a plane to one ``read_file_rows`` call (rows read
-in file order, rows sharing a block read once, many reads in flight on the op's threads, with
-the GIL released). A region is the shards of one file that lie on one row grid (consecutive
-shards, in any order: a safetensors file of one plane's shards is one region however many
-shards it holds), so a checkpoint split into 512 shards is read in one call per file, not 512.
-With one region the rows go straight into vLLM's pinned host buffer in token order (no sort, no
-second copy); with several, the ids are grouped by region once, and the rows go back to token
-order in one ``index_copy_``.
+vLLM's ``stage_rows`` sorts the step's distinct ids, advises the kernel of every run of pages
+(``POSIX_FADV_WILLNEED``), then reads one row per ``os.preadv``, serially on the calling
+thread, into a buffer of distinct rows, and copies them out by the inverse index. Ours hands
+each file region of a plane to one ``read_file_rows`` call (rows read in file order, rows
+sharing a block read once, the uncached reads advised to the kernel's readahead at once, many
+reads in flight on the op's threads, with the GIL released). A region is the shards of one
+file that lie on one row grid (consecutive shards, in any order: a safetensors file of one
+plane's shards is one region however many shards it holds), so a checkpoint split into 512
+shards is read in one call per file, not 512. With one region the rows go straight into vLLM's
+pinned host buffer in token order (no sort, no second copy); with several, the ids are grouped
+by region once, and the rows go back to token order in one ``index_copy_``.
 The staged bytes are vLLM's, bit for bit (raw planes: FP8 bytes, NVFP4 packed bytes and block
 scales, which vLLM's forward decodes as before).
 
