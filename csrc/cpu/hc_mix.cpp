@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
+#include <type_traits>
 
 #include "../common/dispatch.h"
 #include "../common/hc_mix.h"
@@ -53,17 +54,33 @@ QWEN4EXP_ALWAYS_INLINE f32x8 lookup(const float* table, const uint16_t* g, int n
   return out;
 }
 
+// A token reads 2·HC streams of H elements at once (x and gate at s·H + i), each a few KiB that
+// start afresh at the next token: the hardware's stream prefetchers retrain every token and stop
+// at page boundaries, so a bf16 prefill (T = 8192, H = 2560, HC = 4) spent half its time waiting
+// on DRAM: 5.0 us a token against 2.6 with its rows in cache (Zen 4, 1 thread). So each whole
+// block fetches the next token's lines at its own offsets: 3.7 us a token.
 template <typename T>
 QWEN4EXP_ALWAYS_INLINE void gate_mix_rows(const HcGateMixParams& p, int64_t begin, int64_t end) {
   const int H = p.width;
   const float hc = static_cast<float>(p.streams);
   [[maybe_unused]] const float* table = nullptr;
   if constexpr (sizeof(T) == 2) table = sigmoid_table<T>();
+  constexpr int kBlocksPerLine = std::max<int>(1, 64 / (simd::kBlock * sizeof(T)));
   for (int64_t t = begin; t < end; ++t) {
     const T* x = static_cast<const T*>(p.x) + t * p.x_row_stride;
     const T* gate = static_cast<const T*>(p.gate) + t * p.gate_row_stride;
     T* out = static_cast<T*>(p.out) + t * p.out_row_stride;
+    const bool ahead = t + 1 < end;
     simd::for_each_block(0, H, [&](int i, auto n) QWEN4EXP_LAMBDA_INLINE {
+      if constexpr (std::is_same_v<decltype(n), simd::Block16>) {
+        if (ahead && (i / simd::kBlock) % kBlocksPerLine == 0) {
+          for (int s = 0; s < p.streams; ++s) {
+            const int64_t at = static_cast<int64_t>(s) * H + i;
+            __builtin_prefetch(x + p.x_row_stride + at, 0, 3);
+            __builtin_prefetch(gate + p.gate_row_stride + at, 0, 3);
+          }
+        }
+      }
       auto acc = zero_like(load_n(x + i, n));
       for (int s = 0; s < p.streams; ++s) {
         const int64_t at = static_cast<int64_t>(s) * H + i;
