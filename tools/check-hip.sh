@@ -77,7 +77,9 @@ flags=(-O3 -std=c++17 -Wall -Werror -ffp-contract=off -D__HIP_NO_HALF_OPERATORS_
 # The kernels the builds compile: the `kernel` lines of csrc/kernel_sources.txt.
 kernels="$(awk '$1 == "kernel" { print $2 }' "$root/csrc/kernel_sources.txt")"
 [ -n "$kernels" ] || { echo "check-hip: no kernel in csrc/kernel_sources.txt"; exit 1; }
-for rel in $kernels; do
+# check_kernel REL: every check of one kernel, its lines on stdout; fails if any check failed.
+check_kernel() {
+  local rel="$1" src name work asm note report count without arch status=0
   src="$root/csrc/$rel"
   name="$(basename "$src" .hip)"
   work="$out/$name"
@@ -95,8 +97,7 @@ for rel in $kernels; do
       -include "$out/without_wavefront_macros.h" -c "$src" -o kernel.o 2>"$work/log"); then
     cat "$work/log"
     echo "check-hip: FAIL $compiler_name ${arch_flags[*]} $name.hip (wavefront macros removed)"
-    status=1
-    continue
+    return 1
   fi
   for arch in "${archs[@]}"; do
     # grep reads all of strings' output (no -q): an early exit would SIGPIPE strings, and
@@ -124,18 +125,41 @@ for rel in $kernels; do
         /^\.Lfunc_end/ { fn = "" }
         fn != "" && $0 ~ pattern { count[fn]++ }
         END { for (f in count) print count[f], f }' "$asm")"
-      kernels="$(echo "$report" | grep -c . || true)"
+      count="$(echo "$report" | grep -c . || true)"
       without="$(echo "$report" | awk '$1 == 0' | grep -c . || true)"
-      if [ "$kernels" -eq 0 ] || [ "$without" -ne 0 ]; then
+      if [ "$count" -eq 0 ] || [ "$without" -ne 0 ]; then
         echo "$report" | awk '$1 == 0 { print "   no cross-lane instruction:", $2 }'
-        echo "check-hip: FAIL $name.hip for $arch: $without of $kernels kernels reduce without" \
+        echo "check-hip: FAIL $name.hip for $arch: $without of $count kernels reduce without" \
           "cross-lane instructions"
         status=1
         continue
       fi
-      note=" ($kernels kernels, each with cross-lane reductions)"
+      note=" ($count kernels, each with cross-lane reductions)"
     fi
     echo "check-hip: ok   $compiler_name --offload-arch=$arch $name.hip, wavefront macros removed, no device-library calls$note"
   done
+  return $status
+}
+
+# The kernels are compiled side by side, as many at once as there are CPUs (each compile is one
+# process: one at a time left CI's second core idle for three minutes); each kernel's lines are
+# printed whole, in kernel order, once all have finished. A kernel whose checks stop early (a
+# failed compile returns 1, and set -e ends the job) leaves no status file: a failure.
+jobs_max="$(nproc 2>/dev/null || echo 2)"
+running=0
+for rel in $kernels; do
+  name="$(basename "$rel" .hip)"
+  ( check_kernel "$rel" >"$out/$name.report" 2>&1; echo $? >"$out/$name.status" ) &
+  running=$((running + 1))
+  if [ "$running" -ge "$jobs_max" ]; then
+    wait -n || true
+    running=$((running - 1))
+  fi
+done
+wait
+for rel in $kernels; do
+  name="$(basename "$rel" .hip)"
+  cat "$out/$name.report"
+  [ "$(cat "$out/$name.status" 2>/dev/null)" = 0 ] || status=1
 done
 exit $status
