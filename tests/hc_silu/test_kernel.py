@@ -12,6 +12,7 @@ import torch
 
 import hc_kernel_support as checks
 from conftest import backends
+from qwen4exp_ext.testing import assert_exact
 
 OP = "hc_silu"
 BACKENDS = backends()
@@ -46,3 +47,22 @@ def test_empty_batch(backend):
 @pytest.mark.parametrize("backend", BACKENDS, ids=str)
 def test_opcheck(backend):
     checks.check_opcheck(backend, OP)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("hc", [1, 3, 4, 64, 65])
+def test_every_16_bit_input_as_the_gpu_kernels_compute_it(backend, dtype, hc):
+    """Every bf16/fp16 bit pattern (inf and NaN included) as x, in rows with a row stride: z =
+    x / HC in fp32, then z·(1/(1+exp(-z))) with a correctly rounded exp, rounded to the dtype,
+    which is what the GPU kernels compute (float_types.h's sigmoid_f32). Bit for bit on every
+    backend: the CPU looks it up for HC <= 64 and computes it with its vector exp past that
+    (which measured exact on every input too: HC = 65, 100, 1000)."""
+    ops, device = backend.ops, backend.device
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = torch.zeros(256, 300, dtype=dtype)[:, :256]  # rows of 256 with a row stride of 300
+    x.copy_(bits.view(256, 256))
+    z = x.float() / hc
+    expected = (z * (1.0 / (1.0 + torch.exp(-z.double()).float()))).to(dtype)
+    got = ops.hc_silu(x.to(device), hc).cpu()
+    assert_exact(got, expected, f"hc_silu, HC = {hc}", equal_nan=True)
