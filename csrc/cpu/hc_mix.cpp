@@ -13,13 +13,11 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <stdexcept>
 #include <type_traits>
-#include <utility>
-#include <vector>
 
 #include "../common/dispatch.h"
 #include "../common/hc_mix.h"
@@ -158,20 +156,21 @@ constexpr int kSiluTableMaxHc = 64;
 template <typename T>
 const uint16_t* silu_table(int hc) {
   if (hc < 1 || hc > kSiluTableMaxHc) return nullptr;
-  static std::mutex mutex;
-  static std::unique_ptr<std::vector<uint16_t>> tables[kSiluTableMaxHc + 1];
-  std::lock_guard<std::mutex> lock(mutex);
-  std::unique_ptr<std::vector<uint16_t>>& table = tables[hc];
-  if (!table) {
-    auto made = std::make_unique<std::vector<uint16_t>>(65536);
-    const float divisor = static_cast<float>(hc);
-    for (uint32_t bits = 0; bits < 65536; ++bits) {
-      const float z = to_float(T{static_cast<uint16_t>(bits)}) / divisor;
-      (*made)[bits] = from_float<T>(z * sigmoid_f32(z)).bits;
-    }
-    table = std::move(made);
+  // Published once, lock-free (a mutex held across a fork would hang the child): threads that
+  // race each build a table, one is kept, the others' are freed. Kept for the process's life.
+  static std::atomic<const uint16_t*> tables[kSiluTableMaxHc + 1];
+  const uint16_t* found = tables[hc].load(std::memory_order_acquire);
+  if (found != nullptr) return found;
+  auto made = std::make_unique<uint16_t[]>(65536);
+  const float divisor = static_cast<float>(hc);
+  for (uint32_t bits = 0; bits < 65536; ++bits) {
+    const float z = to_float(T{static_cast<uint16_t>(bits)}) / divisor;
+    made[bits] = from_float<T>(z * sigmoid_f32(z)).bits;
   }
-  return table->data();
+  if (tables[hc].compare_exchange_strong(found, made.get(), std::memory_order_acq_rel)) {
+    return made.release();
+  }
+  return found;  // another thread's, published first
 }
 
 // Rows per thread: a few rows of some thousand elements already fill one.
