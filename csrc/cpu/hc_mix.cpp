@@ -113,21 +113,6 @@ QWEN4EXP_ALWAYS_INLINE void silu_rows(const HcSiluParams& p, int64_t begin, int6
   }
 }
 
-// 16-bit dtypes: the output is a function of the input's 16 bits (and HC), so it is looked up
-// (silu_table): three memory operations an element, where the vector SiLU is a division by HC,
-// some 20 operations of exp and a second division (bf16 prefill, T = 8192 x 320, Zen 4 2-core
-// KVM: 2.75 -> 1.20 ms at 1 thread, 1.40 -> 0.59 at 2; torch's eager F.silu(x / HC) took
-// 2.1-6.5). The values are the same: the vector path measured exact on every 16-bit input.
-QWEN4EXP_ALWAYS_INLINE void silu_lookup_rows(const HcSiluParams& p, const uint16_t* table,
-                                             int64_t begin, int64_t end) {
-  for (int64_t t = begin; t < end; ++t) {
-    const uint16_t* x = static_cast<const uint16_t*>(p.x) + t * p.x_row_stride;
-    uint16_t* y = static_cast<uint16_t*>(p.y) + t * p.y_row_stride;
-#pragma GCC unroll 8
-    for (int i = 0; i < p.width; ++i) y[i] = table[x[i]];
-  }
-}
-
 #define QWEN4EXP_HC_MIX_ENTRY(NAME, PARAMS, BODY, T)                           \
   QWEN4EXP_CPU_CLONES void NAME(const PARAMS& p, int64_t begin, int64_t end) { \
     BODY<T>(p, begin, end);                                                    \
@@ -139,10 +124,21 @@ QWEN4EXP_HC_MIX_ENTRY(silu_f32, HcSiluParams, silu_rows, float)
 QWEN4EXP_HC_MIX_ENTRY(silu_bf16, HcSiluParams, silu_rows, bf16_t)
 QWEN4EXP_HC_MIX_ENTRY(silu_f16, HcSiluParams, silu_rows, f16_t)
 #undef QWEN4EXP_HC_MIX_ENTRY
-// (Not cloned: scalar loads gain nothing from wider vectors, and GCC's AVX-512 gathers of the
-// table were the slower lookup in hc_gate_mix and ple_conv.)
+
+// 16-bit dtypes: the output is a function of the input's 16 bits (and HC), so it is looked up
+// (silu_table): three memory operations an element, where the vector SiLU is a division by HC,
+// some 20 operations of exp and a second division (bf16 prefill, T = 8192 x 320, Zen 4 2-core
+// KVM: 2.75 -> 1.20 ms at 1 thread, 1.40 -> 0.59 at 2; torch's eager F.silu(x / HC) took
+// 2.1-6.5). The values are the same: the vector path measured exact on every 16-bit input.
+// Not cloned: scalar loads gain nothing from wider vectors, and AVX-512 gathers of a table were
+// the slower lookup in hc_gate_mix and ple_conv.
 void silu_lookup(const HcSiluParams& p, const uint16_t* table, int64_t begin, int64_t end) {
-  silu_lookup_rows(p, table, begin, end);
+  for (int64_t t = begin; t < end; ++t) {
+    const uint16_t* x = static_cast<const uint16_t*>(p.x) + t * p.x_row_stride;
+    uint16_t* y = static_cast<uint16_t*>(p.y) + t * p.y_row_stride;
+#pragma GCC unroll 8
+    for (int i = 0; i < p.width; ++i) y[i] = table[x[i]];
+  }
 }
 
 // The divisors whose tables are kept (128 KiB each, made on first use, ~2 ms): the released
