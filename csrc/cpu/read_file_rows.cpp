@@ -243,8 +243,9 @@ int64_t probe_page_cache(Job& job, int64_t misses, std::vector<int64_t>& pending
 // whatever the number of threads, and the workers' preads wait for pages already on their way.
 // Measured on a 2-core Zen 4 KVM (virtio disk), 1024 cold random rows of a 640 MB file: without
 // the advice 49-65 ms on 1 thread, 15-18 ms on 32; with it 11-16 ms on either; in the
-// vllm_disk_offload bench, cold decode went from 0.87x to 0.93x of vLLM's staging and cold
-// prefill (131k rows) from 1.14x to 1.23x. Advice only: an error here changes nothing, the
+// vllm_disk_offload bench (results/, 1 / 2 threads), cold decode went from 0.87x / 0.79x to
+// 0.99x / 1.00x of vLLM's staging and cold prefill (131k rows) from 1.14x / 1.17x to 1.32x /
+// 1.23x. Advice only: an error here changes nothing, the
 // preads report their own.
 void advise_pending(const Job& job) {
   for (const int64_t i : job.pending) {
