@@ -392,6 +392,35 @@ def test_pinned_tables_are_allocated_at_their_exact_size(vllm_plugged):
     assert not bool(table.any())
 
 
+def test_cpu_device_tables_are_allocated_on_huge_pages(vllm_plugged):
+    """vLLM's device PLE table (``torch.empty`` on the active device) comes, where that device is
+    the CPU, from host_memory.empty_host_table: its own mapping, advised onto transparent huge
+    pages before anything is written, so that our gather pays fewer page walks. Its rows load
+    and gather as vLLM's would; a table on another device (here ``meta``) stays vLLM's."""
+    import vllm.models.qwen4_exp.common.ngram_embedding as ne
+
+    from qwen4exp_ext.tables import host_memory
+
+    cls = ne.Qwen4ExpPLEDeviceEmbedding
+    assert hasattr(cls.__dict__["allocate_embedding_weight"], MARK)
+    huge = 2 << 20
+    for dtype, rows, width in ((torch.bfloat16, 8191, 160), (torch.float8_e4m3fn, 13109, 160)):
+        table = cls.allocate_embedding_weight(None, rows, width, dtype)
+        assert table.shape == (rows, width) and table.dtype == dtype
+        assert table.device.type == "cpu" and table.is_contiguous()
+        assert table.untyped_storage().nbytes() >= huge  # large enough for its own mapping
+        found = host_memory.footprint(table)
+        assert found["host_table"], found
+        if dtype == torch.bfloat16:
+            source = torch.randn(rows, width).to(dtype)
+            table.copy_(source)  # as vLLM's weight loader fills it
+            ids = torch.tensor([[0, rows - 1], [rows // 2, 7]])
+            assert_exact(ops.gather_rows(table, ids), source[ids].view(2, 2 * width))
+    with torch.device("meta"):
+        elsewhere = cls.allocate_embedding_weight(None, 8191, 160, torch.bfloat16)
+    assert elsewhere.device.type == "meta"
+
+
 def test_register_again_changes_nothing_and_warns_nothing(vllm_plugged, caplog):
     plugin = vllm_plugged.plugin
     before = {n: getattr(vllm_plugged.ple, n) for n in FUNCTIONS}

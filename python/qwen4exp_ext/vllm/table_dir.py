@@ -385,19 +385,6 @@ def allocate_from_file(
     return table.allocate(embedding, num_embeddings, embedding_dim, dtype)
 
 
-def make_allocate_device(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``Qwen4ExpPLEDeviceEmbedding.allocate_embedding_weight``: the file's rows under a table
-    directory, else vLLM's ``torch.empty``."""
-
-    def allocate_embedding_weight(
-        self: Any, num_embeddings: int, embedding_dim: int, dtype: torch.dtype
-    ) -> torch.Tensor:
-        rows = allocate_from_file(self, num_embeddings, embedding_dim, dtype)
-        return rows if rows is not None else original(self, num_embeddings, embedding_dim, dtype)
-
-    return allocate_embedding_weight
-
-
 def wrap_load_weights(original: Callable[..., set[str]]) -> Callable[..., set[str]]:
     """``Qwen4ExpNGramEmbedding.load_weights`` (NVIDIA and AMD): a layer served from a table file
     skips the checkpoint's row shards, reports its rows loaded, and checks the scales and hash

@@ -71,6 +71,7 @@ from .disk_offload import _make_stage_rows
 from .disk_offload_step import _make_stage_checkpoint_rows, _make_staged_rows
 from .hc import AMD_HC_MODULE, HC_OPS, NVIDIA_HC_MODULE
 from .lookup import (
+    _make_allocate_device,
     _make_allocate_pinned,
     _make_embedding,
     _make_fp8_dequantize,
@@ -300,14 +301,15 @@ SWAPS: tuple[Swap, ...] = (
         "(self, num_embeddings, embedding_dim, dtype)",
         _make_allocate_pinned,
     ),
-    # A table directory (table_dir.py): vLLM's PLE tables from packed table files.
+    # The device table: a table directory's file rows (table_dir.py), or on the CPU huge pages.
     Swap(
         f"{EMBEDDING_MODULE}:Qwen4ExpPLEDeviceEmbedding",
         "allocate_embedding_weight",
         "gather_rows",
         "(self, num_embeddings, embedding_dim, dtype)",
-        table_dir.make_allocate_device,
+        _make_allocate_device,
     ),
+    # A table directory (table_dir.py): vLLM's PLE tables from packed table files.
     Swap(
         f"{NVIDIA_EMBEDDING_MODULE}:Qwen4ExpNGramEmbedding",
         "__init__",

@@ -1,6 +1,6 @@
 """The shims of vLLM's PLE table lookups: the device table (``embedding``), the pinned host
 table (``lookup_from_pinned``), of the unquantized, FP8 and NVFP4 methods, the FP8 method's
-``lookup_dtype`` and ``dequantize``, and the pinned table's allocation.
+``lookup_dtype`` and ``dequantize``, and the pinned and device tables' allocations.
 
 This module imports neither vLLM nor anything that does: the plugin hands it vLLM's objects.
 """
@@ -325,6 +325,34 @@ def _make_allocate_pinned(original: Callable[..., torch.Tensor]) -> Callable[...
         from ...tables import host_memory
 
         return host_memory.pinned_host_table(num_embeddings, embedding_dim, dtype)
+
+    return allocate_embedding_weight
+
+
+def _make_allocate_device(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`Qwen4ExpPLEDeviceEmbedding.allocate_embedding_weight`: under a table directory, this
+    rank's rows of the table file (:mod:`..table_dir`); where vLLM's ``torch.empty`` lands on the
+    CPU (vLLM serving on CPUs), the same uninitialised table on transparent huge pages
+    (``host_memory.empty_host_table``, advised before the load fills it), which takes most page
+    walks out of our gather (README, "Use with vLLM"). On a GPU, vLLM's allocation."""
+
+    def allocate_embedding_weight(
+        self: Any, num_embeddings: int, embedding_dim: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        rows = table_dir.allocate_from_file(self, num_embeddings, embedding_dim, dtype)
+        if rows is not None:  # a table directory: the file's rows, mapped
+            return rows
+        weight = original(self, num_embeddings, embedding_dim, dtype)
+        if (
+            weight.device.type != "cpu"
+            or weight.shape != (num_embeddings, embedding_dim)
+            or weight.dtype != dtype
+        ):
+            return weight
+        from ...tables import host_memory
+
+        # vLLM's table is untouched (torch.empty): dropping it frees address space only.
+        return host_memory.empty_host_table(num_embeddings, embedding_dim, dtype)
 
     return allocate_embedding_weight
 
