@@ -74,17 +74,23 @@ def mapping_of(address: int) -> tuple[int, int] | None:
     return None
 
 
-def huge_page_kb(start: int) -> int:
-    """AnonHugePages of the mapping that starts at ``start`` (/proc/self/smaps)."""
+def smaps_kb(start: int, field: str) -> int:
+    """A field (``"LazyFree"``, ``"Rss"``...) of the mapping that starts at ``start`` (from
+    /proc/self/smaps), in kB."""
     found = False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             if not found:
                 fields = line.split()
                 found = "-" in fields[0] and int(fields[0].split("-")[0], 16) == start
-            elif line.startswith("AnonHugePages:"):
+            elif line.startswith(field + ":"):
                 return int(line.split()[1])
     raise AssertionError(f"no mapping starts at {start:#x}")
+
+
+def huge_page_kb(start: int) -> int:
+    """AnonHugePages of the mapping that starts at ``start`` (/proc/self/smaps)."""
+    return smaps_kb(start, "AnonHugePages")
 
 
 def assert_own_mapping(t: torch.Tensor) -> None:
@@ -363,6 +369,41 @@ def test_a_freed_output_returns_to_the_cache_and_only_an_output_it_fits_takes_it
         held = cpu_tuning.fresh_output_cache_held()[0]
         assert cpu_tuning.empty_fresh_output_cache() == held > _mapped(size)
         assert cpu_tuning.fresh_output_cache_held() == (0, 0) and _unmapped(start)
+
+
+MADV_PAGEOUT = 21  # Linux 5.4: reclaim these pages now, as memory pressure would
+
+
+def test_a_cached_mapping_is_the_kernels_to_take_back_and_serves_again_when_taken():
+    """A mapping in the cache is MADV_FREE: its pages count as LazyFree, which the kernel may
+    reclaim under memory pressure instead of anything else. Until it does, the next output finds
+    them resident and writing them makes them the process's again; once taken back (forced here
+    with MADV_PAGEOUT), the next output gets the same mapping, zero-filled, and writes it."""
+    import ctypes
+
+    size = 4 * HUGE_PAGE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    with fresh(True, cache_bytes=64 << 20):
+        out = _new(size).fill_(7)
+        start = out.data_ptr()
+        resident_kb = smaps_kb(start, "Rss")
+        assert resident_kb * 1024 >= size
+        del out
+        assert smaps_kb(start, "LazyFree") == resident_kb
+        again = _new(size)
+        assert again.data_ptr() == start and int(again[0]) == 7
+        again.fill_(5)
+        assert smaps_kb(start, "LazyFree") == 0  # written: the process's again
+        del again
+        if libc.madvise(start, _mapped(size), MADV_PAGEOUT) != 0:
+            pytest.skip(f"MADV_PAGEOUT refused (errno {ctypes.get_errno()}): a kernel before 5.4")
+        assert smaps_kb(start, "Rss") == 0  # taken back, not swapped: nothing was dirty
+        third = _new(size)
+        assert third.data_ptr() == start and not bool(third.any())
+        third.fill_(9)
+        assert bool((third == 9).all()) and smaps_kb(start, "LazyFree") == 0
+        del third
 
 
 def test_the_cache_never_holds_more_than_its_cap():

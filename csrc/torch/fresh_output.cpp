@@ -148,6 +148,15 @@ void release(void* context) {
   auto* mapping = static_cast<Mapping*>(context);
   const Mapping m = *mapping;
   delete mapping;
+#ifdef MADV_FREE
+  // The kernel may take an idle cached mapping's pages back under memory pressure, as it takes
+  // file pages: what the cache keeps for reuse never forces anything out. Until it does, the
+  // pages stay mapped and the next output writes them with no fault (a write makes a page dirty
+  // again, hence kept); a page taken back faults in zeroed, as a new mapping's. Before the
+  // mapping enters the cache, never after: a page its next owner has already written would be
+  // marked free again. EINVAL (a kernel before 4.5): the pages stay resident.
+  if (static_cast<int64_t>(m.len) <= cache_cap()) madvise(m.addr, m.len, MADV_FREE);
+#endif
   Mapping dropped[kCacheSlots + 1];
   int n = 0;
   {
