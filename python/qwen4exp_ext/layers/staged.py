@@ -48,7 +48,9 @@ How it runs:
   lookup (issue #51: T = 64 from a warm table file, 0.90x the ``np.memmap`` baseline at 1
   thread). How much depends on the machine (on the 2-core AMD EPYC VM of this change, a whole
   step of submit, rows and release took about the same on the worker as inline, ~285 us, the
-  lookups themselves ~200 us of it), so the choice is measured, not set. With
+  lookups themselves ~200 us of it; since inline steps no longer wake the idle worker, the
+  pipeline's own share of an inline step of two small layers fell from 159-294 us to 67 us),
+  so the choice is measured, not set. With
   ``inline="auto"`` (the default) the pipeline measures what each way costs the consumer, per
   step size (tokens, to a power of two): on the worker the time spent in ``submit`` plus the
   time ``rows`` blocked; inline the time spent in ``submit``, which then runs the lookups. A
@@ -287,20 +289,29 @@ class StagedLookupPipeline:
         self.decode_on_device = [on_device and e.quantized for e in self.embeddings]
         self._copy_stream = torch.cuda.Stream(device=self.device) if on_gpu else None
         self._slots = [self._make_slot(on_gpu) for _ in range(SLOTS)]
-        self._cond = threading.Condition()
+        # Two conditions on one lock: the worker waits on _work (a job queued, or the stop) and
+        # nothing else; consumers wait on _cond (a layer's rows ready, a slot released, an
+        # error). Notifying the worker of every layer and release it has no use for woke it
+        # for nothing: with inline steps ~10 us of futex wake and GIL hand-off each, twice a
+        # layer.
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        self._work = threading.Condition(lock)
         self._jobs: list[_Job] = []
         self._submitted = 0
         self._closed = False
         self._worker = threading.Thread(
             target=_work,
-            args=(weakref.ref(self), self._cond, self._jobs),
+            args=(weakref.ref(self), self._cond, self._work, self._jobs),
             daemon=True,
             name="qwen4exp-staged-lookups",
         )
         self._worker.start()
         # The worker holds no reference to the pipeline between jobs: when the pipeline is
         # dropped without close(), this stops and joins it.
-        self._finalizer = weakref.finalize(self, _stop, self._cond, self._jobs, self._worker)
+        self._finalizer = weakref.finalize(
+            self, _stop, self._cond, self._work, self._jobs, self._worker
+        )
 
     def _check_memory(self) -> None:
         """Refuses a ``max_tokens`` whose buffers (two slots of every layer's staging and ids)
@@ -439,7 +450,7 @@ class StagedLookupPipeline:
             step._inline = self._runs_inline(tokens, threads, last)
             if not step._inline:
                 self._jobs.append(job)
-                self._cond.notify_all()
+                self._work.notify()
         if step._inline:
             try:
                 self._run(job)
@@ -554,7 +565,7 @@ class StagedLookupPipeline:
         joins it again)."""
         timeout = check_timeout(timeout, "StagedLookupPipeline.close")
         self._closed = True
-        _stop(self._cond, self._jobs, self._worker, timeout)
+        _stop(self._cond, self._work, self._jobs, self._worker, timeout)
         if self._worker.is_alive():
             raise TimeoutError(
                 f"StagedLookupPipeline.close: the worker is still running after {timeout} s"
@@ -568,14 +579,17 @@ class StagedLookupPipeline:
         self.close()
 
 
-def _work(pipeline_ref: weakref.ref, cond: threading.Condition, jobs: list) -> None:
-    """The worker thread: runs submitted jobs in order; stops on ``None`` (from :func:`_stop`).
+def _work(
+    pipeline_ref: weakref.ref, cond: threading.Condition, work: threading.Condition, jobs: list
+) -> None:
+    """The worker thread: runs submitted jobs in order (waiting on ``work``; ``cond``, on the
+    same lock, tells consumers of each step's progress); stops on ``None`` (from :func:`_stop`).
     Whatever a job raises, wherever (torch.set_num_threads, a layer's lookup, a copy), is handed
     to that step's ``rows`` and the worker goes on with the next job: a step never waits on a
     worker that is gone."""
     while True:
-        with cond:
-            cond.wait_for(lambda: bool(jobs))
+        with work:
+            work.wait_for(lambda: bool(jobs))
             job = jobs.pop(0)
         if job is None:
             return
@@ -598,6 +612,7 @@ def _fail(cond: threading.Condition, step: StagedStep, error: BaseException) -> 
 
 def _stop(
     cond: threading.Condition,
+    work: threading.Condition,
     jobs: list,
     worker: threading.Thread,
     timeout: float | None = None,
@@ -605,6 +620,7 @@ def _stop(
     with cond:
         if None not in jobs:
             jobs.append(None)
+        work.notify_all()
         cond.notify_all()
     if worker is not threading.current_thread():
         worker.join(timeout)
