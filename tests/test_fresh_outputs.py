@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import mmap
 import os
 import threading
 import warnings
@@ -33,6 +34,7 @@ from ngram_gather_rows.support import make_batch
 from ngram_support import HASHING_ARGS
 from ple_gate.support import make_inputs
 from qwen4exp_ext import cpu_tuning, ops
+from qwen4exp_ext.tables.readers import madvise_range
 
 HUGE_PAGE = 2 << 20
 MODES = ("huge_pages", "populate")
@@ -371,7 +373,8 @@ def test_a_freed_output_returns_to_the_cache_and_only_an_output_it_fits_takes_it
         assert cpu_tuning.fresh_output_cache_held() == (0, 0) and _unmapped(start)
 
 
-MADV_PAGEOUT = 21  # Linux 5.4: reclaim these pages now, as memory pressure would
+# Linux 5.4: reclaim these pages now, as memory pressure would.
+MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)
 
 
 def test_a_cached_mapping_is_the_kernels_to_take_back_and_serves_again_when_taken():
@@ -379,11 +382,7 @@ def test_a_cached_mapping_is_the_kernels_to_take_back_and_serves_again_when_take
     reclaim under memory pressure instead of anything else. Until it does, the next output finds
     them resident and writing them makes them the process's again; once taken back (forced here
     with MADV_PAGEOUT), the next output gets the same mapping, zero-filled, and writes it."""
-    import ctypes
-
     size = 4 * HUGE_PAGE
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     with fresh(True, cache_bytes=64 << 20):
         out = _new(size).fill_(7)
         start = out.data_ptr()
@@ -396,8 +395,10 @@ def test_a_cached_mapping_is_the_kernels_to_take_back_and_serves_again_when_take
         again.fill_(5)
         assert smaps_kb(start, "LazyFree") == 0  # written: the process's again
         del again
-        if libc.madvise(start, _mapped(size), MADV_PAGEOUT) != 0:
-            pytest.skip(f"MADV_PAGEOUT refused (errno {ctypes.get_errno()}): a kernel before 5.4")
+        try:
+            madvise_range(start, _mapped(size), MADV_PAGEOUT)
+        except OSError as error:
+            pytest.skip(f"MADV_PAGEOUT refused ({error}): a kernel before 5.4")
         assert smaps_kb(start, "Rss") == 0  # taken back, not swapped: nothing was dirty
         third = _new(size)
         assert third.data_ptr() == start and not bool(third.any())
