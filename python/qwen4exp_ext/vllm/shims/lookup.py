@@ -351,7 +351,9 @@ def _make_allocate_device(original: Callable[..., torch.Tensor]) -> Callable[...
             return weight
         from ...tables import host_memory
 
-        # vLLM's table is untouched (torch.empty): dropping it frees address space only.
+        # vLLM's table is untouched (torch.empty): dropping it frees address space only, and
+        # first, so that the two are never committed at once (vm.overcommit_memory=2).
+        del weight
         return host_memory.empty_host_table(num_embeddings, embedding_dim, dtype)
 
     return allocate_embedding_weight
