@@ -149,6 +149,7 @@ class KernelOps:
         self._gather_rows_op = library.gather_rows.default
         self._gather_rows_handle = _dispatcher_handle(self._gather_rows_op)
         self._ngram_gather_rows_op = library.ngram_gather_rows.default
+        self._ngram_gather_rows_handle = _dispatcher_handle(self._ngram_gather_rows_op)
         self._ple_gate_op = library.ple_gate.default
         self._ple_gate_out_op = library.ple_gate_out.default
         self._ple_conv_op = library.ple_conv.default
@@ -389,7 +390,11 @@ class KernelOps:
             )
         if scale is not None and not isinstance(scale, torch.Tensor):
             scale = torch.tensor([float(scale)], dtype=torch.float32, device=table.device)
-        self._ngram_gather_rows_op(
+        # Dynamo traces the OpOverload; eager calls go straight to the C++ dispatcher.
+        call = (
+            self._ngram_gather_rows_op if _is_dynamo_compiling() else self._ngram_gather_rows_handle
+        )
+        call(
             input_ids,
             query_start_loc,
             ngram_context,

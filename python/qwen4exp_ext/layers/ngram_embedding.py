@@ -408,25 +408,32 @@ class NGramEmbedding(CheckpointLoading, nn.Module):
         output: torch.Tensor | None = None,
         ids_output: torch.Tensor | None = None,
         max_blocks: int = 0,
+        batch_checked: bool = False,
     ) -> torch.Tensor:
         """This rank's rows [T, D_e] of the tokens, not yet reduced over vocabulary shards:
         into ``output`` (and the ids into ``ids_output``) when given; each gather on a GPU
-        launches at most ``max_blocks`` blocks (0: no cap)."""
+        launches at most ``max_blocks`` blocks (0: no cap). ``batch_checked``: the caller has
+        already checked this batch against this layer (``prefetch.check_batch``)."""
         self._check_complete()
         table = self.table
         if table is not None and table.device.type in FUSED_LOOKUP_DEVICES:
             # (the other path checks the batch in _ngram_ids)
-            prefetch.check_batch(self, input_ids, query_start_loc, ngram_context, "NGramEmbedding")
+            if not batch_checked:
+                prefetch.check_batch(
+                    self, input_ids, query_start_loc, ngram_context, "NGramEmbedding"
+                )
             return ops.ngram_gather_rows(
                 input_ids.reshape(-1),
                 query_start_loc,
                 ngram_context,
                 *self._hashing(),
                 table,
-                head_divmod=self.ngram_heads_divmod,
+                head_divmod=self._buffers["ngram_heads_divmod"],
                 **self._gather_args(output, max_blocks),
             )
-        ids = self._ngram_ids(input_ids, query_start_loc, ngram_context, ids_output)
+        ids = self._ngram_ids(
+            input_ids, query_start_loc, ngram_context, ids_output, batch_checked=batch_checked
+        )
         return self._gather(ids, output, max_blocks)
 
     def _gather(
@@ -509,11 +516,14 @@ class NGramEmbedding(CheckpointLoading, nn.Module):
         )
 
     def _hashing(self) -> tuple:
-        """ngram_ids' arguments after the batch: this layer's hash constants."""
+        """ngram_ids' arguments after the batch: this layer's hash constants (the buffers read
+        from ``_buffers`` itself: nn.Module's ``__getattr__`` is a Python call each, a visible
+        share of a staged decode step's Python)."""
+        buffers = self._buffers
         return (
-            self.layer_multipliers,
-            self.ngram_heads_vocab_sizes,
-            self.ngram_heads_offsets,
+            buffers["layer_multipliers"],
+            buffers["ngram_heads_vocab_sizes"],
+            buffers["ngram_heads_offsets"],
             self.eos_token_id,
             self.heads_per_ngram,
         )
@@ -524,15 +534,19 @@ class NGramEmbedding(CheckpointLoading, nn.Module):
         query_start_loc: torch.Tensor,
         ngram_context: torch.Tensor,
         output: torch.Tensor | None = None,
+        *,
+        batch_checked: bool = False,
     ) -> torch.Tensor:
-        """The [T, NH] row ids of the tokens (into ``output`` when given)."""
-        prefetch.check_batch(self, input_ids, query_start_loc, ngram_context, "NGramEmbedding")
+        """The [T, NH] row ids of the tokens (into ``output`` when given; ``batch_checked`` as
+        for :meth:`_lookup_local`)."""
+        if not batch_checked:
+            prefetch.check_batch(self, input_ids, query_start_loc, ngram_context, "NGramEmbedding")
         return ops.ngram_ids(
             input_ids.reshape(-1),
             query_start_loc,
             ngram_context,
             *self._hashing(),
-            head_divmod=self.ngram_heads_divmod,
+            head_divmod=self._buffers["ngram_heads_divmod"],
             output=output,
         )
 

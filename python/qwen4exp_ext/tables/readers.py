@@ -131,11 +131,10 @@ class FileTable:
         with SIGBUS, so each lookup checks first (one fstat). A truncation in the middle of a
         lookup, or a disk error under a mapping, cannot be caught this way: the direct reader
         reports both as errors."""
-        self._begin_read()
-        try:
+        with self._idle:  # close() waits for this lock: the descriptor stays this file's
+            if self._closing:
+                raise RuntimeError(f"{self.path}: the table file was closed")
             size = os.fstat(self._fd).st_size if self._rows is not None else None
-        finally:
-            self._end_read()
         if size is not None and size != self.header.file_bytes:
             raise OSError(
                 f"{self.path}: the table file is now {size} bytes, its header says "
