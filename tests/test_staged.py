@@ -572,6 +572,51 @@ def test_inline_steps_equal_the_workers_bit_for_bit(table_format):
             same_bits(rows["never"][n][index], rows["always"][n][index])
 
 
+def test_inline_steps_read_the_callers_tensors_of_any_index_dtype_and_stride():
+    """An inline step reads the caller's tensors as they are (not copied into the slot, as a
+    worker's step is): int32 or int64, strided views, each way gives forward's rows."""
+    layers = [make_embedding("bfloat16", "cpu", layer_index=i, seed=i) for i in range(2)]
+    input_ids, qsl, context = make_batch([5, 0, 13, 1], "cpu", seed=7)
+    strided_ids = torch.stack([input_ids, input_ids], dim=1)[:, 0]  # every other element
+    strided_context = torch.stack([context, context], dim=2)[:, :, 0]
+    assert not strided_ids.is_contiguous() and not strided_context.is_contiguous()
+    batches = [
+        (input_ids.to(torch.int32), qsl.to(torch.int64), context),
+        (strided_ids, qsl, strided_context.to(torch.int32)),
+    ]
+    for inline in ("always", "never"):
+        with StagedLookupPipeline(layers, max_tokens=32, inline=inline) as pipeline:
+            for batch in batches:
+                wants = [layer(*batch) for layer in layers]
+                with pipeline.submit(*batch, timeout=WAIT) as step:
+                    assert step._inline == (inline == "always")
+                    for index in (0, 1):
+                        same_bits(step.rows(index, timeout=WAIT), wants[index])
+
+
+def test_a_batch_is_checked_against_every_ngram_size_of_the_pipeline():
+    """submit checks the batch once per n-gram size, not per layer, yet against every size: a
+    context too narrow for any one layer is refused, naming that layer's size, and nothing is
+    started."""
+    from types import SimpleNamespace
+
+    from lookup_support import CONFIG
+    from qwen4exp_ext.layers import NGramEmbedding
+
+    four = SimpleNamespace(**{**vars(CONFIG), "ngram_size": 4})  # 6 heads of 4
+    configs = {3: CONFIG, 4: four}
+    batch = make_batch([5, 0, 13, 1], "cpu")  # a context [4, 2]: ngram_size 3's
+    for order in ((3, 3, 4), (4, 3)):
+        layers = [
+            NGramEmbedding(configs[n], i, placement="cpu", dtype="bfloat16", max_tokens=32)
+            for i, n in enumerate(order)
+        ]
+        with StagedLookupPipeline(layers, max_tokens=32) as pipeline:
+            with pytest.raises(ValueError, match=r"\[4, 3\] .*ngram_size is 4\)"):
+                pipeline.submit(*batch, timeout=WAIT)
+            assert pipeline._submitted == 0 and pipeline._last is None
+
+
 @pytest.mark.parametrize("failed", [0, 1])
 def test_an_inline_step_that_raises_fails_its_rows_and_serves_the_next(failed):
     """A lookup that raises on the submitting thread fails its step as on the worker: submit

@@ -60,7 +60,13 @@ How it runs:
   submitter's thread count is the step's. So a step the consumer overlaps with work keeps its
   worker (its rows come at no wait), and one whose rows are waited for at once runs where that
   costs no hand-off. ``"always"``/``"never"`` pin the choice (tests, measurements). An inline
-  step's rows and errors are the worker's: ``rows`` returns or raises the same.
+  step's rows and errors are the worker's: ``rows`` returns or raises the same. An inline step
+  reads the caller's tensors where they are (a worker's step copies them into its slot, as the
+  caller may reuse them once ``submit`` returns), and no layer checks the batch again after
+  ``submit`` did: the Python of an inline step of two layers, its lookups left out, is ~32 us
+  (53 us before both). That Python costs 3-10x as much after other work has evicted the
+  caches and TLBs (the decode step of a server: the model's weights stream between two
+  lookups), so each call, check and tensor view left out of a step counts several times.
 - **Vocabulary shards**: the first ``rows(l)`` of a step reduces layer l's rows across the ranks
   (a collective: every rank calls it, in the same layer order); later calls return the same
   rows, and ``wait`` runs no collective.
@@ -152,7 +158,10 @@ class StagedStep:
         vocabulary shards the first call of a layer all-reduces its rows (every rank must call
         it, in the same layer order; on a GPU, on the current stream of that call); later calls
         return the same rows."""
-        index = self._pipeline._index(layer, "StagedStep.rows")
+        if type(layer) is int and 0 <= layer < len(self._pipeline.embeddings):
+            index = layer  # the common call, without layer_index's checks
+        else:
+            index = self._pipeline._index(layer, "StagedStep.rows")
         rows = self._rows.get(index)
         if rows is None:
             self._wait_for(index, timeout)
@@ -164,10 +173,12 @@ class StagedStep:
     def _wait_for(self, index: int, timeout: float | None) -> None:
         """Waits until layer ``index``'s rows are complete; raises the worker's error (for this
         layer and every later one) or TimeoutError."""
-        timeout = check_timeout(timeout, "StagedStep.rows")
         if self._released:
             raise RuntimeError(f"StagedStep {self.number} was released; its rows are gone")
-        if self._ready > index:  # done (an int read under the GIL): no lock, no wait
+        if self._ready > index and timeout is None:  # done (an int read under the GIL)
+            return
+        timeout = check_timeout(timeout, "StagedStep.rows")
+        if self._ready > index:  # no lock, no wait
             return
         start = time.perf_counter()
         try:
@@ -270,6 +281,12 @@ class StagedLookupPipeline:
                     "StagedLookupPipeline reads host tables (placement 'cpu' or 'file'); a "
                     f"{embedding.placement!r} table is read by its device: use LookupPipeline"
                 )
+        # A batch is checked once per n-gram size (the only part of a layer check_batch reads),
+        # not once per layer: the layers' lookups then skip it.
+        checks: dict[int, Any] = {}
+        for embedding in self.embeddings:
+            checks.setdefault(embedding.ngram_size, embedding)
+        self._batch_checks = list(checks.values())
         self.max_tokens = positive_int(max_tokens, "max_tokens", who)
         self.threads = None if threads is None else _check_threads(threads)
         self.device = _check_device(device)
@@ -397,7 +414,7 @@ class StagedLookupPipeline:
         if self._closed:
             raise RuntimeError(f"{who}: the pipeline is closed")
         timeout = check_timeout(timeout, who)
-        for embedding in self.embeddings:
+        for embedding in self._batch_checks:
             check_batch(embedding, input_ids, query_start_loc, ngram_context, who)
         inputs = (input_ids.reshape(-1), query_start_loc, ngram_context)
         for name, tensor in zip(
@@ -425,30 +442,18 @@ class StagedLookupPipeline:
                 )
             if self._closed:
                 raise RuntimeError("StagedLookupPipeline.submit: the pipeline is closed")
-            input_ids, query_start_loc, ngram_context = inputs
-            slot.input_ids[:tokens].copy_(input_ids)
-            qsl = slot.query_start_loc
-            if qsl.dtype != query_start_loc.dtype or qsl.numel() < query_start_loc.numel():
-                qsl = slot.query_start_loc = torch.zeros(
-                    max(self.max_tokens + 1, query_start_loc.numel()),
-                    dtype=query_start_loc.dtype,
-                    pin_memory=slot.device_rows is not None,
-                )
-            qsl[: query_start_loc.numel()].copy_(query_start_loc)
-            slot.ngram_context = ngram_context.clone()
             threads = self.threads or torch.get_num_threads()
             step = StagedStep(self, slot, self._submitted, tokens, threads)
             slot.step = step
             self._submitted += 1
-            job_inputs = (
-                slot.input_ids[:tokens],
-                qsl[: query_start_loc.numel()],
-                slot.ngram_context,
-            )
-            job = _Job(step, job_inputs)
             last, self._last = self._last, step
             step._inline = self._runs_inline(tokens, threads, last)
-            if not step._inline:
+            if step._inline:
+                # Run before submit returns: the caller's tensors are read as they are, not
+                # copied (three copies and their views: ~10 us of an inline step's Python).
+                job = _Job(step, inputs)
+            else:
+                job = _Job(step, self._copy_inputs(slot, inputs))
                 self._jobs.append(job)
                 self._work.notify()
         if step._inline:
@@ -460,6 +465,23 @@ class StagedLookupPipeline:
                     raise  # KeyboardInterrupt, SystemExit: the caller's
         step._cost = time.perf_counter() - start
         return step
+
+    def _copy_inputs(self, slot: _Slot, inputs: tuple) -> tuple:
+        """The step's inputs copied into ``slot`` (with the lock held), for the worker: the
+        caller may reuse its tensors as soon as submit returns."""
+        input_ids, query_start_loc, ngram_context = inputs
+        tokens = input_ids.numel()
+        slot.input_ids[:tokens].copy_(input_ids)
+        qsl = slot.query_start_loc
+        if qsl.dtype != query_start_loc.dtype or qsl.numel() < query_start_loc.numel():
+            qsl = slot.query_start_loc = torch.zeros(
+                max(self.max_tokens + 1, query_start_loc.numel()),
+                dtype=query_start_loc.dtype,
+                pin_memory=slot.device_rows is not None,
+            )
+        qsl[: query_start_loc.numel()].copy_(query_start_loc)
+        slot.ngram_context = ngram_context.clone()
+        return (slot.input_ids[:tokens], qsl[: query_start_loc.numel()], slot.ngram_context)
 
     def _runs_inline(self, tokens: int, threads: int, last: StagedStep | None) -> bool:
         """Whether a step of ``tokens`` runs on the submitting thread (with the lock held): only
@@ -529,7 +551,9 @@ class StagedLookupPipeline:
         GPU after)."""
         embedding = self.embeddings[index]
         staging = slot.staging[index][:tokens]
-        embedding._lookup_local(*inputs, output=staging, ids_output=slot.ids[index][:tokens])
+        embedding._lookup_local(
+            *inputs, output=staging, ids_output=slot.ids[index][:tokens], batch_checked=True
+        )
         if slot.device_rows is not None:
             stream = self._copy_stream
             stream.wait_event(slot.released)  # the last reads of the device rows
@@ -541,7 +565,7 @@ class StagedLookupPipeline:
         """Layer ``index``'s raw rows and local ids staged by the CPU (two copies to the GPU),
         then decoded by the device's gather into its rows (on a CPU: into the staging)."""
         embedding = self.embeddings[index]
-        ids = embedding._ngram_ids(*inputs, slot.ids[index][:tokens])
+        ids = embedding._ngram_ids(*inputs, slot.ids[index][:tokens], batch_checked=True)
         flat = ids.reshape(-1)
         n = flat.numel()
         embedding._raw_rows(flat, slot.raw[index][:n])
