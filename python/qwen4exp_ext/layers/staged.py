@@ -420,7 +420,7 @@ class StagedLookupPipeline:
         for name, tensor in zip(
             ("input_ids", "query_start_loc", "ngram_context"), inputs, strict=True
         ):
-            if tensor.device.type != "cpu":
+            if not tensor.is_cpu:
                 raise ValueError(
                     f"StagedLookupPipeline.submit: {name} must be on the host (the step's ids "
                     f"are there when it is prepared), got {tensor.device}"
@@ -542,6 +542,9 @@ class StagedLookupPipeline:
                 self._stage_raw(slot, index, tokens, job.inputs)
             else:
                 self._stage_rows(slot, index, tokens, job.inputs)
+            if step._inline:  # nobody waits: submit has not handed the step out yet
+                step._ready = index + 1
+                continue
             with self._cond:
                 step._ready = index + 1
                 self._cond.notify_all()
