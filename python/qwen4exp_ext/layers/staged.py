@@ -63,7 +63,7 @@ How it runs:
   step's rows and errors are the worker's: ``rows`` returns or raises the same. An inline step
   reads the caller's tensors where they are (a worker's step copies them into its slot, as the
   caller may reuse them once ``submit`` returns), and no layer checks the batch again after
-  ``submit`` did: the Python of an inline step of two layers, its lookups left out, is ~32 us
+  ``submit`` did: the Python of an inline step of two layers, its lookups left out, is ~28 us
   (53 us before both). That Python costs 3-10x as much after other work has evicted the
   caches and TLBs (the decode step of a server: the model's weights stream between two
   lookups), so each call, check and tensor view left out of a step counts several times.
