@@ -305,6 +305,8 @@ def layer_index(embeddings: Sequence[NGramEmbedding], layer: Any, who: str) -> i
     """The position in ``embeddings`` of ``layer``: an index into the pipeline's modules
     (negative from the end), or one of its modules."""
     count = len(embeddings)
+    if type(layer) is int and 0 <= layer < count:  # the common call: a plain index in range
+        return layer
     if isinstance(layer, torch.nn.Module):
         embedding = _embedding_of(layer, who)
         for index, candidate in enumerate(embeddings):

@@ -158,10 +158,7 @@ class StagedStep:
         vocabulary shards the first call of a layer all-reduces its rows (every rank must call
         it, in the same layer order; on a GPU, on the current stream of that call); later calls
         return the same rows."""
-        if type(layer) is int and 0 <= layer < len(self._pipeline.embeddings):
-            index = layer  # the common call, without layer_index's checks
-        else:
-            index = self._pipeline._index(layer, "StagedStep.rows")
+        index = self._pipeline._index(layer, "StagedStep.rows")
         rows = self._rows.get(index)
         if rows is None:
             self._wait_for(index, timeout)
@@ -173,12 +170,10 @@ class StagedStep:
     def _wait_for(self, index: int, timeout: float | None) -> None:
         """Waits until layer ``index``'s rows are complete; raises the worker's error (for this
         layer and every later one) or TimeoutError."""
+        timeout = check_timeout(timeout, "StagedStep.rows")
         if self._released:
             raise RuntimeError(f"StagedStep {self.number} was released; its rows are gone")
-        if self._ready > index and timeout is None:  # done (an int read under the GIL)
-            return
-        timeout = check_timeout(timeout, "StagedStep.rows")
-        if self._ready > index:  # no lock, no wait
+        if self._ready > index:  # done (an int read under the GIL): no lock, no wait
             return
         start = time.perf_counter()
         try:
@@ -544,10 +539,10 @@ class StagedLookupPipeline:
                 self._stage_rows(slot, index, tokens, job.inputs)
             if step._inline:  # nobody waits: submit has not handed the step out yet
                 step._ready = index + 1
-                continue
-            with self._cond:
-                step._ready = index + 1
-                self._cond.notify_all()
+            else:
+                with self._cond:
+                    step._ready = index + 1
+                    self._cond.notify_all()
 
     def _stage_rows(self, slot: _Slot, index: int, tokens: int, inputs: tuple) -> None:
         """Layer ``index``'s rows decoded by the CPU gather into its staging (one copy to the

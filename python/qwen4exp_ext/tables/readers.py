@@ -111,11 +111,15 @@ class FileTable:
             self._finalizer()
             raise
 
+    def _check_open(self) -> None:
+        """Raises if the table was closed (called with ``_idle`` held)."""
+        if self._closing:
+            raise RuntimeError(f"{self.path}: the table file was closed")
+
     def _begin_read(self) -> None:
         """Counts a read that uses the descriptor, or raises if the table was closed."""
         with self._idle:
-            if self._closing:
-                raise RuntimeError(f"{self.path}: the table file was closed")
+            self._check_open()
             self._in_flight += 1
 
     def _end_read(self) -> None:
@@ -132,8 +136,7 @@ class FileTable:
         lookup, or a disk error under a mapping, cannot be caught this way: the direct reader
         reports both as errors."""
         with self._idle:  # close() waits for this lock: the descriptor stays this file's
-            if self._closing:
-                raise RuntimeError(f"{self.path}: the table file was closed")
+            self._check_open()
             size = os.fstat(self._fd).st_size if self._rows is not None else None
         if size is not None and size != self.header.file_bytes:
             raise OSError(
